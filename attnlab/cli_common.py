@@ -1,0 +1,61 @@
+"""Shared pieces of the command line: model options, argument types, progress bars, output."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from tqdm import tqdm
+
+from attnlab.engine import DEFAULT_MODEL
+
+
+class UserError(ValueError):
+    """Bad input from the user: printed as one line, exit code 2."""
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def nonneg_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """MODEL positional (default: the embedded SmolLM2) plus dtype and thread options."""
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL, metavar="MODEL",
+                   help=f"embedded name, .gguf file or Hugging Face folder (default: {DEFAULT_MODEL})")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and activations")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads")
+
+
+def load_lm(args, tokenizer: bool = True):
+    from attnlab.engine import LM
+    return LM.load(args.model, dtype=args.dtype, threads=args.threads, tokenizer=tokenizer)
+
+
+def progress(total: int, desc: str, unit: str = "tok"):
+    """A tqdm bar on stderr that stays quiet when stderr is not a terminal and ATTNLAB_PROGRESS is unset."""
+    disable = not (sys.stderr.isatty() or os.environ.get("ATTNLAB_PROGRESS"))
+    return tqdm(total=total, desc=desc, unit=unit, disable=disable, leave=False, dynamic_ncols=True)
+
+
+def write_json(path: str | Path, data) -> None:
+    """Write JSON atomically (temp file + rename): a crash never leaves half a result."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)

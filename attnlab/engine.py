@@ -1,0 +1,200 @@
+"""The inference engine: a loaded network, its tokenizer, and the decoding loop.
+
+Data flows one way: text -> token ids -> `LM` (network + KV cache + policy) ->
+logits -> a `Sampler` (generation) or an evaluator (perplexity, analysis).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from attnlab.kv.cache import KVCache
+from attnlab.model.llama import ModelConfig, Transformer
+from attnlab.model.loaders import load_model
+from attnlab.model.tokenizer import load_tokenizer
+from attnlab.sampling import Sampler
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def set_threads(threads: int | None) -> None:
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+
+
+class LM:
+    """A causal LM ready for inference. `model` is a plain `Transformer`; `tokenizer` a transformers tokenizer."""
+
+    def __init__(self, model: Transformer, tokenizer=None, source: Path | None = None):
+        self.model, self.cfg, self.tokenizer, self.source = model, model.cfg, tokenizer, source
+
+    @classmethod
+    def load(cls, spec: str | Path = DEFAULT_MODEL, dtype: str = "float32", threads: int | None = None,
+             tokenizer: bool = True) -> "LM":
+        if dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; choose from float32, bfloat16")
+        set_threads(threads)
+        model, _, path = load_model(spec, DTYPES[dtype])
+        return cls(model, load_tokenizer(path) if tokenizer else None, path)
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.cfg
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed.weight.dtype
+
+    @property
+    def eos_ids(self) -> set[int]:
+        ids = set(self.cfg.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    # ---------------------------------------------------------------- forward passes
+
+    def new_cache(self, batch: int = 1, capacity: int = 256, policy=None, positions: str = "original",
+                  max_capacity: int | None = None) -> KVCache:
+        """An empty cache; unless a policy bounds it, it grows (amortised doubling) up to max_capacity."""
+        if getattr(policy, "capacity", None):
+            capacity = max_capacity = policy.capacity
+            positions = getattr(policy, "positions", positions)
+        cfg = self.cfg
+        return KVCache(cfg.n_layers, batch, cfg.n_kv_heads, cfg.head_dim, self.model.rope, self.dtype,
+                       capacity, positions, max_capacity, policy)
+
+    @torch.inference_mode()
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [B, T] -> logits [B, T, vocab]: one full causal forward from position 0, no cache."""
+        return self.model(_as_ids(ids))
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
+        """Append ids [B, T] to the cache and return their logits [B, T (or 1), vocab]."""
+        return self.model(_as_ids(ids), cache=cache, last_only=last_only)
+
+    @torch.inference_mode()
+    def prefill(self, ids: torch.Tensor, cache: KVCache, chunk: int = 512, all_logits: bool = False,
+                progress=None) -> torch.Tensor:
+        """Feed ids [B, T] in chunks (bounded activation memory; a policy may evict between chunks).
+
+        Returns the last position's logits [B, vocab], or all logits [B, T, vocab] if all_logits.
+        """
+        ids = _as_ids(ids)
+        if chunk < 1:
+            raise ValueError(f"chunk must be >= 1, got {chunk}")
+        outs = []
+        for start in range(0, ids.shape[1], chunk):
+            part = ids[:, start:start + chunk]
+            outs.append(self.model(part, cache=cache, last_only=not all_logits))
+            if progress is not None:
+                progress(part.shape[1])
+        if not outs:
+            raise ValueError("prefill needs at least one token")
+        return torch.cat(outs, dim=1) if all_logits else outs[-1][:, -1]
+
+    # ---------------------------------------------------------------- text in, text out
+
+    def encode(self, text: str) -> list[int]:
+        self._need_tokenizer()
+        return self.tokenizer.encode(text, add_special_tokens=True)
+
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation rendered with the checkpoint's chat template, ready for the reply."""
+        return self.encode_rendered(self.render_chat(messages))
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        self._need_tokenizer()
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"the tokenizer of {self.source} has no chat template")
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """Ids of template-rendered text: its special tokens are already written out."""
+        self._need_tokenizer()
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _need_tokenizer(self):
+        if self.tokenizer is None:
+            raise ValueError(f"{self.source} has no tokenizer files; pass token ids instead of text")
+
+    @torch.inference_mode()
+    def stream(self, ids: list[int] | torch.Tensor, cache: KVCache, sampler: Sampler, max_new_tokens: int,
+               chunk: int = 512, stop_at_eos: bool = True) -> Iterator[int]:
+        """Yield sampled token ids one by one (batch 1) after prefilling ids into cache.
+
+        The last sampled token is not fed to the cache, so a caller can continue a conversation
+        by feeding it (e.g. the EOS that closes a chat turn) with the next prompt.
+        """
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        ids = _as_ids(ids)
+        logits = self.prefill(ids, cache, chunk) if ids.shape[1] else None
+        eos = self.eos_ids if stop_at_eos else set()
+        for i in range(max_new_tokens):
+            if logits is None:
+                raise ValueError("nothing to continue from: empty prompt")
+            token = int(sampler(logits)[0])
+            yield token
+            if token in eos or i == max_new_tokens - 1:
+                return
+            logits = self.model(torch.tensor([[token]]), cache=cache)[:, -1]
+
+    def generate(self, prompt: str | list[str], max_new_tokens: int = 64, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None, chat: bool = False,
+                 policy=None) -> str | list[str]:
+        """Complete one prompt (returns str) or a batch (returns list[str], left-padded together)."""
+        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+        if not prompts:
+            raise ValueError("no prompt given")
+        enc = [self.chat_ids([{"role": "user", "content": p}]) if chat else self.encode(p) for p in prompts]
+        if any(len(e) == 0 for e in enc):
+            raise ValueError("empty prompt: give at least one token of text")
+        out = self.generate_ids(enc, max_new_tokens, Sampler(temperature, top_k, top_p, seed), policy)
+        texts = [self.tokenizer.decode(o, skip_special_tokens=True) for o in out]
+        return texts[0] if isinstance(prompt, str) else texts
+
+    @torch.inference_mode()
+    def generate_ids(self, prompts: list[list[int]], max_new_tokens: int, sampler: Sampler, policy=None) -> list[list[int]]:
+        """Batched decoding of left-padded prompts; each row stops at its own EOS."""
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        width = max(len(p) for p in prompts)
+        pad_id = self.cfg.eos_token_ids[0] if self.cfg.eos_token_ids else 0
+        ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts])
+        cache = self.new_cache(len(prompts), capacity=width + max_new_tokens, policy=policy)
+        cache.pad = torch.tensor([width - len(p) for p in prompts])
+        out: list[list[int]] = [[] for _ in prompts]
+        done = torch.zeros(len(prompts), dtype=torch.bool)
+        logits = self.prefill(ids, cache)
+        eos = torch.tensor(sorted(self.eos_ids)) if self.eos_ids else torch.tensor([], dtype=torch.long)
+        for step in range(max_new_tokens):
+            token = sampler(logits)
+            for b in range(len(prompts)):
+                if not done[b]:
+                    out[b].append(int(token[b]))
+            done |= torch.isin(token, eos)
+            if bool(done.all()) or step == max_new_tokens - 1:
+                break
+            logits = self.model(token[:, None], cache=cache)[:, -1]
+        return out
+
+
+def _as_ids(ids) -> torch.Tensor:
+    ids = torch.as_tensor(ids, dtype=torch.long)
+    if ids.dim() == 1:
+        ids = ids[None]
+    if ids.dim() != 2:
+        raise ValueError(f"token ids must be [batch, tokens], got shape {tuple(ids.shape)}")
+    return ids
+
+
+def load(spec: str | Path = DEFAULT_MODEL, dtype: str = "float32", threads: int | None = None) -> LM:
+    """Load a model: the embedded name 'smollm2-135m', a .gguf file, or a Hugging Face folder."""
+    return LM.load(spec, dtype=dtype, threads=threads)

