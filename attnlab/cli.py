@@ -55,8 +55,8 @@ def _add_sampling(p):
 class TextStream:
     """Incremental detokenisation: prints only text that later tokens cannot change."""
 
-    def __init__(self, tokenizer, out=sys.stdout):
-        self.tok, self.out, self.ids, self.printed = tokenizer, out, [], 0
+    def __init__(self, tokenizer, out=None):
+        self.tok, self.out, self.ids, self.printed = tokenizer, out or sys.stdout, [], 0
 
     def push(self, token: int) -> None:
         self.ids.append(token)

@@ -67,10 +67,11 @@ class LayerKV:
         self.v = torch.cat([self.v, self.v.new_zeros(*self.v.shape[:2], grow, self.v.shape[3])], dim=2)
         self.pos = torch.cat([self.pos, self.pos.new_full((*self.pos.shape[:2], grow), -1)], dim=2)
 
-    def update(self, k: torch.Tensor, v: torch.Tensor, step: "Step"):
+    def update(self, k: torch.Tensor, v: torch.Tensor, step: "Step", rotated: bool = False):
         """Store a chunk and return what its queries attend to.
 
-        k, v: [B, H_kv, T, D] pre-RoPE keys and values of the chunk described by step.
+        k, v: [B, H_kv, T, D] keys and values of the chunk described by step; keys pre-RoPE
+        unless rotated (the network may rotate them with the queries in `original` mode).
         Returns (K, V, mask): K, V [B, H_kv, n, D] with keys rotated, and mask None (attend to
         all), "causal" (plain causal over a fresh cache) or bool [B, H_kv, T, n].
         """
@@ -79,7 +80,7 @@ class LayerKV:
             self.padded, self.natural = True, False
         self._reserve(self.n + T)
         s = slice(self.n, self.n + T)
-        self.k[:, :, s] = k if self.positions == "cache" else rope_apply(k, step.rot)
+        self.k[:, :, s] = k if self.positions == "cache" or rotated else rope_apply(k, step.rot)
         self.v[:, :, s] = v
         self.pos[:, :, s] = step.pos[:, None, :]
         self.n += T
@@ -152,3 +153,24 @@ class KVCache:
 
     def __len__(self) -> int:
         return self.layers[0].n
+
+
+def cache_state(cache: KVCache) -> dict:
+    """Everything needed to resume a stream later: slots, positions and policy state of every layer."""
+    layers = [{"k": l.k[:, :, :l.n].clone(), "v": l.v[:, :, :l.n].clone(), "pos": l.pos[:, :, :l.n].clone(),
+               "n": l.n, "natural": l.natural, "padded": l.padded, "capacity": l.capacity,
+               "policy_state": {key: (val.clone() if isinstance(val, torch.Tensor) else val)
+                                for key, val in l.policy_state.items()}} for l in cache.layers]
+    return {"layers": layers, "seen": cache.seen, "pad": cache.pad.clone()}
+
+
+def load_cache_state(cache: KVCache, state: dict) -> None:
+    """Restore cache_state() output into a cache built the same way (same model, batch and policy)."""
+    for layer, s in zip(cache.layers, state["layers"], strict=True):
+        layer._reserve(s["capacity"])
+        n = s["n"]
+        layer.k[:, :, :n], layer.v[:, :, :n], layer.pos[:, :, :n] = s["k"], s["v"], s["pos"]
+        layer.pos[:, :, n:] = -1
+        layer.n, layer.natural, layer.padded = n, s["natural"], s["padded"]
+        layer.policy_state = dict(s["policy_state"])
+    cache.seen, cache.pad = state["seen"], state["pad"].clone()

@@ -106,14 +106,14 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rot: tuple, kv=None, step=None, policy=None) -> torch.Tensor:
         """x: [B, T, dim]; rot: query RoPE tables; kv: this layer's LayerKV (with its step) or None."""
         B, T, _ = x.shape
-        q, k, v = self.wqkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        q = rope_apply(q, rot)
-        if kv is None:
-            k, mask = rope_apply(k, rot), "causal"
+        qkv = self.wqkv(x).view(B, T, self.n_heads + 2 * self.n_kv, self.head_dim).transpose(1, 2)
+        qk, v = qkv.split([self.n_heads + self.n_kv, self.n_kv], dim=1)  # [B, H, T, D] views
+        if kv is None or kv.positions == "original":  # q and k rotated together: one pass, not two
+            q, k = rope_apply(qk, rot).split([self.n_heads, self.n_kv], dim=1)
+            k, v, mask = (k, v, "causal") if kv is None else kv.update(k, v, step, rotated=True)
         else:
+            q, k = qk.split([self.n_heads, self.n_kv], dim=1)
+            q = rope_apply(q, rot)
             k, v, mask = kv.update(k, v, step)
         need = policy is not None and policy.needs_probs
         out, probs = attend(q, k, v, mask, need_probs=need)
