@@ -87,8 +87,10 @@ def cmd_generate(args) -> int:
 
 def cmd_chat(args) -> int:
     """A multi-turn REPL; the KV cache carries the conversation, each turn feeds only its new tokens."""
+    from attnlab.chat import ChatSession
+
     lm = load_lm(args)
-    sampler, cache, messages, fed = _sampler(args), lm.new_cache(), [], ""
+    session = ChatSession(lm, _sampler(args), args.max_new_tokens)
     print("attnlab chat: empty line or Ctrl-D to quit, /reset to start over", file=sys.stderr)
     while True:
         try:
@@ -98,23 +100,13 @@ def cmd_chat(args) -> int:
         if not user:
             break
         if user == "/reset":
-            cache, messages, fed = lm.new_cache(), [], ""
+            session.reset()
             continue
-        messages.append({"role": "user", "content": user})
-        text = lm.render_chat(messages)
-        if not text.startswith(fed):  # template re-rendered history differently: start afresh
-            cache, fed = lm.new_cache(), ""
-        new_ids = lm.encode_rendered(text[len(fed):])
         sys.stdout.write("bot> ")
-        stream, reply = TextStream(lm.tokenizer), []
-        for token in lm.stream(new_ids, cache, sampler, args.max_new_tokens):
-            reply.append(token)
+        stream = TextStream(lm.tokenizer)
+        for token in session.ask(user):
             stream.push(token)
         sys.stdout.write("\n")
-        answer = lm.tokenizer.decode(reply, skip_special_tokens=True)
-        messages.append({"role": "assistant", "content": answer})
-        # the cache now holds the prompt and the reply minus its last token (the turn's EOS, not fed yet)
-        fed = text + lm.tokenizer.decode(reply[:-1], skip_special_tokens=False) if reply else text
     return 0
 
 

@@ -78,3 +78,21 @@ def test_random_hf_checkpoint_matches_transformers(kind, shard, tmp_path):
     with torch.no_grad():
         ref = ref_model(ids).logits
     assert (lm.logits(ids) - ref).abs().max().item() < 1e-4
+
+
+def test_chat_session_feeds_each_turn_once(smollm2):
+    """Two turns on one cache: the cache holds exactly the rendered conversation, and its next-token
+    logits equal a fresh forward over that text, so no history was lost or fed twice."""
+    from attnlab.chat import ChatSession
+    from attnlab.sampling import Sampler
+
+    session = ChatSession(smollm2, Sampler(), max_new_tokens=12)
+    for question in ("Name a colour.", "And another one?"):
+        reply = list(session.ask(question))
+        assert reply
+    ids = smollm2.encode_rendered(session.fed)
+    assert session.cache.seen == len(ids)
+    last = torch.tensor([[reply[-1]]])
+    ours = smollm2.forward(last, session.cache)[0, -1]
+    ref = smollm2.logits(torch.tensor([ids + [reply[-1]]]))[0, -1]
+    assert (ours - ref).abs().max().item() < 1e-3

@@ -1,0 +1,37 @@
+"""A multi-turn conversation on one KV cache: each turn feeds only its new tokens.
+
+The cache holds the rendered conversation so far (minus the reply's closing token, which
+was sampled but not fed). A new turn renders the whole conversation with the chat
+template and feeds only the text past what the cache already holds, so the history is
+never prefilled twice; with a bounded cache policy the conversation can go on forever.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from attnlab.sampling import Sampler
+
+
+class ChatSession:
+    def __init__(self, lm, sampler: Sampler, max_new_tokens: int = 256, cache_factory=None):
+        self.lm, self.sampler, self.max_new_tokens = lm, sampler, max_new_tokens
+        self.new_cache = cache_factory or lm.new_cache
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache, self.messages, self.fed = self.new_cache(), [], ""
+
+    def ask(self, user: str) -> Iterator[int]:
+        """Yield the reply's token ids as they are sampled; the reply joins the history at the end."""
+        self.messages.append({"role": "user", "content": user})
+        text = self.lm.render_chat(self.messages)
+        if not text.startswith(self.fed):  # the template re-rendered history differently: start afresh
+            self.cache, self.fed = self.new_cache(), ""
+        reply = []
+        for token in self.lm.stream(self.lm.encode_rendered(text[len(self.fed):]), self.cache, self.sampler,
+                                    self.max_new_tokens):
+            reply.append(token)
+            yield token
+        tok = self.lm.tokenizer
+        self.messages.append({"role": "assistant", "content": tok.decode(reply, skip_special_tokens=True)})
+        self.fed = text + tok.decode(reply[:-1], skip_special_tokens=False)
