@@ -30,8 +30,9 @@ def set_threads(threads: int | None) -> None:
 class LM:
     """A causal LM ready for inference. `model` is a plain `Transformer`; `tokenizer` a transformers tokenizer."""
 
-    def __init__(self, model: Transformer, tokenizer=None, source: Path | None = None):
+    def __init__(self, model: Transformer, tokenizer=None, source: Path | None = None, tokenizer_error: str = ""):
         self.model, self.cfg, self.tokenizer, self.source = model, model.cfg, tokenizer, source
+        self.tokenizer_error = tokenizer_error
 
     @classmethod
     def load(cls, spec: str | Path = DEFAULT_MODEL, dtype: str = "float32", threads: int | None = None,
@@ -40,7 +41,14 @@ class LM:
             raise ValueError(f"unknown dtype {dtype!r}; choose from float32, bfloat16")
         set_threads(threads)
         model, _, path = load_model(spec, DTYPES[dtype])
-        return cls(model, load_tokenizer(path) if tokenizer else None, path)
+        tok, why = None, "tokenizer not loaded"
+        if tokenizer:
+            try:
+                tok = load_tokenizer(path)
+                why = "" if tok is not None else "the folder has no tokenizer files"
+            except Exception as e:  # e.g. a GGUF without tokenizer metadata: the weights still work
+                why = f"transformers could not build its tokenizer ({type(e).__name__}: {e})"
+        return cls(model, tok, path, why)
 
     @property
     def config(self) -> ModelConfig:
@@ -122,7 +130,7 @@ class LM:
 
     def _need_tokenizer(self):
         if self.tokenizer is None:
-            raise ValueError(f"{self.source} has no tokenizer files; pass token ids instead of text")
+            raise ValueError(f"no tokenizer for {self.source}: {self.tokenizer_error}; pass token ids instead of text")
 
     @torch.inference_mode()
     def stream(self, ids: list[int] | torch.Tensor, cache: KVCache, sampler: Sampler, max_new_tokens: int,
