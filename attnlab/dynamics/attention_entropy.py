@@ -1,0 +1,18 @@
+"""Registers J3 (`attnlab dynamics attention-entropy`); the code lives in attnlab.analysis.entropy_dynamics."""
+from __future__ import annotations
+
+from .registry import Experiment, register
+
+
+def _run(out, seed, size, progress):
+    from attnlab.analysis.entropy_dynamics import run_attention_entropy
+    return run_attention_entropy(out, seed=seed, size=size, progress=progress)
+
+
+def _summary(m):
+    from attnlab.analysis.entropy_dynamics import summary_lines
+    return summary_lines(m)
+
+
+register(Experiment("attention-entropy", "J3: attention entropy per layer while training on Shakespeare (JoMA Figs. 6, 8)",
+                    _run, _summary))

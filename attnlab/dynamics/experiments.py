@@ -1,0 +1,174 @@
+"""The Scan and Snap experiments (S1, S2, S3) as runnable units, plus the shared runner.
+
+Each experiment takes an output folder, a seed and a size ("quick" for seconds,
+"full" for the paper-sized run), writes its figures and a ``metrics.json``, and
+returns a short summary dict. The registry that the CLI builds on lives in
+``registry.py``; the JoMA and hierarchy experiments are in ``experiments_joma.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from . import plots
+from .common import make_generator, spearman, write_json_atomic
+from .scan_snap import SequenceClasses, YZRuns, train_runs
+from .scan_snap_theory import fit_two_phases, relative_gain, scan_curve, snap_curve
+
+S1_SIZES = {"quick": dict(iters=100, seeds=2, batch=128, context=128),
+            "full": dict(iters=300, seeds=10, batch=128, context=128)}
+S2_SIZES = {"quick": dict(queries=(1, 3), seeds=4, iters=100, batch=128, context=128),
+            "full": dict(queries=(1, 3, 5, 10), seeds=10, iters=100, batch=128, context=128)}
+S2_LR_Z = (0.5, 1.0, 2.0, 3.0)
+S2_RATIOS = (1, 2, 5, 10)
+S3_SIZES = {"quick": dict(iters=200, batch=128, context=128),
+            "full": dict(iters=2000, batch=128, context=128)}
+
+
+def progress_bar(total: int, desc: str, enabled: bool):
+    return tqdm(total=total, desc=desc, disable=not enabled, leave=False, dynamic_ncols=True)
+
+
+def finish(out: Path, name: str, size: str, seed: int, metrics: dict, figures: list, t0: float) -> dict:
+    """Write ``metrics.json`` atomically and return it (with figure paths and runtime)."""
+    metrics = {"experiment": name, "size": size, "seed": seed,
+               "runtime_s": round(time.perf_counter() - t0, 2),
+               "figures": [str(Path(f).name) for f in figures], **metrics}
+    write_json_atomic(Path(out) / "metrics.json", metrics)
+    return metrics
+
+
+def entropy_freeze(ent: torch.Tensor, tol: float = 0.1) -> dict:
+    """Drop, late change and snap step of an entropy curve ent: (S,) recorded every step.
+
+    The snap step is the first t after which the entropy never moves more than
+    ``tol`` x (initial drop) away from H(t) again, i.e. when attention froze.
+    """
+    S = len(ent)
+    drop = max(float(ent[0] - ent.min()), 1e-9)
+    late = float((ent[S // 2 :] - ent[-1]).abs().max())
+    hi = torch.flip(torch.cummax(torch.flip(ent, [0]), 0).values, [0])  # max over t' >= t
+    lo = torch.flip(torch.cummin(torch.flip(ent, [0]), 0).values, [0])
+    frozen = torch.maximum(hi - ent, ent - lo) <= tol * drop
+    snap = int(frozen.float().argmax()) if frozen.any() else S
+    return {"start": float(ent[0]), "min": float(ent.min()), "final": float(ent[-1]),
+            "drop": drop, "late_change": late, "snap_step": snap}
+
+
+def snap_timing(z: torch.Tensor, frac: float = 0.1) -> dict:
+    """When the logits move fastest and when they freeze. z: (S, N) logits recorded every step.
+
+    Returns 'peak_step' (largest per-step change ||z(t+1) - z(t)||) and 'freeze_step' (first
+    step after the peak where the change falls below ``frac`` x the peak).
+    """
+    speed = (z[1:] - z[:-1]).norm(dim=-1)
+    peak = int(speed.argmax())
+    below = (speed[peak:] < frac * speed[peak]).nonzero()
+    freeze = peak + int(below[0]) if len(below) else len(speed)
+    return {"peak_step": peak, "freeze_step": freeze}
+
+
+def run_scan_snap(out: Path, seed: int = 0, size: str = "full", progress: bool = True) -> dict:
+    """S1: zero-init Y/Z on 2 queries x 2 next tokens; eta_Z = 1, eta_Y/eta_Z in {1, 10}."""
+    t0 = time.perf_counter()
+    cfg = S1_SIZES[size]
+    data = SequenceClasses(num_queries=2, next_per_query=2)
+    gen = make_generator(seed)
+    ratios = (1.0, 10.0)
+    n = cfg["seeds"]
+    lr_y = torch.tensor(ratios).repeat_interleave(n)
+    runs = YZRuns.create(len(ratios) * n, data.vocab_size, lr_y=lr_y, lr_z=1.0, zero_init=True, gen=gen)
+    with progress_bar(cfg["iters"], "scan-snap", progress) as bar:
+        tr = train_runs(data, runs, cfg["iters"], cfg["batch"], cfg["context"], gen, progress=bar)
+    per_ratio, fig_runs = {}, {}
+    for i, ratio in enumerate(ratios):
+        sl = slice(i * n, (i + 1) * n)
+        ent = tr["entropy"][:, sl].mean(1)
+        zc, zd = tr["z_common"][-1, sl], tr["z_distinct"][-1, sl]  # (n, K, C), (n, K, D)
+        order = spearman(zd, torch.arange(zd.shape[-1]).float().expand_as(zd))  # (n, K)
+        per_ratio[f"ratio_{ratio:g}"] = {
+            "initial_loss": float(tr["loss"][0, sl].mean()),
+            "final_loss": float(tr["loss"][-1, sl].mean()),
+            "z_common_final_mean": float(zc.mean()),
+            "z_common_final_max": float(zc.max()),
+            "z_distinct_final_mean": float(zd.mean()),
+            "z_distinct_order_spearman": float(order.mean()),
+            "common_attention_mass": [float(tr["common_mass"][0, sl].mean()), float(tr["common_mass"][-1, sl].mean())],
+            "entropy": entropy_freeze(ent),
+            "z_speed": snap_timing(torch.cat([tr["z_common"][:, sl].flatten(2),
+                                              tr["z_distinct"][:, sl].flatten(2)], 2).flatten(1))}
+        fig_runs[rf"$\eta_Y/\eta_Z$={ratio:g}"] = {
+            "z_common": tr["z_common"][:, i * n, 0], "z_distinct": tr["z_distinct"][:, i * n, 0],
+            "entropy": ent, "loss": tr["loss"][:, sl].mean(1)}
+    figs = [plots.s1_trajectories(Path(out) / "s1_z_trajectories.png", tr["steps"], fig_runs)]
+    metrics = {"vocab_size": data.vocab_size, "log_vocab": math.log(data.vocab_size),
+               "config": {**cfg, "lr_z": 1.0, "ratios": ratios, "momentum": 0.9}, "runs": per_ratio}
+    return finish(out, "scan-snap", size, seed, metrics, figs, t0)
+
+
+def run_scan_snap_sweep(out: Path, seed: int = 0, size: str = "full", progress: bool = True) -> dict:
+    """S2: final distinct-token entropy over queries x eta_Z x eta_Y/eta_Z x seeds, batched."""
+    t0 = time.perf_counter()
+    cfg = S2_SIZES[size]
+    gen = make_generator(seed)
+    nz, nr, ns = len(S2_LR_Z), len(S2_RATIOS), cfg["seeds"]
+    lr_z = torch.tensor(S2_LR_Z).repeat_interleave(nr * ns)
+    lr_y = lr_z * torch.tensor(S2_RATIOS, dtype=torch.float32).repeat_interleave(ns).repeat(nz)
+    mean, std, initial, times = [], [], [], {}
+    with progress_bar(cfg["iters"] * len(cfg["queries"]), "scan-snap-sweep", progress) as bar:
+        for q in cfg["queries"]:
+            tq = time.perf_counter()
+            data = SequenceClasses(num_queries=q, next_per_query=2)
+            runs = YZRuns.create(nz * nr * ns, data.vocab_size, lr_y=lr_y, lr_z=lr_z, zero_init=False, gen=gen)
+            tr = train_runs(data, runs, cfg["iters"], cfg["batch"], cfg["context"], gen,
+                            record_every=cfg["iters"], progress=bar)
+            final = tr["entropy"][-1].view(nz, nr, ns)
+            mean.append(final.mean(-1))
+            std.append(final.std(-1))
+            initial.append(float(tr["entropy"][0].mean()))
+            times[str(q)] = round(time.perf_counter() - tq, 2)
+    mean, std = torch.stack(mean), torch.stack(std)  # (Q, nz, nr)
+    by_lr_z = mean.mean(2)  # (Q, nz) averaged over ratios
+    by_ratio = mean.mean(1)  # (Q, nr) averaged over eta_Z
+    figs = [plots.s2_sweep(Path(out) / "s2_entropy_sweep.png", mean, std, cfg["queries"], S2_LR_Z, S2_RATIOS)]
+    metrics = {"config": {**cfg, "lr_z": S2_LR_Z, "ratios": S2_RATIOS, "runs_per_query": nz * nr * ns},
+               "initial_entropy": initial, "final_entropy_mean": mean, "final_entropy_std": std,
+               "entropy_by_lr_z": by_lr_z, "entropy_by_ratio": by_ratio,
+               "seconds_per_query_count": times}
+    return finish(out, "scan-snap-sweep", size, seed, metrics, figs, t0)
+
+
+def run_scan_snap_theorems(out: Path, seed: int = 0, size: str = "full", progress: bool = True) -> dict:
+    """S3: Theorem 3 (relative gain) and Theorem 4 (scan/snap phases) along one slow run.
+
+    The theorems describe gradient flow with a fast decoder, so this run uses small steps
+    (eta_Z = 0.05, eta_Y = 0.5, still SGD with momentum 0.9) from zero init.
+    """
+    t0 = time.perf_counter()
+    cfg = S3_SIZES[size]
+    data = SequenceClasses(num_queries=2, next_per_query=2)
+    gen = make_generator(seed)
+    runs = YZRuns.create(1, data.vocab_size, lr_y=0.5, lr_z=0.05, zero_init=True, gen=gen)
+    with progress_bar(cfg["iters"], "scan-snap-theorems", progress) as bar:
+        tr = train_runs(data, runs, cfg["iters"], cfg["batch"], cfg["context"], gen, progress=bar)
+    zd = tr["z_distinct"][:, 0]  # (S, K, D)
+    gains = [relative_gain(data, zd, cls=k) for k in range(data.num_classes)]
+    log_err = torch.cat([g["log_error"].flatten() for g in gains])
+    B = (zd[:, :, -1] - zd[0, :, -1]).mean(1)  # growth of the top distinct logit, mean over classes
+    fit = fit_two_phases(tr["steps"], B)
+    t = tr["steps"].double()
+    curves = {"scan": scan_curve(t, fit["scan"]["a"], fit["scan"]["tau"], fit["scan"]["b"]),
+              "snap": snap_curve(t, fit["snap"]["a"], fit["snap"]["tau"], fit["snap"]["b"])}
+    figs = [plots.s3_theorems(Path(out) / "s3_theorems.png", tr["steps"], gains[0], B, fit, curves)]
+    metrics = {"config": {**cfg, "lr_z": 0.05, "lr_y": 0.5, "momentum": 0.9},
+               "theorem3_log_error": {"median": float(log_err.median()), "p90": float(log_err.quantile(0.9)),
+                                      "max": float(log_err.max())},
+               "theorem4_fit": fit, "B_final": float(B[-1]),
+               "B_at": {str(int(s)): float(B[i]) for i, s in enumerate(tr["steps"]) if int(s) in
+                        (10, 50, 100, 500, 1000, 2000)}}
+    return finish(out, "scan-snap-theorems", size, seed, metrics, figs, t0)

@@ -1,0 +1,109 @@
+"""The JoMA experiments (J1, J2) and the hierarchy experiment (J4) as runnable units.
+
+Same contract as ``experiments.py``: (out folder, seed, size, progress) -> metrics dict,
+with figures and ``metrics.json`` written to the folder.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from . import plots
+from .common import make_generator
+from .experiments import finish, progress_bar
+from .hierarchy import HierConfig, HierTransformer, LatentTree, cooccurrence_by_height, train_hierarchy
+from .joma import JointModel, TokenWeightSetup, train_joint, u_shape_stats, v_dynamics
+
+J1_SIZES = {"quick": dict(steps=2000, seeds=1), "full": dict(steps=2000, seeds=5)}
+J2_SIZES = {"quick": dict(steps=5000), "full": dict(steps=5000)}
+J4_SIZES = {"quick": dict(dim=32, steps=150, batch=128, lr=1e-3, eval_every=50),
+            "full": dict(dim=64, steps=2000, batch=128, lr=1e-4, eval_every=100)}
+
+
+def wta_stats(v_traj: torch.Tensor) -> dict:
+    """Winner-take-all along v_k(t): v_traj (S, Mc) for one class.
+
+    Among components that end positive, the winner is the largest; reports winner /
+    runner-up at the end, and how much each grew over the second half of training.
+    """
+    end = v_traj[-1]
+    top2 = end.topk(2).indices
+    w, r = int(top2[0]), int(top2[1])
+    half = v_traj.shape[0] // 2
+    return {"winner": w, "runner_up": r, "winner_value": float(end[w]), "runner_up_value": float(end[r]),
+            "ratio": float(end[w] / end[r].clamp_min(1e-9)),
+            "winner_growth_second_half": float(end[w] - v_traj[half, w]),
+            "runner_up_growth_second_half": float(end[r] - v_traj[half, r])}
+
+
+def run_joma_invariant(out: Path, seed: int = 0, size: str = "full", progress: bool = True) -> dict:
+    """J1: linear MLP + attention; NC(z, z_hat) over training and winner-take-all in v."""
+    t0 = time.perf_counter()
+    cfg = J1_SIZES[size]
+    setup = TokenWeightSetup()
+    per_seed, first = [], None
+    with progress_bar(cfg["steps"] * cfg["seeds"], "joma-invariant", progress) as bar:
+        for s in range(cfg["seeds"]):
+            gen = make_generator(seed + s)
+            X = setup.weights(gen)
+            model = JointModel(X, dim=30, temperature=0.5, gen=gen)
+            tr = train_joint(model, cfg["steps"], lr=0.1, record_every=10, progress=bar)
+            per_seed.append({"nc_min": float(tr["nc"].min()), "nc_final": float(tr["nc"][-1]),
+                             "nc_raw_final": float(tr["nc_raw"][-1]),
+                             "attn_entropy": [float(tr["attn_entropy"][0]), float(tr["attn_entropy"][-1])],
+                             "loss": [float(tr["loss"][0]), float(tr["loss"][-1])],
+                             "wta_class0": wta_stats(tr["V"][:, :, 0])})
+            if first is None:
+                first = (tr, X)
+    tr, X = first
+    figs = [plots.j1_invariant(Path(out) / "j1_invariant.png", tr["steps"], tr["nc"], tr["nc_raw"], X,
+                               tr["V"][0], tr["V"][-1], tr["V"][:, :, 0])]
+    metrics = {"config": {**cfg, "tokens": setup.num_tokens, "classes": setup.num_classes, "dim": 30,
+                          "temperature": 0.5, "lr": 0.1},
+               "nc_min_over_seeds": min(p["nc_min"] for p in per_seed),
+               "wta_ratio_min_over_seeds": min(p["wta_class0"]["ratio"] for p in per_seed),
+               "per_seed": per_seed}
+    return finish(out, "joma-invariant", size, seed, metrics, figs, t0)
+
+
+def run_joma_nonlinear(out: Path, seed: int = 0, size: str = "full", progress: bool = True) -> dict:
+    """J2: v <- v + 0.02 (mu - v) softmax(v^2/3) (U-shaped entropy) vs the linear variant."""
+    t0 = time.perf_counter()
+    cfg = J2_SIZES[size]
+    gen = make_generator(seed)
+    mu = (torch.rand(10, generator=gen, dtype=torch.float64) * 3 + 1).sort().values
+    nonlin = v_dynamics(mu, cfg["steps"], lr=0.02, temperature=3.0, v0=0.05, nonlinear=True)
+    lin = v_dynamics(mu, cfg["steps"], lr=0.02, temperature=3.0, v0=0.05, nonlinear=False)
+    figs = [plots.j2_entropy(Path(out) / "j2_entropy.png", mu, nonlin["v"], nonlin["entropy"], lin["entropy"])]
+    metrics = {"config": {**cfg, "lr": 0.02, "temperature": 3.0, "v0": 0.05, "mu": mu},
+               "nonlinear": u_shape_stats(nonlin["entropy"]), "linear": u_shape_stats(lin["entropy"]),
+               "ln10": float(torch.log(torch.tensor(10.0)))}
+    return finish(out, "joma-nonlinear", size, seed, metrics, figs, t0)
+
+
+def run_hierarchy(out: Path, seed: int = 0, size: str = "full", progress: bool = True) -> dict:
+    """J4: 3-layer Transformer on latent-tree data; hidden/latent correlation per layer."""
+    t0 = time.perf_counter()
+    cfg = J4_SIZES[size]
+    gen = make_generator(seed)
+    tree = LatentTree(gen)
+    torch.manual_seed(seed)  # nn.Module init uses the global generator
+    model = HierTransformer(HierConfig(vocab=tree.vocab, num_classes=tree.num_classes, dim=cfg["dim"]))
+    with progress_bar(cfg["steps"], "hierarchy", progress) as bar:
+        tr = train_hierarchy(model, tree, cfg["steps"], cfg["batch"], cfg["lr"], weight_decay=1e-4,
+                             gen=gen, eval_every=cfg["eval_every"], progress=bar)
+    cooc = cooccurrence_by_height(tree)
+    distinct_seqs = len({tuple(s.tolist()) for s in tree.sequences})
+    init_corr, final_corr = tr["corr"][0].tolist(), tr["corr"][-1].tolist()
+    figs = [plots.j4_hierarchy(Path(out) / "j4_hierarchy.png", tr["steps"], tr["corr"], init_corr,
+                               final_corr, cooc)]
+    metrics = {"config": {**cfg, "layers": 3, "weight_decay": 1e-4, "leaves": 99, "latents": [10, 20],
+                          "classes": tree.num_classes, "seq_len": tree.seq_len},
+               "corr_init": init_corr, "corr_final": final_corr,
+               "loss": [float(tr["loss"][0]), float(tr["loss"][-1])], "accuracy": tr["accuracy"],
+               "distinct_class_sequences": distinct_seqs,
+               "cooccurrence_by_height": {str(h): {"mean": v[0], "pairs": v[1]} for h, v in cooc.items()}}
+    return finish(out, "hierarchy", size, seed, metrics, figs, t0)

@@ -1,0 +1,225 @@
+"""Hierarchical latent data and a small Transformer (JoMA Table 1).
+
+JoMA argues that attention first picks up token pairs that co-occur often, and
+those are the pairs whose common latent ancestor is low in the generating tree;
+so a multi-layer Transformer builds the hierarchy bottom-up and its lower
+layers' hidden units end up tracking the lowest latents. This module has the
+generator (leaf tokens <- level-0 latents <- level-1 latents <- classes), the
+3-layer post-LayerNorm Transformer of the authors' experiment, and the two
+measurements: per-layer hidden-unit / latent correlation, and leaf
+co-occurrence as a function of the height of the lowest common ancestor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class LatentTree:
+    """Random generating hierarchy: classes -> level-1 -> level-0 latents -> leaf tokens.
+
+    ``children[0]`` maps each level-0 latent to ``fanout`` distinct leaves (ids < vocab-1),
+    ``children[1]`` each level-1 latent to level-0 latents, ``children[2]`` each class to
+    level-1 latents. A class's sequence is the sorted union of the leaves below it,
+    right-aligned and left-padded with token ``pad = vocab - 1``.
+    """
+
+    def __init__(self, gen: torch.Generator, num_leaves: int = 99, num_latents=(10, 20),
+                 num_classes: int = 20, fanout: int = 2, seq_len: int = 30):
+        self.pad = num_leaves
+        self.vocab = num_leaves + 1
+        self.seq_len = seq_len
+        sizes = [num_leaves, *num_latents, num_classes]
+        self.sizes = sizes
+        self.children: list[list[list[int]]] = []
+        for lower, upper in zip(sizes[:-1], sizes[1:]):
+            if math.comb(lower, fanout) < upper:
+                raise ValueError(f"cannot draw {upper} distinct {fanout}-subsets of {lower} nodes")
+            seen: set[tuple[int, ...]] = set()
+            level = []
+            while len(level) < upper:
+                combo = tuple(sorted(torch.randperm(lower, generator=gen)[:fanout].tolist()))
+                if combo not in seen:
+                    seen.add(combo)
+                    level.append(list(combo))
+            self.children.append(level)
+        # active[l]: (num_classes, sizes[l]) bool, which level-l nodes lie below each class
+        # (l = 0 leaves, 1 level-0 latents, 2 level-1 latents, 3 the class itself).
+        n_cls = num_classes
+        act = torch.eye(n_cls, dtype=torch.bool)
+        self.active = [act]
+        for level in reversed(self.children):
+            below = torch.zeros(n_cls, max(max(c) for c in level) + 1, dtype=torch.bool)
+            for parent, kids in enumerate(level):
+                below[:, kids] |= act[:, parent : parent + 1]
+            act = below
+            self.active.insert(0, act)
+        self.active[0] = F.pad(self.active[0], (0, num_leaves - self.active[0].shape[1]))
+        self.active[1] = F.pad(self.active[1], (0, sizes[1] - self.active[1].shape[1]))
+        self.active[2] = F.pad(self.active[2], (0, sizes[2] - self.active[2].shape[1]))
+        self.sequences = torch.full((n_cls, seq_len), self.pad, dtype=torch.long)
+        for c in range(n_cls):
+            leaves = self.active[0][c].nonzero().flatten()
+            if len(leaves) > seq_len:
+                raise ValueError(f"class {c} has {len(leaves)} leaves > seq_len {seq_len}")
+            self.sequences[c, seq_len - len(leaves):] = leaves
+
+    @property
+    def num_classes(self) -> int:
+        return self.sizes[-1]
+
+    def sample(self, batch: int, gen: torch.Generator):
+        """(tokens (B, L) long, labels (B,) long) with classes drawn uniformly."""
+        y = torch.randint(0, self.num_classes, (batch,), generator=gen)
+        return self.sequences[y], y
+
+    def latent_indicators(self, labels: torch.Tensor, level: int) -> torch.Tensor:
+        """(B, n_level) 0/1 float: which latents of ``level`` (0 or 1) each sample activates."""
+        return self.active[level + 1][labels].float()
+
+    def lca_height(self) -> torch.Tensor:
+        """(leaves, leaves) height of the lowest common ancestor: 1 = same level-0 latent,
+        2 = same level-1 latent, 3 = same class, 4 = only the root; 0 on the diagonal."""
+        n = self.sizes[0]
+        h = torch.full((n, n), 4, dtype=torch.long)
+        for height in (3, 2, 1):
+            # leaves below each node of level `height` (height 3 = classes)
+            cover = self._leaf_cover(height)  # (nodes, leaves) bool
+            share = (cover.float().T @ cover.float()) > 0
+            h[share] = height
+        h.fill_diagonal_(0)
+        return h
+
+    def _leaf_cover(self, height: int) -> torch.Tensor:
+        cover = torch.eye(self.sizes[0], dtype=torch.bool)
+        for level in self.children[:height]:
+            nxt = torch.zeros(len(level), self.sizes[0], dtype=torch.bool)
+            for parent, kids in enumerate(level):
+                nxt[parent] = cover[kids].any(0)
+            cover = nxt
+        return cover
+
+
+def cooccurrence_by_height(tree: LatentTree) -> dict:
+    """Mean P(b in sequence | a in sequence) over used leaf pairs, grouped by LCA height.
+
+    Classes are equally likely, so the probability is exact. Returns {height: (mean, pairs)}.
+    """
+    occ = tree.active[0].float()  # (classes, leaves)
+    used = occ.sum(0) > 0
+    both = occ.T @ occ  # (leaves, leaves) classes containing both
+    cond = both / occ.sum(0).clamp_min(1).unsqueeze(1)  # P(b | a), row a
+    h = tree.lca_height()
+    mask = used.unsqueeze(0) & used.unsqueeze(1) & (h > 0)
+    out = {}
+    for height in (1, 2, 3, 4):
+        sel = mask & (h == height)
+        if sel.any():
+            out[height] = (float(cond[sel].mean()), int(sel.sum()))
+    return out
+
+
+@dataclass
+class HierConfig:
+    vocab: int = 100
+    num_classes: int = 20
+    dim: int = 64
+    layers: int = 3
+    mlp_mult: int = 4
+
+
+class Block(nn.Module):
+    """Single-head causal attention (Q/K/V, residual, post-LN) then ReLU MLP (residual, post-LN)."""
+
+    def __init__(self, dim: int, mlp_mult: int):
+        super().__init__()
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.up, self.down = nn.Linear(dim, mlp_mult * dim), nn.Linear(mlp_mult * dim, dim)
+
+    def forward(self, x: torch.Tensor):
+        """x: (B, L, d) -> (out (B, L, d), hidden ReLU activations (B, L, mlp_mult * d))."""
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        x = self.ln1(x + F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        hidden = torch.relu(self.up(x))
+        return self.ln2(x + self.down(hidden)), hidden
+
+
+class HierTransformer(nn.Module):
+    """Token embedding (no positions, as in the paper) -> blocks -> linear head on the last position."""
+
+    def __init__(self, cfg: HierConfig):
+        super().__init__()
+        self.embed = nn.Embedding(cfg.vocab, cfg.dim)
+        self.blocks = nn.ModuleList(Block(cfg.dim, cfg.mlp_mult) for _ in range(cfg.layers))
+        self.head = nn.Linear(cfg.dim, cfg.num_classes)
+
+    def forward(self, tokens: torch.Tensor):
+        """tokens: (B, L) -> (logits (B, classes), [hidden (B, L, h) per block])."""
+        x = self.embed(tokens)
+        hiddens = []
+        for blk in self.blocks:
+            x, h = blk(x)
+            hiddens.append(h)
+        return self.head(x[:, -1]), hiddens
+
+
+def latent_correlation(hidden: torch.Tensor, indicators: torch.Tensor) -> float:
+    """Max-over-units Pearson correlation, averaged over latents.
+
+    hidden: (B, L, H) ReLU activations (max-pooled over positions here); indicators: (B, n)
+    0/1. Latents that never or always fire (no variance) are skipped.
+    """
+    h = hidden.amax(1)
+    h = h - h.mean(0)
+    y = indicators - indicators.mean(0)
+    corr = (h.T @ y) / (h.norm(dim=0).unsqueeze(1) * y.norm(dim=0).unsqueeze(0)).clamp_min(1e-12)
+    keep = y.norm(dim=0) > 0
+    return float(corr[:, keep].amax(0).mean())
+
+
+@torch.no_grad()
+def layer_correlations(model: HierTransformer, tree: LatentTree, gen: torch.Generator,
+                       samples: int = 512) -> list[float]:
+    """Correlation of block l's hidden units with level-l latents, for l = 0, 1."""
+    x, y = tree.sample(samples, gen)
+    _, hiddens = model(x)
+    return [latent_correlation(hiddens[lvl], tree.latent_indicators(y, lvl))
+            for lvl in range(min(2, len(hiddens)))]
+
+
+def train_hierarchy(model: HierTransformer, tree: LatentTree, steps: int, batch: int, lr: float,
+                    weight_decay: float, gen: torch.Generator, eval_every: int = 100,
+                    progress=None) -> dict:
+    """Adam on cross-entropy of the class at the last position; tracks per-layer correlation.
+
+    Returns dict: 'steps' (S,), 'loss' (S,), 'corr' (S, 2), 'accuracy' (final, on fresh samples).
+    """
+    opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=weight_decay)
+    eval_gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    rec = {"steps": [], "loss": [], "corr": []}
+    for t in range(steps + 1):
+        x, y = tree.sample(batch, gen)
+        logits, _ = model(x)
+        loss = F.cross_entropy(logits, y)
+        if t % eval_every == 0 or t == steps:
+            rec["steps"].append(t)
+            rec["loss"].append(loss.item())
+            rec["corr"].append(layer_correlations(model, tree, eval_gen))
+        if t == steps:
+            break
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if progress is not None:
+            progress.update(1)
+    with torch.no_grad():
+        x, y = tree.sample(1024, eval_gen)
+        acc = float((model(x)[0].argmax(-1) == y).float().mean())
+    return {"steps": torch.tensor(rec["steps"]), "loss": torch.tensor(rec["loss"]),
+            "corr": torch.tensor(rec["corr"]), "accuracy": acc}

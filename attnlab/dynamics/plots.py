@@ -1,0 +1,206 @@
+"""Figures for the theory lab, laid out to be read next to the papers' figures.
+
+Every function takes plain tensors/dicts produced by the experiment modules and
+writes one PNG (matplotlib Agg backend, no display needed); nothing here trains.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+
+DPI = 90
+
+
+def _save(fig, path: Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
+
+
+def s1_trajectories(path, steps, runs: dict) -> Path:
+    """Scan and Snap Fig. 4 analogue. runs: label -> dict(z_common (S, C), z_distinct (S, D),
+    entropy (S,), loss (S,)) for one class of one run."""
+    n = len(runs)
+    fig, axes = plt.subplots(1, n + 1, figsize=(4.2 * (n + 1), 3.4))
+    cmap = plt.get_cmap("viridis")
+    for ax, (label, r) in zip(axes, runs.items()):
+        D = r["z_distinct"].shape[1]
+        for j in range(D):
+            ax.plot(steps, r["z_distinct"][:, j], color=cmap(j / max(D - 1, 1)), lw=1.2)
+        for j in range(r["z_common"].shape[1]):
+            ax.plot(steps, r["z_common"][:, j], color="tab:red", lw=0.8, alpha=0.6)
+        ax.axhline(0, color="k", lw=0.5, ls="--")
+        ax.set_title(f"{label}: z of class 0's query")
+        ax.set_xlabel("iteration")
+        ax.set_ylabel(r"$z_{ml}$")
+        ax.plot([], [], color="tab:red", label="common tokens")
+        ax.plot([], [], color=cmap(1.0), label="distinct, high P(l|n)")
+        ax.plot([], [], color=cmap(0.0), label="distinct, low P(l|n)")
+        ax.legend(fontsize=7, loc="upper left")
+    ax = axes[-1]
+    for label, r in runs.items():
+        ax.plot(steps, r["entropy"], label=label)
+    ax.set_title("entropy of attention on distinct tokens")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("entropy (nats)")
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def s2_sweep(path, entropy: torch.Tensor, std: torch.Tensor, queries, lr_z, ratios) -> Path:
+    """Scan and Snap Fig. 6 analogue. entropy, std: (Q, len(lr_z), len(ratios))."""
+    nq = len(queries)
+    fig, axes = plt.subplots(2, nq, figsize=(3.4 * nq, 6.2), squeeze=False)
+    vmin, vmax = float(entropy.min()), float(entropy.max())
+    for i, q in enumerate(queries):
+        ax = axes[0, i]
+        im = ax.imshow(entropy[i], cmap="magma", vmin=vmin, vmax=vmax, origin="lower")
+        ax.set_xticks(range(len(ratios)), [str(r) for r in ratios])
+        ax.set_yticks(range(len(lr_z)), [str(z) for z in lr_z])
+        ax.set_xlabel(r"$\eta_Y/\eta_Z$")
+        if i == 0:
+            ax.set_ylabel(r"$\eta_Z$")
+        ax.set_title(f"{q} queries / {2 * q} next tokens", fontsize=9)
+        for a in range(len(lr_z)):
+            for b in range(len(ratios)):
+                ax.text(b, a, f"{float(entropy[i, a, b]):.2f}", ha="center", va="center",
+                        fontsize=7, color="w" if entropy[i, a, b] < (vmin + vmax) / 2 else "k")
+        ax = axes[1, i]
+        for a, z in enumerate(lr_z):
+            ax.errorbar(ratios, entropy[i, a], std[i, a], label=rf"$\eta_Z$={z}", capsize=2)
+        ax.set_xscale("log")
+        ax.set_xticks(ratios, [str(r) for r in ratios])
+        ax.set_xlabel(r"$\eta_Y/\eta_Z$")
+        if i == 0:
+            ax.set_ylabel("final distinct-token entropy")
+            ax.legend(fontsize=7)
+    fig.colorbar(im, ax=axes[0, :].tolist(), shrink=0.8)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=DPI, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def s3_theorems(path, steps, gain: dict, B: torch.Tensor, fit: dict, curves: dict) -> Path:
+    """Theorem 3 (measured vs predicted relative gain) and Theorem 4 (B(t) vs scan/snap curves)."""
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    ax = axes[0]
+    cmap = plt.get_cmap("viridis")
+    m, p = gain["measured"], gain["predicted"]
+    for j in range(m.shape[1]):
+        c = cmap(j / max(m.shape[1] - 1, 1))
+        ax.plot(steps, m[:, j], color=c, lw=1.5)
+        ax.plot(steps, p[:, j], color=c, lw=1.0, ls="--")
+    ax.plot([], [], "k-", label="measured $c_l^2/c_{l'}^2-1$")
+    ax.plot([], [], "k--", label=r"predicted $r(0)\,e^{2(z_{ml}(t)-z_{ml}(0))}$")
+    ax.set_yscale("log")
+    ax.set_xscale("symlog", linthresh=10)
+    ax.set_xlim(0, float(steps.max()))
+    ax.set_xlabel("iteration")
+    ax.set_title("Theorem 3: relative gain, top distinct token vs others", fontsize=9)
+    ax.legend(fontsize=7)
+    ax = axes[1]
+    ax.plot(steps, B, "k", lw=2, label="measured $B(t)$")
+    early, late = steps <= 2 * fit["split_step"], steps >= fit["split_step"] / 2
+    ax.plot(steps[early], curves["scan"][early], "tab:blue", ls="--", label=r"scan fit $a\ln(1+t/\tau)+b$")
+    ax.plot(steps[late], curves["snap"][late], "tab:orange", ls="--", label=r"snap fit $a\ln\ln(e+t/\tau)+b$")
+    ax.axvline(fit["split_step"], color="gray", lw=0.8, ls=":")
+    ax.set_xscale("symlog", linthresh=10)
+    ax.set_xlim(0, float(steps.max()))
+    ax.set_ylim(float(B.min()) - 0.05, float(B.max()) * 1.3 + 0.05)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("growth of top distinct logit")
+    ax.set_title("Theorem 4: two phases of $B_n(t)$", fontsize=9)
+    ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def j1_invariant(path, steps, nc, nc_raw, X, V0, V1, v_traj) -> Path:
+    """JoMA Figs. 2-3 analogue: X, NC(z, z_hat) over steps, V at init/end, v_0 components."""
+    fig, axes = plt.subplots(1, 5, figsize=(17, 3.3), gridspec_kw={"width_ratios": [1, 1.6, 1, 1, 1.6]})
+    axes[0].imshow(X, aspect="auto", cmap="Blues")
+    axes[0].set_title("X (tokens x classes)")
+    axes[0].set_xlabel("class")
+    axes[0].set_ylabel("context token")
+    ax = axes[1]
+    ax.plot(steps, nc, "r", lw=2, label=r"NC$(z, \hat z)$, $\hat z$ with C")
+    ax.plot(steps, nc_raw, "b--", lw=1, label=r"NC without C (no init term)")
+    ax.axhline(0.95, color="k", lw=0.5, ls=":")
+    ax.set_ylim(min(-0.3, float(min(nc_raw))) if len(nc_raw) else -0.3, 1.05)
+    ax.set_xlabel("step")
+    ax.set_title("JoMA invariant")
+    ax.legend(fontsize=7, loc="lower right")
+    for ax, V, title in ((axes[2], V0, "V at init"), (axes[3], V1, "V after training")):
+        im = ax.imshow(V, aspect="auto", cmap="RdBu_r", vmin=-float(V.abs().max()), vmax=float(V.abs().max()))
+        ax.set_title(title)
+        ax.set_xlabel("class k")
+        fig.colorbar(im, ax=ax, shrink=0.8)
+    ax = axes[4]
+    for i in range(4):
+        ax.plot(steps, v_traj[:, i], label=f"component {i}")
+    ax.axhline(0, color="k", lw=0.5, ls="--")
+    ax.set_xlabel("step")
+    ax.set_ylabel(r"$\mathbf{v}_0(t)$")
+    ax.set_title("winner-take-all (class 0)")
+    ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def j2_entropy(path, mu, v_traj, ent_nonlinear, ent_linear) -> Path:
+    """JoMA Fig. 4 analogue: v(t) towards mu, and entropy curves (nonlinear U vs linear)."""
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
+    ax = axes[0]
+    cmap = plt.get_cmap("rainbow")
+    S = v_traj.shape[0]
+    for t in range(0, S, max(1, S // 50)):
+        ax.plot(v_traj[t], color=cmap(t / S), lw=0.8)
+    ax.plot(mu, "k--", label=r"target $\mu$")
+    ax.set_xlabel(r"sorted index of $\mathbf{v}$ components")
+    ax.set_ylabel(r"$\mathbf{v}$")
+    ax.set_title(r"nonlinear: $\mathbf{v}(t)$ (colour = time)", fontsize=9)
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    ax.plot(ent_nonlinear, label="nonlinear (fixed point $\\mu$)")
+    ax.plot(ent_linear, label="linear (no fixed point)")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel(r"entropy of softmax$(v^2/T)$")
+    ax.set_title("sparse then dense (U) vs monotone", fontsize=9)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def j4_hierarchy(path, steps, corr, init_corr, final_corr, cooc: dict) -> Path:
+    """JoMA Table 1 analogue: per-layer correlation over training, table, co-occurrence vs height."""
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.4), gridspec_kw={"width_ratios": [1.4, 1, 1.1]})
+    ax = axes[0]
+    for lvl in range(corr.shape[1]):
+        ax.plot(steps, corr[:, lvl], label=f"layer {lvl} vs level-{lvl} latents")
+    ax.set_ylim(0, 1.02)
+    ax.set_xlabel("step")
+    ax.set_ylabel("max-unit correlation (mean over latents)")
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    ax.axis("off")
+    rows = [[f"layer {i}", f"{init_corr[i]:.3f}", f"{final_corr[i]:.3f}"] for i in range(len(final_corr))]
+    tbl = ax.table(cellText=rows, colLabels=["", "init", "trained"], loc="center", cellLoc="center")
+    tbl.scale(1, 1.6)
+    ax.set_title("hidden unit / latent correlation")
+    ax = axes[2]
+    hs = sorted(cooc)
+    ax.plot(hs, [cooc[h][0] for h in hs], "o-")
+    ax.set_xticks(hs, [{1: "1 (level-0)", 2: "2 (level-1)", 3: "3 (class)", 4: "4 (root)"}[h] for h in hs],
+                  fontsize=7)
+    ax.set_xlabel("height of lowest common ancestor")
+    ax.set_ylabel("P(b in seq | a in seq)")
+    ax.set_title("leaf co-occurrence vs ancestor height")
+    return _save(fig, path)

@@ -1,0 +1,87 @@
+"""Registry of runnable theory-lab experiments, keyed by their CLI name.
+
+The CLI (``attnlab dynamics <name>``) builds one sub-command per entry, so adding an
+experiment is one ``register(...)`` call with a function
+``run(out: Path, seed: int, size: str, progress: bool) -> dict``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from .experiments import run_scan_snap, run_scan_snap_sweep, run_scan_snap_theorems
+from .experiments_joma import run_hierarchy, run_joma_invariant, run_joma_nonlinear
+
+
+@dataclass(frozen=True)
+class Experiment:
+    name: str
+    help: str
+    run: Callable  # (out: Path, seed: int, size: str, progress: bool) -> dict
+    summary: Callable[[dict], list[str]] | None = None  # metrics -> printable lines
+
+
+EXPERIMENTS: dict[str, Experiment] = {}
+
+
+def register(exp: Experiment) -> Experiment:
+    """Add ``exp`` to the registry (later registrations with the same name replace earlier ones)."""
+    EXPERIMENTS[exp.name] = exp
+    return exp
+
+
+def _s1(m):
+    out = [f"vocabulary {m['vocab_size']}, ln M = {m['log_vocab']:.3f}"]
+    for k, r in m["runs"].items():
+        out.append(f"{k}: loss {r['initial_loss']:.3f} -> {r['final_loss']:.2e}; z common {r['z_common_final_mean']:+.3f}, "
+                   f"z distinct {r['z_distinct_final_mean']:+.3f} (order rho {r['z_distinct_order_spearman']:.2f}); "
+                   f"entropy {r['entropy']['start']:.3f} -> {r['entropy']['final']:.3f}, "
+                   f"z fastest at step {r['z_speed']['peak_step']}, frozen by {r['z_speed']['freeze_step']}")
+    return out
+
+
+def _s2(m):
+    out = [f"initial entropy {', '.join(f'{e:.3f}' for e in m['initial_entropy'])}"]
+    for q, by_z, by_r in zip(m["config"]["queries"], m["entropy_by_lr_z"], m["entropy_by_ratio"]):
+        out.append(f"{q} queries: by eta_Z {[round(float(x), 3) for x in by_z]}, by eta_Y/eta_Z {[round(float(x), 3) for x in by_r]}")
+    return out
+
+
+def _s3(m):
+    e, f = m["theorem3_log_error"], m["theorem4_fit"]
+    return [f"Theorem 3 |ln measured - ln predicted|: median {e['median']:.3f}, p90 {e['p90']:.3f}",
+            f"Theorem 4: split at step {f['split_step']:.0f}, scan rmse {f['scan']['rmse']:.4f}, snap rmse {f['snap']['rmse']:.4f}"
+            f" (single-curve rmse: scan {f['scan_only_rmse']:.4f}, snap {f['snap_only_rmse']:.4f})"]
+
+
+def _j1(m):
+    w = m["per_seed"][0]["wta_class0"]
+    return [f"min NC(z, z_hat) over steps and seeds: {m['nc_min_over_seeds']:.4f}",
+            f"class 0: winner token {w['winner']} v={w['winner_value']:.2f}, runner-up v={w['runner_up_value']:.2f} "
+            f"(ratio {w['ratio']:.1f}; min over seeds {m['wta_ratio_min_over_seeds']:.1f})"]
+
+
+def _j2(m):
+    n, li = m["nonlinear"], m["linear"]
+    return [f"nonlinear entropy {n['start']:.3f} -> min {n['min']:.3f} @ {n['argmin']} -> {n['end']:.3f} (rebound {n['rebound']:.3f})",
+            f"linear entropy {li['start']:.3f} -> {li['end']:.3f}, monotone decreasing: {li['monotone_decreasing']}"]
+
+
+def _j4(m):
+    c = m["cooccurrence_by_height"]
+    return [f"correlation layer 0 / layer 1: init {m['corr_init'][0]:.3f} / {m['corr_init'][1]:.3f}, "
+            f"trained {m['corr_final'][0]:.3f} / {m['corr_final'][1]:.3f}; accuracy {m['accuracy']:.3f}",
+            "co-occurrence by LCA height: " + ", ".join(f"{h}: {v['mean']:.2f}" for h, v in c.items())]
+
+
+for _exp in (
+    Experiment("scan-snap", "S1: z of common vs distinct tokens, entropy snap (Scan and Snap Fig. 4)", run_scan_snap, _s1),
+    Experiment("scan-snap-sweep", "S2: distinct-token entropy over eta_Z x eta_Y/eta_Z (Fig. 6)", run_scan_snap_sweep, _s2),
+    Experiment("scan-snap-theorems", "S3: Theorem 3 relative gain and Theorem 4 scan/snap phases", run_scan_snap_theorems, _s3),
+    Experiment("joma-invariant", "J1: JoMA invariant NC(z, z_hat) and linear winner-take-all (Figs. 2-3)", run_joma_invariant, _j1),
+    Experiment("joma-nonlinear", "J2: nonlinear sparse-then-dense entropy vs linear (Fig. 4)", run_joma_nonlinear, _j2),
+    Experiment("hierarchy", "J4: latent-tree data, per-layer hidden/latent correlation (Table 1)", run_hierarchy, _j4),
+):
+    register(_exp)
+from . import attention_entropy  # noqa: E402,F401  (J3, registers itself)

@@ -1,0 +1,40 @@
+"""The CLI contract: add_parser(subparsers), one sub-command per registry entry, outputs."""
+
+import argparse
+import json
+
+from attnlab.dynamics.cli import add_parser
+from attnlab.dynamics.registry import EXPERIMENTS, Experiment, register
+
+
+def _parser():
+    parser = argparse.ArgumentParser(prog="attnlab")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_parser(sub)
+    return parser
+
+
+def test_all_experiments_registered():
+    assert set(EXPERIMENTS) >= {"scan-snap", "scan-snap-sweep", "scan-snap-theorems",
+                                "joma-invariant", "joma-nonlinear", "hierarchy"}
+
+
+def test_cli_writes_json_and_png(tmp_path, capsys):
+    args = _parser().parse_args(["dynamics", "joma-nonlinear", "--quick", "--seed", "3",
+                                 "--out", str(tmp_path), "--no-progress"])
+    assert args.func(args) == 0
+    m = json.loads((tmp_path / "metrics.json").read_text())
+    assert m["experiment"] == "joma-nonlinear" and m["seed"] == 3 and m["size"] == "quick"
+    assert all((tmp_path / f).stat().st_size > 1000 for f in m["figures"])
+    assert not list(tmp_path.glob("*.tmp"))
+    assert "rebound" in capsys.readouterr().out
+
+
+def test_registering_a_new_experiment_adds_a_subcommand(tmp_path):
+    calls = []
+    register(Experiment("dummy-test", "test only", lambda out, seed, size, progress: calls.append(size) or {}))
+    try:
+        args = _parser().parse_args(["dynamics", "dummy-test", "--quick", "--out", str(tmp_path)])
+        assert args.func(args) == 0 and calls == ["quick"]
+    finally:
+        EXPERIMENTS.pop("dummy-test")

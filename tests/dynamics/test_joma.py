@@ -1,0 +1,49 @@
+"""J1, J2 (JoMA) and J4 (hierarchy) must-shows at --quick size."""
+
+import pytest
+import torch
+
+from attnlab.dynamics.common import centred_cosine, make_generator
+from attnlab.dynamics.experiments_joma import run_hierarchy, run_joma_invariant, run_joma_nonlinear
+from attnlab.dynamics.hierarchy import LatentTree, cooccurrence_by_height
+
+
+def test_centred_cosine_ignores_offsets():
+    a = torch.randn(20, generator=make_generator(0))
+    assert abs(float(centred_cosine(a, 3 * a + 5)) - 1) < 1e-5
+    assert abs(float(centred_cosine(a, -a)) + 1) < 1e-5
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_j1_invariant_and_winner_take_all(tmp_path, seed):
+    m = run_joma_invariant(tmp_path, seed=seed, size="quick", progress=False)
+    s = m["per_seed"][0]
+    assert s["nc_min"] >= 0.95  # NC(z, z_hat) >= 0.95 at every recorded step
+    assert s["attn_entropy"][1] < s["attn_entropy"][0]
+    w = s["wta_class0"]
+    assert w["ratio"] >= 2  # one component of v_0 dominates the rest
+    assert w["winner_growth_second_half"] > 3 * abs(w["runner_up_growth_second_half"])
+    assert (tmp_path / "j1_invariant.png").exists()
+
+
+def test_j2_u_shape_vs_monotone(tmp_path):
+    m = run_joma_nonlinear(tmp_path, seed=0, size="quick", progress=False)
+    n, lin = m["nonlinear"], m["linear"]
+    assert abs(n["start"] - m["ln10"]) < 1e-6
+    assert 0 < n["argmin"] < m["config"]["steps"]  # interior minimum
+    assert n["rebound"] >= 0.1
+    assert lin["monotone_decreasing"] and lin["end"] < lin["start"]
+
+
+def test_cooccurrence_decays_with_ancestor_height():
+    co = cooccurrence_by_height(LatentTree(make_generator(0)))
+    means = [co[h][0] for h in sorted(co)]
+    assert abs(means[0] - 1) < 1e-6
+    assert all(a > b for a, b in zip(means, means[1:]))
+
+
+def test_j4_layer_correlations(tmp_path):
+    m = run_hierarchy(tmp_path, seed=0, size="quick", progress=False)
+    c0, c1 = m["corr_final"]
+    assert c0 >= 0.9 and c0 > c1
+    assert m["accuracy"] > 0.5

@@ -1,0 +1,75 @@
+"""S1-S3 (Scan and Snap) must-shows at --quick size."""
+
+import math
+
+import pytest
+import torch
+
+from attnlab.dynamics.common import make_generator
+from attnlab.dynamics.experiments import run_scan_snap, run_scan_snap_sweep, run_scan_snap_theorems
+from attnlab.dynamics.scan_snap import SequenceClasses, YZRuns, distinct_entropy
+
+
+def test_sequence_classes_layout():
+    d = SequenceClasses(num_queries=2, next_per_query=2)
+    assert d.num_classes == 4 and d.vocab_size == 10 + 40 + 2 + 4
+    assert torch.allclose(d.probs.sum(1), torch.ones(4, dtype=torch.float64))
+    # distinct tokens belong to one class only, common tokens to all
+    assert ((d.probs > 0).sum(0)[: d.num_common] == 4).all()
+    assert ((d.probs > 0).sum(0)[d.distinct_index.flatten()] == 1).all()
+    cls, counts = d.sample(2, 8, 128, make_generator(0))
+    assert counts.shape == (2, 8, d.vocab_size) and (counts.sum(-1) == 128).all()
+    # the initial distinct-token entropy is that of linspace(0.1, 1, 10): ~2.15
+    runs = YZRuns.create(1, d.vocab_size, 1.0, 1.0, zero_init=True, gen=make_generator(0))
+    assert abs(float(distinct_entropy(d, runs.Z)) - 2.1513) < 1e-3
+
+
+@pytest.fixture(scope="module")
+def s1(tmp_path_factory):
+    return run_scan_snap(tmp_path_factory.mktemp("s1"), seed=0, size="quick", progress=False)
+
+
+def test_s1_loss_starts_at_log_vocab(s1):
+    for r in s1["runs"].values():
+        assert abs(r["initial_loss"] - math.log(s1["vocab_size"])) < 1e-3
+        assert r["final_loss"] < 0.01
+
+
+def test_s1_common_down_distinct_up_in_order_of_probability(s1):
+    for r in s1["runs"].values():
+        assert r["z_common_final_max"] < 0  # every common-token logit went negative
+        assert r["z_distinct_final_mean"] > 0
+        assert r["z_distinct_order_spearman"] > 0.9  # grows in the order of P(l|n)
+        assert r["common_attention_mass"][1] < r["common_attention_mass"][0]
+
+
+def test_s1_entropy_drops_then_freezes(s1):
+    for r in s1["runs"].values():
+        e = r["entropy"]
+        assert e["drop"] > 0.05
+        assert e["late_change"] < 0.25 * e["drop"]  # second half barely moves: snapped
+
+
+def test_s1_larger_decoder_lr_snaps_earlier_and_less_sparse(s1):
+    slow, fast = s1["runs"]["ratio_1"], s1["runs"]["ratio_10"]
+    assert fast["z_speed"]["peak_step"] < slow["z_speed"]["peak_step"]
+    assert fast["z_speed"]["freeze_step"] < slow["z_speed"]["freeze_step"]
+    assert fast["entropy"]["final"] > slow["entropy"]["final"]
+
+
+def test_s2_sweep_trends(tmp_path):
+    m = run_scan_snap_sweep(tmp_path, seed=0, size="quick", progress=False)
+    assert all(abs(h - 2.15) < 0.05 for h in m["initial_entropy"])
+    by_z = torch.as_tensor(m["entropy_by_lr_z"])  # (Q, eta_Z), averaged over ratios
+    by_r = torch.as_tensor(m["entropy_by_ratio"])  # (Q, ratio), averaged over eta_Z
+    assert (by_z[:, 1:] < by_z[:, :-1]).all(), "final entropy must fall as eta_Z grows"
+    # ratios (1, 2, 5, 10): from ratio 2 on, a faster decoder leaves attention less sparse
+    assert (by_r[:, 2] > by_r[:, 1]).all() and (by_r[:, 3] > by_r[:, 1]).all()
+
+
+def test_s3_theorems(tmp_path):
+    m = run_scan_snap_theorems(tmp_path, seed=0, size="quick", progress=False)
+    assert m["theorem3_log_error"]["median"] < 0.1
+    fit = m["theorem4_fit"]
+    assert fit["snap"]["a"] > 0 and m["B_final"] > 0
+    assert (tmp_path / "s3_theorems.png").stat().st_size > 0
