@@ -70,12 +70,31 @@ class TextStream:
             self.ids, self.printed = [], 0
 
 
+def _policy(args, length: int | None):
+    """The KV-cache policy of --policy/--budget/--positions/--n-sink (None for full)."""
+    if getattr(args, "policy", "full") == "full":
+        return None
+    from attnlab.kv.cli import build_policy
+    if length is None and any(c in args.budget for c in ".%eE"):
+        raise UserError("chat needs a budget in tokens (e.g. --budget 1024), not a fraction")
+    return build_policy(args.policy, args.budget, args.positions, args.n_sink, length)
+
+
+def _add_policy(p):
+    try:
+        from attnlab.kv.cli import add_policy_args
+    except ModuleNotFoundError:
+        return
+    add_policy_args(p, budget_default="1024")
+
+
 def cmd_generate(args) -> int:
     lm = load_lm(args)
     if not args.prompt:
         raise UserError("empty prompt: pass --prompt TEXT")
     ids = lm.chat_ids([{"role": "user", "content": args.prompt}]) if args.chat else lm.encode(args.prompt)
-    cache = lm.new_cache(capacity=len(ids) + args.max_new_tokens)
+    policy = _policy(args, length=len(ids) + args.max_new_tokens)
+    cache = lm.new_cache(capacity=min(len(ids) + args.max_new_tokens, 4096), policy=policy)
     stream = TextStream(lm.tokenizer)
     if not args.chat:
         sys.stdout.write(args.prompt)
@@ -90,7 +109,8 @@ def cmd_chat(args) -> int:
     from attnlab.chat import ChatSession
 
     lm = load_lm(args)
-    session = ChatSession(lm, _sampler(args), args.max_new_tokens)
+    policy = _policy(args, length=None)
+    session = ChatSession(lm, _sampler(args), args.max_new_tokens, cache_factory=lambda: lm.new_cache(policy=policy))
     print("attnlab chat: empty line or Ctrl-D to quit, /reset to start over", file=sys.stderr)
     while True:
         try:
@@ -151,11 +171,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     _add_sampling(p)
+    _add_policy(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("chat", help="interactive multi-turn chat keeping the KV cache between turns")
     add_model_args(p)
     _add_sampling(p)
+    _add_policy(p)
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("ppl", help="perplexity on a text")

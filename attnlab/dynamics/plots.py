@@ -128,7 +128,7 @@ def s3_theorems(path, steps, gain: dict, B: torch.Tensor, fit: dict, curves: dic
 def j1_invariant(path, steps, nc, nc_raw, X, V0, V1, v_traj) -> Path:
     """JoMA Figs. 2-3 analogue: X, NC(z, z_hat) over steps, V at init/end, v_0 components."""
     fig, axes = plt.subplots(1, 5, figsize=(17, 3.3), gridspec_kw={"width_ratios": [1, 1.6, 1, 1, 1.6]})
-    axes[0].imshow(X, aspect="auto", cmap="Blues")
+    axes[0].imshow(torch.as_tensor(X).numpy(), aspect="auto", cmap="Blues")
     axes[0].set_title("X (tokens x classes)")
     axes[0].set_xlabel("class")
     axes[0].set_ylabel("context token")
