@@ -19,9 +19,9 @@ POLICIES = ["full", "window", "sink", "h2o", "sink_h2o"]
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m attnlab.demo")
     p.add_argument("--threads", type=positive_int, default=2)
-    p.add_argument("--tokens", type=positive_int, default=512, help="tokens per stream")
-    p.add_argument("--streams", type=positive_int, default=4, help="parallel passages of the test plays")
-    p.add_argument("--budget", type=positive_int, default=128, help="KV budget (tokens per layer and KV head)")
+    p.add_argument("--tokens", type=positive_int, default=256, help="tokens per stream")
+    p.add_argument("--streams", type=positive_int, default=8, help="parallel passages of the test plays")
+    p.add_argument("--budget", type=positive_int, default=64, help="KV budget (tokens per layer and KV head)")
     p.add_argument("--plot", default="docs/figures/kv/demo_nll_by_position.png")
     args = p.parse_args(argv)
 

@@ -101,10 +101,12 @@ class LayerKV:
 
     def keep(self, idx: torch.Tensor) -> None:
         """Compact the cache to the slots idx: [B, H_kv, m] (ascending), freeing the rest for reuse."""
+        B, H, C, D = self.k.shape
         m = idx.shape[-1]
-        gather = idx[..., None].expand(*idx.shape, self.k.shape[-1])
-        self.k[:, :, :m] = torch.gather(self.k[:, :, :self.n], 2, gather)
-        self.v[:, :, :m] = torch.gather(self.v[:, :, :self.n], 2, gather)
+        # whole rows by index_select on a flat view: several times faster than an elementwise gather
+        flat = (idx + torch.arange(B * H).view(B, H, 1) * C).reshape(-1)
+        self.k[:, :, :m] = self.k.view(B * H * C, D).index_select(0, flat).view(B, H, m, D)
+        self.v[:, :, :m] = self.v.view(B * H * C, D).index_select(0, flat).view(B, H, m, D)
         self.pos[:, :, :m] = torch.gather(self.pos[:, :, :self.n], 2, idx)
         self.pos[:, :, m:self.n] = -1
         self.n = m

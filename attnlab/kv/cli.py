@@ -1,0 +1,177 @@
+"""`attnlab stream`: streaming perplexity of KV-cache policies on a long text.
+
+Every (policy, budget) run scores the same tokens, token by token, and is saved
+as `<out>/<key>.json` (summary + per-token NLL); a run interrupted midway resumes
+from `<out>/<key>.ckpt.pt`, a finished one is read back instead of rerun.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from attnlab.cli_common import UserError, add_model_args, load_lm, positive_int, progress, write_json
+
+DEFAULT_POLICIES = "full,window,sink,h2o,sink_h2o"
+
+
+def policy_list(text: str) -> list[str]:
+    from attnlab.kv.policies import POLICIES
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    for n in names:
+        if n not in POLICIES:
+            raise UserError(f"unknown policy {n!r}; choose from {', '.join(POLICIES)}")
+    if not names:
+        raise UserError("no policy given")
+    return names
+
+
+def add_policy_args(p: argparse.ArgumentParser, budget_default: str | None = "256", policy_default: str = "full",
+                    positions_default: str = "cache") -> None:
+    """--policy/--budget/--positions/--n-sink, shared by stream, generate and chat."""
+    p.add_argument("--policy", default=policy_default,
+                   help="KV-cache policy: full, window, sink, h2o, sink_h2o, tova, snapkv (comma list for stream)")
+    p.add_argument("--budget", default=budget_default,
+                   help="KV budget per layer and KV head: tokens (256) or a fraction of the stream (0.2, 20%%)")
+    p.add_argument("--positions", default=positions_default, choices=["cache", "original"],
+                   help="cache: keys stored before RoPE, rotated at their slot (StreamingLLM); original: absolute")
+    p.add_argument("--n-sink", type=int, default=4, help="attention-sink tokens kept by sink and sink_h2o")
+
+
+def build_policy(name: str, budget: str, positions: str, n_sink: int, length: int | None = None,
+                 chunk: int = 512):
+    """One policy from CLI options; a fractional budget is resolved against `length` tokens."""
+    from attnlab.kv.policies import make_policy
+    try:
+        p = make_policy(name, budget, positions=positions, n_sink=n_sink, chunk=chunk)
+        if length is not None:
+            p = p.resolve(length)
+            p.check_budget(p.tokens)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    return p
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in text).strip("_")[:60]
+
+
+def cmd_stream(args) -> int:
+    import torch
+
+    from attnlab.data import corpus
+    from attnlab.eval.streaming import bins, plot_budgets, plot_positions, stream_nll, summarize
+
+    names = policy_list(args.policy)
+    budgets = [b.strip() for b in args.budget.split(",") if b.strip()]
+    if not budgets:
+        raise UserError("no budget given")
+    if args.tokens < 2:
+        raise UserError(f"--tokens must be at least 2, got {args.tokens}")
+    # validate every combination before the (slow) model load
+    plan = []
+    for name in names:
+        for b in (budgets if name != "full" else budgets[:1]):
+            plan.append((name, build_policy(name, b, args.positions, args.n_sink, args.tokens, chunk=args.chunk)))
+    text = corpus(args.text)
+    lm = load_lm(args)
+    ids = lm.encode(text)
+    need = args.tokens * args.streams
+    if args.offset < 0 or len(ids) < args.offset + need:
+        raise UserError(f"text {args.text!r} has {len(ids)} tokens; --offset {args.offset} + --tokens "
+                        f"{args.tokens} x --streams {args.streams} needs {args.offset + need}")
+    ids = torch.tensor(ids[args.offset:args.offset + need])
+    ids = ids.view(args.streams, args.tokens)
+    out = Path(args.out) if args.out else Path("runs") / "stream" / _slug(f"{Path(str(args.model)).name}-{args.text}")
+    results, runs = [], []
+    for name, policy in plan:
+        mode = "prefill" if name == "full" and not args.full_decode else "decode" if args.chunk == 1 else "chunk"
+        key = _slug(f"{name}-{policy.budget if name != 'full' else 'all'}-{args.positions}-"
+                    f"{args.tokens}x{args.streams}-o{args.offset}" + (f"-c{args.chunk}" if mode == "chunk" else ""))
+        path = out / f"{key}.json"
+        if path.exists() and not args.force:
+            run = json.loads(path.read_text())
+        else:
+            with progress(args.streams * (args.tokens - 1), f"{name} {policy.budget}") as bar:
+                r = stream_nll(lm, ids, policy, mode=mode, chunk=args.chunk if mode == "chunk" else 256,
+                               progress=bar.update, checkpoint=out / f"{key}.ckpt.pt", save_every=args.save_every)
+            s = summarize(r["nll"])
+            budget = args.tokens if name == "full" else policy.tokens
+            run = {"policy": name, "budget": budget, "budget_fraction": budget / args.tokens,
+                   "positions": args.positions if name != "full" else "original", "n_sink": args.n_sink,
+                   "tokens": int(r["nll"].numel()), "streams": args.streams, "stream_tokens": args.tokens,
+                   "offset": args.offset, "ppl": s["ppl"], "nll": s["nll"], "kv_bytes": r["kv_bytes"],
+                   "peak_tokens": r["peak_tokens"], "seconds": r["seconds"],
+                   "tokens_per_s": r["nll"].numel() / r["seconds"], "mode": mode, "chunk": args.chunk, "model": str(args.model),
+                   "text": args.text, "nll_tokens": [[round(v, 5) for v in row] for row in r["nll"].tolist()]}
+            write_json(path, run)
+            (out / f"{key}.ckpt.pt").unlink(missing_ok=True)
+        runs.append(run)
+        results.append({k: run[k] for k in ("policy", "budget", "positions", "tokens", "ppl", "kv_bytes",
+                                             "tokens_per_s", "mode", "budget_fraction")})
+    if args.plot:
+        plot_positions(runs, args.plot, width=min(256, max(2, args.tokens // 8)),
+                       trained=lm.cfg.context_length if args.tokens > lm.cfg.context_length else None,
+                       title=f"{Path(str(args.model)).name} on {args.text}: streaming NLL")
+    if args.sweep_plot:
+        plot_budgets(runs, args.sweep_plot, title=f"{Path(str(args.model)).name} on {args.text}, "
+                                                  f"{args.tokens} tokens x {args.streams}")
+    if args.json:
+        print(json.dumps({"results": results}))
+        return 0
+    full = next((r for r in results if r["policy"] == "full"), None)
+    print(f"{args.streams} x {args.tokens} tokens of {args.text}, positions {args.positions}")
+    print(f"{'policy':<10} {'budget':>7} {'ppl':>9} {'vs full':>8} {'KV MiB':>8} {'tok/s':>7}")
+    for r in results:
+        rel = f"{r['ppl'] / full['ppl']:.3f}x" if full else "-"
+        print(f"{r['policy']:<10} {r['budget']:>7} {r['ppl']:>9.2f} {rel:>8} {r['kv_bytes'] / 2**20:>8.1f} "
+              f"{r['tokens_per_s']:>7.1f}{'  (' + r['mode'] + ')' if r['mode'] != 'decode' else ''}")
+    if args.paired and full is not None:
+        from attnlab.eval.streaming import paired
+        ref = torch.tensor(next(r for r in runs if r["policy"] == "full")["nll_tokens"])
+        cut = min(args.paired, ref.shape[1])
+        print(f"\npaired per-token NLL against full (mean difference +- standard error over 256-token blocks):")
+        for r in runs:
+            if r["policy"] == "full":
+                continue
+            nll = torch.tensor(r["nll_tokens"])
+            for lo, hi in ((0, cut), (cut, ref.shape[1])):
+                if hi - lo < 2:
+                    continue
+                d = paired(nll, ref, lo, hi)
+                print(f"  {r['policy']}@{r['budget']} tokens {lo + 1}-{hi}: {d['mean_diff']:+.4f} +- {d['se']:.4f} nats "
+                      f"(ppl x{d['ppl_ratio']:.3f})")
+    if args.bins:
+        print(f"\nperplexity per {args.bins}-token bin:")
+        table = {r["policy"] + f"@{r['budget']}": bins(torch.tensor(r["nll_tokens"]), args.bins) for r in runs}
+        print(f"{'tokens':>13} " + " ".join(f"{k:>14}" for k in table))
+        for i, b in enumerate(next(iter(table.values()))):
+            print(f"{b['start']:>6}-{b['end']:<6} " + " ".join(f"{t[i]['ppl']:>14.2f}" for t in table.values()))
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("stream", help="streaming perplexity of KV-cache policies (StreamingLLM, H2O, ...)")
+    add_model_args(p)
+    p.add_argument("--text", default="shakespeare:test", help="shakespeare[:split|:play] or a file path")
+    add_policy_args(p, policy_default=DEFAULT_POLICIES)
+    p.add_argument("--tokens", type=positive_int, default=20480, help="tokens per stream")
+    p.add_argument("--streams", type=positive_int, default=1,
+                   help="parallel passages (consecutive slices of the text, one cache row each)")
+    p.add_argument("--offset", type=int, default=0, help="first token of the text to use")
+    p.add_argument("--out", default=None, help="run folder (default runs/stream/MODEL-TEXT)")
+    p.add_argument("--plot", default=None, help="write the NLL-by-position figure here")
+    p.add_argument("--sweep-plot", default=None, help="write the perplexity-by-budget figure here")
+    p.add_argument("--paired", type=int, default=0, metavar="POS",
+                   help="also compare every policy with full token by token, before and after position POS")
+    p.add_argument("--bins", type=int, default=0, help="also print perplexity per bin of this many tokens")
+    p.add_argument("--full-decode", action="store_true",
+                   help="score full token by token (default: chunked prefill, same logits, much faster)")
+    p.add_argument("--chunk", type=positive_int, default=1,
+                   help="tokens per step for evicting policies (1 = token by token, exact streaming; N > 1 evicts "
+                        "between chunks of N, faster, an approximation)")
+    p.add_argument("--save-every", type=positive_int, default=1024, help="checkpoint every N tokens")
+    p.add_argument("--force", action="store_true", help="rerun finished runs")
+    p.add_argument("--json", action="store_true", help="print {'results': [...]} as JSON")
+    p.set_defaults(func=cmd_stream)
