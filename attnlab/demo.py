@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=positive_int, default=256, help="tokens per stream")
     p.add_argument("--streams", type=positive_int, default=8, help="parallel passages of the test plays")
     p.add_argument("--budget", type=positive_int, default=64, help="KV budget (tokens per layer and KV head)")
-    p.add_argument("--plot", default="docs/figures/kv/demo_nll_by_position.png")
+    p.add_argument("--plot", default="runs/demo/nll_by_position.png")
     args = p.parse_args(argv)
 
     import torch
