@@ -1,8 +1,9 @@
 """Perplexity of a model on a token stream, in fixed windows with chunked prefill.
 
-Each window starts from an empty cache (the usual protocol for a fixed-context
-model), so `window` must stay within the model's trained positions to be fair;
-the first token of a window is only context. Logits are reduced to NLL chunk by
+Windows are disjoint and each starts from an empty cache (the usual protocol for
+a fixed-context model), so `window` must stay within the model's trained positions
+to be fair; every token but the very first is scored once, each window's first
+token being context only. Logits are reduced to NLL chunk by
 chunk: the [tokens, vocab] matrix of a long window is never held whole.
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 @torch.inference_mode()
 def perplexity(lm, ids: list[int] | torch.Tensor, window: int = 2048, chunk: int = 512, progress=None) -> dict:
-    """-> {"ppl", "nll", "tokens", "seconds"} over ids, scoring every token but each window's first."""
+    """-> {"ppl", "nll", "tokens", "seconds"} over ids (tokens = number scored = len(ids) - 1)."""
     ids = torch.as_tensor(ids, dtype=torch.long).flatten()
     if ids.numel() < 2:
         raise ValueError(f"need at least 2 tokens to score, got {ids.numel()}")
