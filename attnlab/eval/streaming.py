@@ -66,7 +66,7 @@ def stream_nll(lm, ids: torch.Tensor, policy: Policy, mode: str = "decode", chun
     t, seconds, peak = 0, 0.0, 0
     ckpt = Path(checkpoint) if checkpoint else None
     if ckpt is not None and ckpt.exists():
-        state = torch.load(ckpt, weights_only=False)
+        state = torch.load(ckpt, weights_only=True)  # plain tensors and numbers: no unpickling of code
         t, seconds, peak = state["t"], state["seconds"], state["peak_tokens"]
         nll[:, :t] = state["nll"]
         load_cache_state(cache, state["cache"])
