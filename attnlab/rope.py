@@ -41,41 +41,44 @@ class Rope:
     def __init__(self, head_dim: int, base: float, scaling: dict | None = None, length: int = 4096):
         self.head_dim = head_dim
         self.inv_freq = inv_frequencies(head_dim, base, scaling)
-        self.cos = self.sin = torch.empty(0)
+        self.cis = torch.empty(0, dtype=torch.complex64)
         self._grow(length)
 
     def _grow(self, length: int) -> None:
-        freqs = torch.outer(torch.arange(length, dtype=torch.float64), self.inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)  # [length, head_dim], HF's half-split layout
-        self.cos, self.sin = emb.cos().float(), emb.sin().float()
+        freqs = torch.outer(torch.arange(length, dtype=torch.float64), self.inv_freq)  # [length, head_dim / 2]
+        self.cis = torch.polar(torch.ones_like(freqs), freqs).to(torch.complex64)
 
-    def tables(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape [*pos.shape, head_dim]; negative positions (padding) read position 0."""
+    def tables(self, pos: torch.Tensor) -> torch.Tensor:
+        """Unit complex rotations [*pos.shape, head_dim / 2]; negative positions (padding) read position 0."""
         need = int(pos.max()) + 1 if pos.numel() else 0
-        if need > self.cos.shape[0]:
-            self._grow(max(need, 2 * self.cos.shape[0]))
-        pos = pos.clamp_min(0)
-        return self.cos[pos].to(dtype), self.sin[pos].to(dtype)
+        if need > self.cis.shape[0]:
+            self._grow(max(need, 2 * self.cis.shape[0]))
+        return self.cis[pos.clamp_min(0)]
 
-    def rotation(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tables for `apply`: pos [B, T] -> cos, sin [B, 1, T, D] (broadcast over heads)."""
-        cos, sin = self.tables(pos, dtype)
-        return cos[:, None], sin[:, None]
+    def rotation(self, pos: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The table for `apply`: pos [B, T] -> [B, 1, T, head_dim / 2] complex (broadcast over heads)."""
+        return self.tables(pos)[:, None]
 
     def rotate(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """x: [B, H, T, D] rotated at pos: [B, T] (same for all heads) or [B, H, T] (per head)."""
-        cos, sin = self.tables(pos, x.dtype)
-        if pos.dim() == 2:
-            cos, sin = cos[:, None], sin[:, None]
-        return apply(x, (cos, sin))
+        rot = self.tables(pos)
+        return apply(x, rot[:, None] if pos.dim() == 2 else rot)
 
 
-def apply(x: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Rotate x [..., T, D] by precomputed (cos, sin) tables broadcastable to it."""
-    cos, sin = rot
-    return x * cos + rotate_half(x) * sin
+def apply(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+    """Rotate x [..., T, D] by a complex table broadcastable to [..., T, D / 2].
+
+    Rotated pairs are adjacent dimensions (2i, 2i+1), so a rotation is one complex multiply
+    (about 10x faster on CPU than the half-split cos/sin form, which matters when the
+    `cache` position convention re-rotates every cached key at every step). Checkpoints in
+    the half-split (Hugging Face) layout get their q/k rows interleaved once at load time.
+    """
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(xc * rot).flatten(-2).to(x.dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def interleave_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """q/k projection rows (or biases) from the half-split layout, pairs (i, i + D/2), to the
+    interleaved one, pairs (2i, 2i + 1), per head. Dot products q . k are unchanged."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)

