@@ -3,6 +3,8 @@
 RMSNorm, RoPE, grouped-query attention (optional q/k/v bias), SwiGLU MLP, tied
 or untied head. The q/k/v and gate/up projections are fused into one matmul
 each: at batch 1 decoding is memory-bound, and fewer, larger reads are faster.
+RoPE rotates adjacent pairs of q/k dimensions (one complex multiply, see
+`attnlab.rope.apply`); loaders interleave Hugging Face's half-split q/k rows to match.
 Attention goes through a `LayerKV` when one is given, so the cache (and any
 eviction policy on it) sees every step; a policy that needs the attention
 probabilities (H2O) gets them from the same pass.
