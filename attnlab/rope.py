@@ -55,7 +55,7 @@ class Rope:
             self._grow(max(need, 2 * self.cis.shape[0]))
         return self.cis[pos.clamp_min(0)]
 
-    def rotation(self, pos: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def rotation(self, pos: torch.Tensor) -> torch.Tensor:
         """The table for `apply`: pos [B, T] -> [B, 1, T, head_dim / 2] complex (broadcast over heads)."""
         return self.tables(pos)[:, None]
 

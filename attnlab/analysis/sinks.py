@@ -41,7 +41,7 @@ def forward_masked(model, ids: torch.Tensor, mask: torch.Tensor | None) -> torch
     attend) or None for causal. Returns logits [B, T, vocab]. Same modules as `Transformer`."""
     B, T = ids.shape
     x = model.embed(ids)
-    rot = model.rope.rotation(torch.arange(T).expand(B, -1), x.dtype)
+    rot = model.rope.rotation(torch.arange(T).expand(B, -1))
     m = "causal" if mask is None else mask[None, None]
     for layer in model.layers:
         a = layer.attn

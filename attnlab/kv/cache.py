@@ -133,7 +133,7 @@ class KVCache:
         self.seen = 0                                   # tokens fed per row, padding included
         self.pad = torch.zeros(batch, dtype=torch.long)  # left-padding length of each row
 
-    def begin(self, T: int, rope: Rope, dtype: torch.dtype) -> "Step":
+    def begin(self, T: int, rope: Rope) -> "Step":
         """Positions and rotation tables of the next T tokens, computed once for all layers."""
         pos = self.seen + torch.arange(T)[None, :] - self.pad[:, None]
         padded = bool(self.seen < int(self.pad.max()))
@@ -142,10 +142,10 @@ class KVCache:
         if self.positions == "cache":  # queries sit at the last T slots; keys at their slot index
             n = len(self) + T
             q_pos = torch.arange(n - T, n).expand(self.batch, T)
-            slot_rot = rope.rotation(torch.arange(n)[None], dtype)
+            slot_rot = rope.rotation(torch.arange(n)[None])
         else:
             q_pos = pos
-        return Step(pos, q_pos, rope.rotation(q_pos, dtype), slot_rot, padded)
+        return Step(pos, q_pos, rope.rotation(q_pos), slot_rot, padded)
 
     def advance(self, T: int) -> None:
         self.seen += T

@@ -175,7 +175,7 @@ class Transformer(nn.Module):
             for layer in self.layers:
                 x = layer(x, rot)
         else:
-            step = cache.begin(ids.shape[1], self.rope, x.dtype)
+            step = cache.begin(ids.shape[1], self.rope)
             for layer, kv in zip(self.layers, cache.layers):
                 x = layer(x, step.rot, kv, step, cache.policy)
         if cache is not None:

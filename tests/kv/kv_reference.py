@@ -70,7 +70,7 @@ def original_reference(lm, ids: torch.Tensor, evicted: torch.Tensor, steps: list
     end = _step_ends(steps)
     causal = torch.ones(N, N, dtype=torch.bool).tril()
     x = model.embed(ids)
-    rot = model.rope.rotation(torch.arange(N).expand(B, -1), x.dtype)
+    rot = model.rope.rotation(torch.arange(N).expand(B, -1))
     for li, layer in enumerate(model.layers):
         mask = causal & (evicted[li][:, :, None, :] >= end[None, None, :, None])  # [B, H, N, N]
         q, k, v = _qkv(layer, x, cfg)
