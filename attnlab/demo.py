@@ -11,7 +11,8 @@ import argparse
 import sys
 import time
 
-from attnlab.cli_common import positive_int, progress
+from attnlab.cli.common import positive_int
+from attnlab.io import progress
 
 POLICIES = ["full", "window", "sink", "h2o", "sink_h2o"]
 

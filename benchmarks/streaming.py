@@ -139,7 +139,7 @@ def main(argv=None) -> int:
         r = out[f"{name}_cost"][0]
         print(f"{name}: {r['ms_per_token']:.1f} ms/token = {r['ms_per_token'] / cost:.2f}x sink")
     if args.json:
-        from attnlab.cli_common import write_json
+        from attnlab.io import write_json
         write_json(args.json, out)
     return 0
 

@@ -7,6 +7,12 @@ import torch
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tests that set threads (CLI --threads) must not leak them into the next test."""
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     import attnlab

@@ -92,7 +92,7 @@ def curve_summary(steps: list[int], values: list[float]) -> dict:
 
 def train_one(out: Path, n_layers: int, lr: float, seed: int, size: dict, progress: bool, tokenizer=None):
     """Train one J3 model; returns (evaluation rows, tokenizer)."""
-    from attnlab.cli_common import progress as bar
+    from attnlab.io import progress as bar
     from attnlab.train import TrainConfig, Trainer
 
     cfg = TrainConfig(n_layers=n_layers, lr=lr, seed=seed, steps=size["steps"], eval_every=size["eval_every"],
@@ -118,7 +118,7 @@ def _train_job(job) -> list[dict]:
 def run_attention_entropy(out, seed: int = 0, size: str = "full", progress: bool = True) -> dict:
     """The registry entry: train every configuration of SIZES[size] into out/runs/, then plot."""
     from attnlab.analysis import plots
-    from attnlab.cli_common import write_json
+    from attnlab.io import write_json
 
     t0 = time.perf_counter()
     out, cfg = Path(out), SIZES[size]

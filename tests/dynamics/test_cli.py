@@ -3,7 +3,7 @@
 import argparse
 import json
 
-from attnlab.dynamics.cli import add_parser
+from attnlab.cli.dynamics import add_parser
 from attnlab.dynamics.registry import EXPERIMENTS, Experiment, register
 
 

@@ -74,7 +74,7 @@ def smol():
 @pytest.fixture
 def cli(smol, monkeypatch):
     import attnlab.cli as main_cli
-    import attnlab.kv.cli as kv_cli
+    import attnlab.cli.stream as kv_cli
     monkeypatch.setattr(kv_cli, "load_lm", lambda args, tokenizer=True: smol)
     monkeypatch.setattr(main_cli, "load_lm", lambda args, tokenizer=True: smol)
     return main_cli.main

@@ -10,10 +10,11 @@ import importlib
 import json
 import sys
 
-from attnlab.cli_common import UserError, add_model_args, load_lm, nonneg_int, positive_int, progress
+from attnlab.cli.common import UserError, add_model_args, load_lm, nonneg_int, positive_int
+from attnlab.io import progress
 
 # Subsystems that bring their own subcommands through `add_parser(subparsers)`.
-SUBSYSTEMS = ["attnlab.dynamics.cli", "attnlab.kv.cli", "attnlab.analysis.cli"]
+SUBSYSTEMS = ["attnlab.cli.dynamics", "attnlab.cli.stream", "attnlab.cli.analysis"]
 
 
 class Parser(argparse.ArgumentParser):
@@ -74,7 +75,7 @@ def _policy(args, length: int | None):
     """The KV-cache policy of --policy/--budget/--positions/--n-sink (None for full)."""
     if getattr(args, "policy", "full") == "full":
         return None
-    from attnlab.kv.cli import build_policy
+    from attnlab.cli.stream import build_policy
     if length is None and any(c in args.budget for c in ".%eE"):
         raise UserError("chat needs a budget in tokens (e.g. --budget 1024), not a fraction")
     return build_policy(args.policy, args.budget, args.positions, args.n_sink, length)
@@ -82,7 +83,7 @@ def _policy(args, length: int | None):
 
 def _add_policy(p):
     try:
-        from attnlab.kv.cli import add_policy_args
+        from attnlab.cli.stream import add_policy_args
     except ModuleNotFoundError:
         return
     add_policy_args(p, budget_default="1024")

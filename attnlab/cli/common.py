@@ -1,14 +1,7 @@
-"""Shared pieces of the command line: model options, argument types, progress bars, output."""
+"""Shared pieces of the command line: model options, argument types, user errors."""
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
-import tempfile
-from pathlib import Path
-
-from tqdm import tqdm
 
 from attnlab.engine import DEFAULT_MODEL
 
@@ -42,20 +35,3 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def load_lm(args, tokenizer: bool = True):
     from attnlab.engine import LM
     return LM.load(args.model, dtype=args.dtype, threads=args.threads, tokenizer=tokenizer)
-
-
-def progress(total: int, desc: str, unit: str = "tok"):
-    """A tqdm bar on stderr that stays quiet when stderr is not a terminal and ATTNLAB_PROGRESS is unset."""
-    disable = not (sys.stderr.isatty() or os.environ.get("ATTNLAB_PROGRESS"))
-    return tqdm(total=total, desc=desc, unit=unit, disable=disable, leave=False, dynamic_ncols=True)
-
-
-def write_json(path: str | Path, data) -> None:
-    """Write JSON atomically (temp file + rename): a crash never leaves half a result."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)

@@ -11,7 +11,8 @@ import json
 import sys
 from pathlib import Path
 
-from attnlab.cli_common import UserError, add_model_args, load_lm, positive_int, progress, write_json
+from attnlab.cli.common import UserError, add_model_args, load_lm, positive_int
+from attnlab.io import progress, write_json
 
 DEFAULT_POLICIES = "full,window,sink,h2o,sink_h2o"
 

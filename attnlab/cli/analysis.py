@@ -6,7 +6,8 @@ import json
 import time
 from pathlib import Path
 
-from attnlab.cli_common import UserError, add_model_args, load_lm, nonneg_int, positive_int, progress, write_json
+from attnlab.cli.common import UserError, add_model_args, load_lm, nonneg_int, positive_int
+from attnlab.io import progress, write_json
 
 
 def cmd_analyze(args) -> int:

@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .registry import EXPERIMENTS, Experiment
+from attnlab.dynamics.registry import EXPERIMENTS, Experiment
 
 
 def _runner(exp: Experiment):
@@ -48,7 +48,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    """Stand-alone entry (``python -m attnlab.dynamics.cli ...``), same as ``attnlab dynamics ...``."""
+    """Stand-alone entry (``python -m attnlab.cli.dynamics ...``), same as ``attnlab dynamics ...``."""
     parser = argparse.ArgumentParser(prog="attnlab")
     sub = parser.add_subparsers(dest="command", required=True)
     add_parser(sub)

@@ -1,0 +1,47 @@
+"""Result files and progress bars shared by the library and the command line.
+
+Results that matter are written atomically (temp file + rename), so a crash or Ctrl-C
+never leaves half a file where a finished result is expected; they are created 0644
+(mkstemp's 0600 would hide them from the other users of a shared machine).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from tqdm import tqdm
+
+
+def write_atomic(path: str | os.PathLike, write: Callable[[str], None]) -> Path:
+    """Call write(tmp_path) on a temporary file beside path, then rename it onto path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_text(path: str | os.PathLike, text: str) -> Path:
+    return write_atomic(path, lambda tmp: Path(tmp).write_text(text))
+
+
+def write_json(path: str | os.PathLike, data) -> Path:
+    """JSON with indent 2 and a trailing newline, written atomically."""
+    return write_text(path, json.dumps(data, indent=2) + "\n")
+
+
+def progress(total: int, desc: str, unit: str = "tok"):
+    """A tqdm bar on stderr that stays quiet when stderr is not a terminal and ATTNLAB_PROGRESS is unset."""
+    disable = not (sys.stderr.isatty() or os.environ.get("ATTNLAB_PROGRESS"))
+    return tqdm(total=total, desc=desc, unit=unit, disable=disable, leave=False, dynamic_ncols=True)
