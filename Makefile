@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.attnlab-installed
 THREADS ?= 2
 
-.PHONY: setup demo test test-all bench clean
+.PHONY: setup demo test test-all bench bench-llamacpp clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -27,7 +27,14 @@ test-all: $(STAMP)
 	$(BIN)/python -m pytest -m ''
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/decode_speed.py
+	$(BIN)/python benchmarks/decode_speed.py --threads 1,2 --repeats 5 --compile
+	$(BIN)/python benchmarks/streaming.py --threads 1 --quant int4:32 --block 64 --compile --llamacpp-depth 16384
+
+# llama.cpp, the speed anchor: built from the llama-cpp-python source package into the venv
+# (native CPU flags), so the benchmarks time it on the same GGUF file. Not a dependency of attnlab.
+bench-llamacpp: $(STAMP)
+	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \
+		$(BIN)/pip install --no-binary llama-cpp-python llama-cpp-python
 
 clean:
 	rm -rf $(VENV) build *.egg-info
