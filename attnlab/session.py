@@ -46,11 +46,15 @@ class Session:
         """Whether `text` (a rendered prompt) continues what this cache holds."""
         return text.startswith(self.text)
 
-    def extend(self, text: str) -> int:
-        """Feed the part of the rendered `text` past `self.text`; returns how many tokens that was."""
+    def new_ids(self, text: str) -> list[int]:
+        """Token ids of the part of the rendered `text` past what the cache holds."""
         if not self.matches(text):
             raise ValueError("the prompt does not continue this session")
-        ids = self.lm.encode_rendered(text[len(self.text):]) if len(text) > len(self.text) else []
+        return self.lm.encode_rendered(text[len(self.text):]) if len(text) > len(self.text) else []
+
+    def extend(self, text: str, ids: list[int] | None = None) -> int:
+        """Feed the part of the rendered `text` past `self.text` (ids: its `new_ids`, if known); returns the count."""
+        ids = self.new_ids(text) if ids is None else ids
         self.feed(ids)
         self.text = text
         return len(ids)

@@ -15,7 +15,7 @@ from attnlab.io import progress
 from attnlab.textstream import TextStream
 
 # Subsystems that bring their own subcommands through `add_parser(subparsers)`.
-SUBSYSTEMS = ["attnlab.cli.dynamics", "attnlab.cli.stream", "attnlab.cli.analysis"]
+SUBSYSTEMS = ["attnlab.cli.dynamics", "attnlab.cli.stream", "attnlab.cli.analysis", "attnlab.cli.serve"]
 
 
 class Parser(argparse.ArgumentParser):
