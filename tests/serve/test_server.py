@@ -186,3 +186,22 @@ def test_sessions_endpoint_and_cache_view(client, served):
     view = httpx.get(served[0] + f"/v1/sessions/{sid}/cache").json()
     assert len(view["layers"]) == 30 and view["n_sink"] == 4
     assert all(layer == list(range(mine["tokens_seen"])) for layer in view["layers"])  # nothing evicted yet
+
+
+def test_cache_view_shows_sinks_and_recent_window_after_eviction(client, served):
+    """A per-request sink policy of 16 slots: every layer keeps positions 0-3 and the 12 latest."""
+    r = ask(client, [{"role": "user", "content": "Describe the moon in one sentence."}], max_tokens=6,
+            extra_body={"attnlab": {"policy": "sink", "budget": 16}})
+    ext = r.model_extra["attnlab"]
+    assert ext["slots_kept"] == 16 and ext["tokens_seen"] > 30
+    view = httpx.get(served[0] + f"/v1/sessions/{ext['session']}/cache").json()
+    seen = view["tokens_seen"]
+    assert view["policy"] == "sink" and view["n_sink"] == 4 and view["n_recent"] == 12
+    assert all(layer == [0, 1, 2, 3] + list(range(seen - 12, seen)) for layer in view["layers"])
+
+
+def test_serve_command_rejects_bad_options(capsys):
+    from attnlab.cli import main
+    assert main(["serve", "--budget", "0.5"]) == 2
+    assert "--budget in tokens" in capsys.readouterr().err
+    assert main(["serve", "--policy", "sink,h2o"]) == 2
