@@ -212,7 +212,7 @@ def create_app(lm, model_name: str, spec: CacheSpec = CacheSpec(), max_sessions:
                 choice = {"index": 0, "text": delta or "", "finish_reason": reason, "logprobs": None}
             body = {"id": rid, "object": kind + (".chunk" if chat else ""), "created": created,
                     "model": model_name, "choices": [choice]}
-            if reason is not None:
+            if reason is not None or first:  # the page learns its session id from the first chunk
                 body["attnlab"] = extension(held, session, turn)
             return f"data: {json.dumps(body)}\n\n"
 

@@ -52,14 +52,20 @@ class Held:
                 "created": int(self.created), "last_used": int(self.last_used)}
 
     def cache_view(self) -> dict:
-        """Which absolute positions each layer holds (union over KV heads) and how the policy classes them.
+        """Which absolute positions each layer holds (union over KV heads, `heads`: how many hold each one)
+        and how the policy classes them.
 
         sinks: positions < n_sink; recent: the trailing n_recent positions of the layer; anything
         else kept is a heavy hitter (kept for its score). For `full` every position is recent.
         """
         cache = self.session.cache
         n = len(cache)
-        layers = [sorted(set(layer.pos[:, :, :n].flatten().tolist()) - {-1}) for layer in cache.layers]
+        layers, heads = [], []
+        for layer in cache.layers:
+            pos, count = layer.pos[:, :, :n].flatten().unique(return_counts=True)
+            keep = pos >= 0
+            layers.append(pos[keep].tolist())
+            heads.append(count[keep].tolist())
         if self.policy is None:
             n_sink, n_recent = 0, cache.seen
         else:
@@ -67,7 +73,7 @@ class Held:
             n_sink, n_recent = self.policy.n_sink(budget), self.policy.n_recent(budget)
         return {"id": self.id, **self.spec.describe(), "tokens_seen": cache.seen, "slots_kept": n,
                 "kv_heads": cache.layers[0].pos.shape[1], "n_sink": n_sink, "n_recent": n_recent,
-                "layers": layers}
+                "layers": layers, "heads": heads}
 
 
 class SessionStore:
