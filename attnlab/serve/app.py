@@ -123,7 +123,8 @@ def create_app(lm, model_name: str, spec: CacheSpec = CacheSpec(), max_sessions:
                 prompt = await on_worker(lambda: len(lm.encode_rendered(text)))
                 check_length(s, session.cache.seen, prompt, len(new), limit)
                 feeding = True
-                await on_worker(session.extend, text, new)
+                await feed(session, new)
+                session.text = text
             except BaseException:  # keep a reused session only if its cache was not touched
                 worker.submit(store.release, held, reused and not feeding)
                 raise
@@ -133,8 +134,13 @@ def create_app(lm, model_name: str, spec: CacheSpec = CacheSpec(), max_sessions:
         cache = lm.new_cache(policy=policy) if policy else lm.new_cache(max_capacity=lm.cfg.context_length)
         session = Session(lm, cache, chunk)
         check_length(s, 0, len(ids), len(ids), limit)
-        await on_worker(session.feed, ids)
+        await feed(session, ids)
         return None, session, Turn(len(ids), len(ids))
+
+    async def feed(session: Session, ids: list[int]) -> None:
+        """Prefill as one worker step per chunk, so a long prompt does not stall the other streams."""
+        for i in range(0, len(ids), chunk):
+            await on_worker(session.feed, ids[i:i + chunk])
 
     async def run(gen, turn: Turn, stops: list[str], request: Request | None):
         """Decode one token per worker step; yields text deltas (cut at stop strings)."""
