@@ -15,7 +15,8 @@ from attnlab.io import progress
 from attnlab.textstream import TextStream
 
 # Subsystems that bring their own subcommands through `add_parser(subparsers)`.
-SUBSYSTEMS = ["attnlab.cli.dynamics", "attnlab.cli.stream", "attnlab.cli.analysis", "attnlab.cli.serve"]
+SUBSYSTEMS = ["attnlab.cli.dynamics", "attnlab.cli.stream", "attnlab.cli.analysis", "attnlab.cli.quantize",
+              "attnlab.cli.serve"]
 
 
 class Parser(argparse.ArgumentParser):
@@ -61,7 +62,7 @@ def _policy(args, length: int | None):
     from attnlab.cli.stream import build_policy
     if length is None and any(c in args.budget for c in ".%eE"):
         raise UserError("chat needs a budget in tokens (e.g. --budget 1024), not a fraction")
-    return build_policy(args.policy, args.budget, args.positions, args.n_sink, length)
+    return build_policy(args.policy, args.budget, args.positions, args.n_sink, length, block=args.block)
 
 
 def _add_policy(p):

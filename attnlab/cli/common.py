@@ -30,8 +30,22 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help=f"embedded name, .gguf file or Hugging Face folder (default: {DEFAULT_MODEL})")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and activations")
     p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads")
+    p.add_argument("--quant", type=quant_spec, default=None, metavar="SPEC",
+                   help="quantized weights: int8, int4[:GROUP] (default group 32), kmeans[:BITS[:GROUP]], "
+                        "kmeans-naive[:BITS] (lookup-then-matmul baseline); default: float weights")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the single-token decode step (torch.compile; tens of seconds on first use)")
+
+
+def quant_spec(text: str):
+    from attnlab.quant import QuantSpec
+    try:
+        return QuantSpec.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def load_lm(args, tokenizer: bool = True):
     from attnlab.engine import LM
-    return LM.load(args.model, dtype=args.dtype, threads=args.threads, tokenizer=tokenizer)
+    return LM.load(args.model, dtype=args.dtype, threads=args.threads, tokenizer=tokenizer,
+                   quant=getattr(args, "quant", None), compile=getattr(args, "compile", False))

@@ -38,14 +38,17 @@ def add_policy_args(p: argparse.ArgumentParser, budget_default: str | None = "25
     p.add_argument("--positions", default=positions_default, choices=["cache", "original"],
                    help="cache: keys stored before RoPE, rotated at their slot (StreamingLLM); original: absolute")
     p.add_argument("--n-sink", type=int, default=4, help="attention-sink tokens kept by sink and sink_h2o")
+    p.add_argument("--block", type=positive_int, default=1,
+                   help="block eviction: evict once every BLOCK tokens (cache holds up to budget + BLOCK - 1); "
+                        "1 = exact per-token eviction")
 
 
 def build_policy(name: str, budget: str, positions: str, n_sink: int, length: int | None = None,
-                 chunk: int = 512):
+                 chunk: int = 512, block: int = 1):
     """One policy from CLI options; a fractional budget is resolved against `length` tokens."""
     from attnlab.kv.policies import make_policy
     try:
-        p = make_policy(name, budget, positions=positions, n_sink=n_sink, chunk=chunk)
+        p = make_policy(name, budget, positions=positions, n_sink=n_sink, chunk=chunk, block=block)
         if length is not None:
             p = p.resolve(length)
             p.check_budget(p.tokens)
@@ -74,7 +77,8 @@ def cmd_stream(args) -> int:
     plan = []
     for name in names:
         for b in (budgets if name != "full" else budgets[:1]):
-            plan.append((name, build_policy(name, b, args.positions, args.n_sink, args.tokens, chunk=args.chunk)))
+            plan.append((name, build_policy(name, b, args.positions, args.n_sink, args.tokens, chunk=args.chunk,
+                                            block=args.block)))
     text = corpus(args.text)
     lm = load_lm(args)
     ids = lm.encode(text)
@@ -89,7 +93,8 @@ def cmd_stream(args) -> int:
     for name, policy in plan:
         mode = "prefill" if name == "full" and not args.full_decode else "decode" if args.chunk == 1 else "chunk"
         key = _slug(f"{name}-{policy.budget if name != 'full' else 'all'}-{args.positions}-"
-                    f"{args.tokens}x{args.streams}-o{args.offset}" + (f"-c{args.chunk}" if mode == "chunk" else ""))
+                    f"{args.tokens}x{args.streams}-o{args.offset}" + (f"-c{args.chunk}" if mode == "chunk" else "")
+                    + (f"-b{args.block}" if args.block > 1 else "") + (f"-q{args.quant}" if args.quant else ""))
         path = out / f"{key}.json"
         if path.exists() and not args.force:
             run = json.loads(path.read_text())
