@@ -109,7 +109,7 @@ def create_app(lm, model_name: str, spec: CacheSpec = CacheSpec(), max_sessions:
         try:
             await asyncio.wait_for(sem.acquire(), queue_timeout)
         except TimeoutError:
-            raise APIError(503, f"server busy: no generation slot freed within {queue_timeout:.0f} s",
+            raise APIError(503, f"server busy: no generation slot freed within {queue_timeout:g} s",
                            type="server_error", code="queue_timeout") from None
         return sem
 

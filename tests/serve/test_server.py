@@ -205,3 +205,18 @@ def test_serve_command_rejects_bad_options(capsys):
     assert main(["serve", "--budget", "0.5"]) == 2
     assert "--budget in tokens" in capsys.readouterr().err
     assert main(["serve", "--policy", "sink,h2o"]) == 2
+
+
+def test_busy_server_answers_503_after_the_bounded_wait(smollm2):
+    from attnlab.serve import CacheSpec, create_app
+    from tests.serve.conftest import running
+    app = create_app(smollm2, MODEL, CacheSpec("sink", 64), max_active=1, queue_timeout=0.3)
+    body = {"model": MODEL, "prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "max_tokens": 300, "temperature": 0,
+            "stream": True}
+    with running(app) as url, httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as first:
+        assert first.status_code == 200
+        lines = first.iter_lines()  # kept referenced: a discarded iterator closes the connection
+        next(lines)                 # the first request holds the only slot (counting on: no early EOS)
+        r = httpx.post(url + "/v1/completions", json={**body, "stream": False}, timeout=60)
+        assert app.state.stats["active"] == 1
+        assert r.status_code == 503 and r.json()["error"]["code"] == "queue_timeout"
