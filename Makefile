@@ -38,3 +38,15 @@ bench-llamacpp: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# The page at / in a real headless browser: Debian's chromium + chromedriver, then the `browser` tests.
+.PHONY: browser-deps browser-test serve
+browser-deps:
+	apt-get update && apt-get install -y chromium chromium-driver
+
+browser-test: $(STAMP)
+	mkdir -p docs/figures/serve
+	ATTNLAB_SCREENSHOT=docs/figures/serve/page.png $(BIN)/python -m pytest -m browser tests/serve
+
+serve: $(STAMP)
+	$(BIN)/python -m attnlab serve --policy sink --budget 1024 --threads $(THREADS)
