@@ -56,6 +56,18 @@ def s1_trajectories(path, steps, runs: dict) -> Path:
     return _save(fig, path)
 
 
+def s1_attention_rows(path, rows: torch.Tensor, iters, num_common: int) -> Path:
+    """Scan and Snap Fig. 4 (heatmap) analogue: attention c_l of class 0 over [common | distinct]
+    tokens at the listed iterations. rows: (len(iters), C + D)."""
+    fig, ax = plt.subplots(figsize=(4.2, 4.3))
+    ax.imshow(rows.float().numpy(), aspect="auto")
+    ax.axvline(num_common - 0.5, color="w", ls="--", lw=1)
+    ax.set_yticks(range(len(iters)), [f"iter {t}" for t in iters[:-1]] + [f"final ({iters[-1]})"])
+    ax.set_xlabel("token #")
+    ax.set_title("common tokens | distinct tokens (class 0)", fontsize=9)
+    return _save(fig, path)
+
+
 def s2_sweep(path, entropy: torch.Tensor, std: torch.Tensor, queries, lr_z, ratios) -> Path:
     """Scan and Snap Fig. 6 analogue. entropy, std: (Q, len(lr_z), len(ratios))."""
     nq = len(queries)

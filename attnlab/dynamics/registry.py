@@ -18,8 +18,10 @@ from .experiments_joma import run_hierarchy, run_joma_invariant, run_joma_nonlin
 class Experiment:
     name: str
     help: str
-    run: Callable  # (out: Path, seed: int, size: str, progress: bool) -> dict
+    run: Callable  # (out: Path, seed: int, size: str, progress: bool, **options) -> dict
     summary: Callable[[dict], list[str]] | None = None  # metrics -> printable lines
+    # extra CLI flags: (name, type, default, help); passed to run as keyword arguments
+    options: tuple = ()
 
 
 EXPERIMENTS: dict[str, Experiment] = {}
@@ -52,7 +54,11 @@ def _s3(m):
     e, f = m["theorem3_log_error"], m["theorem4_fit"]
     return [f"Theorem 3 |ln measured - ln predicted|: median {e['median']:.3f}, p90 {e['p90']:.3f}",
             f"Theorem 4: split at step {f['split_step']:.0f}, scan rmse {f['scan']['rmse']:.4f}, snap rmse {f['snap']['rmse']:.4f}"
-            f" (single-curve rmse: scan {f['scan_only_rmse']:.4f}, snap {f['snap_only_rmse']:.4f})"]
+            f" (single-curve rmse: scan {f['scan_only_rmse']:.4f}, snap {f['snap_only_rmse']:.4f})",
+            f"late phase t >= {m['late_fits']['start']:.0f}: AIC(ln ln) - AIC(ln) = {m['late_fits']['aic_lnln_minus_ln']:.1f}; "
+            f"held-out rmse ln {m['late_fits']['ln']['heldout_rmse']:.4f}, ln ln {m['late_fits']['lnln']['heldout_rmse']:.4f}",
+            f"dB/d ln t: early {m['growth_slope']['early']:.4f}, late {m['growth_slope']['late']:.4f}, "
+            f"ratio {m['growth_slope']['late_over_early']:.3f} (ln ln t predicts ~{m['growth_slope']['lnln_prediction']:.2f}, ln t 1)"]
 
 
 def _j1(m):
@@ -76,7 +82,9 @@ def _j4(m):
 
 
 for _exp in (
-    Experiment("scan-snap", "S1: z of common vs distinct tokens, entropy snap (Scan and Snap Fig. 4)", run_scan_snap, _s1),
+    Experiment("scan-snap", "S1: z of common vs distinct tokens, entropy snap (Scan and Snap Fig. 4)", run_scan_snap, _s1,
+               options=(("next_per_query", int, 1, "next tokens per query (1 = paper Fig. 4, 2 = the 2 x 2 variant)"),
+                        ("iters", int, 0, "iterations (0 = the size's default: 100, as in Fig. 4)"))),
     Experiment("scan-snap-sweep", "S2: distinct-token entropy over eta_Z x eta_Y/eta_Z (Fig. 6)", run_scan_snap_sweep, _s2),
     Experiment("scan-snap-theorems", "S3: Theorem 3 relative gain and Theorem 4 scan/snap phases", run_scan_snap_theorems, _s3),
     Experiment("joma-invariant", "J1: JoMA invariant NC(z, z_hat) and linear winner-take-all (Figs. 2-3)", run_joma_invariant, _j1),

@@ -50,6 +50,20 @@ def test_s1_entropy_drops_then_freezes(s1):
         assert e["late_change"] < 0.25 * e["drop"]  # second half barely moves: snapped
 
 
+def test_s1_matches_paper_fig4_numbers(s1):
+    """Fig. 4 setting (M = 34): loss curve on the authors' logged one, final entropy pinned.
+
+    Anchors measured with `attnlab dynamics scan-snap` (10 seeds: final entropy 1.914-1.959
+    for eta_Y = eta_Z, 2.060-2.094 for eta_Y = 10 eta_Z; 2 quick seeds sit inside)."""
+    assert s1["vocab_size"] == 34
+    slow, fast = s1["runs"]["ratio_1"], s1["runs"]["ratio_10"]
+    for t in ("2", "4", "6", "8", "10"):  # the authors' log: 2.368, 0.7335, 0.1608, 0.0444, 0.0130
+        paper, ours = s1["paper_fig4_loss"][t], slow["loss_at"][t]
+        assert abs(ours - paper) < 0.15 * paper + 0.002, (t, ours, paper)
+    assert all(1.90 <= h <= 1.97 for h in slow["final_entropy_per_seed"])
+    assert all(2.05 <= h <= 2.11 for h in fast["final_entropy_per_seed"])
+
+
 def test_s1_larger_decoder_lr_snaps_earlier_and_less_sparse(s1):
     slow, fast = s1["runs"]["ratio_1"], s1["runs"]["ratio_10"]
     assert fast["z_speed"]["peak_step"] < slow["z_speed"]["peak_step"]
@@ -67,9 +81,20 @@ def test_s2_sweep_trends(tmp_path):
     assert (by_r[:, 2] > by_r[:, 1]).all() and (by_r[:, 3] > by_r[:, 1]).all()
 
 
-def test_s3_theorems(tmp_path):
-    m = run_scan_snap_theorems(tmp_path, seed=0, size="quick", progress=False)
-    assert m["theorem3_log_error"]["median"] < 0.1
-    fit = m["theorem4_fit"]
-    assert fit["snap"]["a"] > 0 and m["B_final"] > 0
-    assert (tmp_path / "s3_theorems.png").stat().st_size > 0
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    return run_scan_snap_theorems(tmp_path_factory.mktemp("s3"), seed=0, size="quick", progress=False)
+
+
+def test_s3_theorem3_relative_gain(s3):
+    assert s3["theorem3_log_error"]["median"] < 0.05  # measured 0.024 (quick), 0.0xx (full)
+
+
+def test_s3_growth_anchors(s3):
+    """B(t) and the per-decade growth rate dB/d ln t, pinned to the measured quick run (2000 steps).
+
+    The full 1e5-step run is in docs/theory.md; at this size the run is still in its scan phase."""
+    B = s3["B_at"]
+    assert 0.15 < B["100"] < 0.23 and 0.40 < B["2000"] < 0.52, B
+    g = s3["growth_slope"]
+    assert 1.2 < g["late_over_early"] < 1.9, g
