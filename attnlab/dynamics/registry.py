@@ -75,10 +75,16 @@ def _j2(m):
 
 
 def _j4(m):
-    c = m["cooccurrence_by_height"]
-    return [f"correlation layer 0 / layer 1: init {m['corr_init'][0]:.3f} / {m['corr_init'][1]:.3f}, "
-            f"trained {m['corr_final'][0]:.3f} / {m['corr_final'][1]:.3f}; accuracy {m['accuracy']:.3f}",
-            "co-occurrence by LCA height: " + ", ".join(f"{h}: {v['mean']:.2f}" for h, v in c.items())]
+    c, S = m["cooccurrence_by_height"], m["summary"]
+    out = []
+    for lvl in range(len(S["trained_true"])):
+        u, t, g, gs = S["untrained_true"][lvl], S["trained_true"][lvl], S["gain_true"][lvl], S["gain_shuffled"][lvl]
+        out.append(f"layer {lvl}: probe {u['probe']:.3f} -> {t['probe']:.3f} (gain {g['probe']:+.3f}, shuffled {gs['probe']:+.3f}); "
+                   f"mean |corr| {u['mean_corr']:.3f} -> {t['mean_corr']:.3f}; max corr {u['max_corr']:.3f} -> {t['max_corr']:.3f}")
+    out.append(f"layer-1 probe gain per seed: {', '.join(f'{x:+.3f}' for x in m['probe_gain_layer1_per_seed'])}; "
+               f"accuracy {', '.join(f'{a:.2f}' for a in m['accuracy'])}")
+    out.append("co-occurrence by LCA height: " + ", ".join(f"{h}: {v['mean']:.2f}" for h, v in c.items()))
+    return out
 
 
 for _exp in (
@@ -92,4 +98,4 @@ for _exp in (
     Experiment("hierarchy", "J4: latent-tree data, per-layer hidden/latent correlation (Table 1)", run_hierarchy, _j4),
 ):
     register(_exp)
-from . import attention_entropy  # noqa: E402,F401  (J3, registers itself)
+from . import attention_entropy, orthogonality  # noqa: E402,F401  (J3, orthogonality: register themselves)
