@@ -33,8 +33,9 @@ S2_SIZES = {"quick": dict(queries=(1, 3), seeds=4, iters=100, batch=128, context
             "full": dict(queries=(1, 3, 5, 10), seeds=10, iters=100, batch=128, context=128)}
 S2_LR_Z = (0.5, 1.0, 2.0, 3.0)
 S2_RATIOS = (1, 2, 5, 10)
-S3_SIZES = {"quick": dict(iters=2000, batch=128, context=128, record_every=10),
-            "full": dict(iters=100000, batch=128, context=128, record_every=10)}
+# quick: 10x the learning rates, so 2000 steps cover both phases (the scan ends within ~100 steps)
+S3_SIZES = {"quick": dict(iters=2000, batch=128, context=128, record_every=10, lr_scale=10.0),
+            "full": dict(iters=100000, batch=128, context=128, record_every=10, lr_scale=1.0)}
 
 
 def progress_bar(total: int, desc: str, enabled: bool):
@@ -186,7 +187,8 @@ def run_scan_snap_theorems(out: Path, seed: int = 0, size: str = "full", progres
     cfg = S3_SIZES[size]
     data = SequenceClasses(num_queries=2, next_per_query=1)
     gen = make_generator(seed)
-    runs = YZRuns.create(1, data.vocab_size, lr_y=0.5, lr_z=0.05, zero_init=True, gen=gen)
+    lr_y, lr_z = 0.5 * cfg["lr_scale"], 0.05 * cfg["lr_scale"]
+    runs = YZRuns.create(1, data.vocab_size, lr_y=lr_y, lr_z=lr_z, zero_init=True, gen=gen)
     with progress_bar(cfg["iters"], "scan-snap-theorems", progress) as bar:
         tr = train_runs(data, runs, cfg["iters"], cfg["batch"], cfg["context"], gen,
                         record_every=cfg["record_every"], progress=bar)
@@ -207,7 +209,7 @@ def run_scan_snap_theorems(out: Path, seed: int = 0, size: str = "full", progres
               "snap": snap_curve(t, fit["snap"]["a"], fit["snap"]["tau"], fit["snap"]["b"])}
     figs = [plots.s3_theorems(Path(out) / "s3_theorems.png", steps, gains[0], B, fit, curves)]
     marks = sorted({10, 50, 100, 500, 1000, 2000, 5000, 10000, 20000, T})
-    metrics = {"config": {**cfg, "lr_z": 0.05, "lr_y": 0.5, "momentum": 0.9, "num_queries": 2, "next_per_query": 1},
+    metrics = {"config": {**cfg, "lr_z": lr_z, "lr_y": lr_y, "momentum": 0.9, "num_queries": 2, "next_per_query": 1},
                "theorem3_log_error": {"median": float(log_err.median()), "p90": float(log_err.quantile(0.9)),
                                       "max": float(log_err.max())},
                "theorem4_fit": fit, "late_fits": late_fits,

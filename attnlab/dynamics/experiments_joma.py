@@ -18,7 +18,7 @@ from .hierarchy import (HierConfig, HierTransformer, LatentTree, cooccurrence_by
                         train_hierarchy)
 from .joma import JointModel, TokenWeightSetup, train_joint, u_shape_stats, v_dynamics
 
-J1_SIZES = {"quick": dict(steps=2000, seeds=1), "full": dict(steps=2000, seeds=5)}
+J1_SIZES = {"quick": dict(steps=2000, seeds=3), "full": dict(steps=2000, seeds=5)}
 J2_SIZES = {"quick": dict(steps=5000), "full": dict(steps=5000)}
 J4_SIZES = {"quick": dict(dim=32, steps=150, batch=128, lr=1e-3, eval_every=50, seeds=3),
             "full": dict(dim=64, steps=2000, batch=128, lr=1e-4, eval_every=100, seeds=3)}
@@ -65,6 +65,7 @@ def run_joma_invariant(out: Path, seed: int = 0, size: str = "full", progress: b
     metrics = {"config": {**cfg, "tokens": setup.num_tokens, "classes": setup.num_classes, "dim": 30,
                           "temperature": 0.5, "lr": 0.1},
                "nc_min_over_seeds": min(p["nc_min"] for p in per_seed),
+               "nc_min_median_over_seeds": float(torch.tensor([p["nc_min"] for p in per_seed]).median()),
                "wta_ratio_min_over_seeds": min(p["wta_class0"]["ratio"] for p in per_seed),
                "per_seed": per_seed}
     return finish(out, "joma-invariant", size, seed, metrics, figs, t0)

@@ -14,15 +14,17 @@ def test_centred_cosine_ignores_offsets():
     assert abs(float(centred_cosine(a, -a)) + 1) < 1e-5
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_j1_invariant_and_winner_take_all(tmp_path, seed):
-    m = run_joma_invariant(tmp_path, seed=seed, size="quick", progress=False)
-    s = m["per_seed"][0]
-    assert s["nc_min"] >= 0.95  # NC(z, z_hat) >= 0.95 at every recorded step
-    assert s["attn_entropy"][1] < s["attn_entropy"][0]
-    w = s["wta_class0"]
-    assert w["ratio"] >= 2  # one component of v_0 dominates the rest
-    assert w["winner_growth_second_half"] > 3 * abs(w["runner_up_growth_second_half"])
+def test_j1_invariant_and_winner_take_all(tmp_path):
+    """Quick size: seeds 0-2. Minimum NC(z, z_hat) over steps, median over seeds (measured 0.951 on
+    seed 0, >= 0.994 on the others), and winner-take-all of v_0 on every seed."""
+    m = run_joma_invariant(tmp_path, seed=0, size="quick", progress=False)
+    assert m["nc_min_median_over_seeds"] >= 0.98
+    assert m["nc_min_over_seeds"] >= 0.94
+    for s in m["per_seed"]:
+        assert s["attn_entropy"][1] < s["attn_entropy"][0] - 1.5  # 2.75 -> 0.65-0.68
+        w = s["wta_class0"]
+        assert w["ratio"] >= 2.5  # one component of v_0 dominates the rest (2.8-5.2 measured)
+        assert w["winner_growth_second_half"] > 3 * abs(w["runner_up_growth_second_half"])
     assert (tmp_path / "j1_invariant.png").exists()
 
 
@@ -30,9 +32,10 @@ def test_j2_u_shape_vs_monotone(tmp_path):
     m = run_joma_nonlinear(tmp_path, seed=0, size="quick", progress=False)
     n, lin = m["nonlinear"], m["linear"]
     assert abs(n["start"] - m["ln10"]) < 1e-6
-    assert 0 < n["argmin"] < m["config"]["steps"]  # interior minimum
-    assert n["rebound"] >= 0.1
-    assert lin["monotone_decreasing"] and lin["end"] < lin["start"]
+    # measured (seed 0): minimum 0.897 at step 633, end 1.417 -> rebound 0.520
+    assert abs(n["min"] - 0.897) < 0.01 and abs(n["argmin"] - 633) <= 10
+    assert abs(n["rebound"] - 0.520) < 0.02
+    assert lin["monotone_decreasing"] and lin["end"] < 0.05
 
 
 def test_cooccurrence_decays_with_ancestor_height():

@@ -79,6 +79,12 @@ def test_s2_sweep_trends(tmp_path):
     assert (by_z[:, 1:] < by_z[:, :-1]).all(), "final entropy must fall as eta_Z grows"
     # ratios (1, 2, 5, 10): from ratio 2 on, a faster decoder leaves attention less sparse
     assert (by_r[:, 2] > by_r[:, 1]).all() and (by_r[:, 3] > by_r[:, 1]).all()
+    # single cells (queries, eta_Z, eta_Y/eta_Z) pinned to the measured quick sweep: mean (std over 4 seeds)
+    mean, std = torch.as_tensor(m["final_entropy_mean"]), torch.as_tensor(m["final_entropy_std"])
+    cells = {(0, 0, 3): (2.092, 0.010), (1, 0, 0): (2.011, 0.006), (1, 2, 3): (1.948, 0.008), (1, 3, 0): (1.732, 0.031)}
+    for (q, z, r), (mu, sd) in cells.items():
+        assert abs(float(mean[q, z, r]) - mu) < 0.02 + 2 * sd, ((q, z, r), float(mean[q, z, r]))
+        assert float(std[q, z, r]) < 3 * sd + 0.01
 
 
 @pytest.fixture(scope="module")
@@ -87,14 +93,15 @@ def s3(tmp_path_factory):
 
 
 def test_s3_theorem3_relative_gain(s3):
-    assert s3["theorem3_log_error"]["median"] < 0.05  # measured 0.024 (quick), 0.0xx (full)
+    assert s3["theorem3_log_error"]["median"] < 0.1
 
 
-def test_s3_growth_anchors(s3):
-    """B(t) and the per-decade growth rate dB/d ln t, pinned to the measured quick run (2000 steps).
-
-    The full 1e5-step run is in docs/theory.md; at this size the run is still in its scan phase."""
+def test_s3_growth_slows_down(s3):
+    """Quick size (10x learning rates, 2000 steps): B(t) pinned, and the growth rate dB/d ln t over
+    [200, 2000] is about half that over [20, 200] (measured 0.52; a ln t law gives 1).
+    The full 1e5-step run at the base rates (late/early 0.58) is in docs/theory.md."""
     B = s3["B_at"]
-    assert 0.15 < B["100"] < 0.23 and 0.40 < B["2000"] < 0.52, B
+    assert 0.14 < B["10"] < 0.22 and 0.28 < B["2000"] < 0.36, B
     g = s3["growth_slope"]
-    assert 1.2 < g["late_over_early"] < 1.9, g
+    assert 0.3 < g["late_over_early"] < 0.75, g
+    assert s3["late_fits"]["aic_lnln_minus_ln"] < 0
