@@ -122,7 +122,7 @@ def _train_job(job) -> list[dict]:
 
 
 def run_attention_entropy(out, seed: int = 0, size: str = "full", progress: bool = True, arch: str = "llama",
-                          lr: float = 0.0, steps: int = 0, seeds: int = 1) -> dict:
+                          lr: float = 0.0, steps: int = 0, seeds: int = 1, layers: str = "") -> dict:
     """The registry entry: train every configuration of SIZES[size] into out/runs/, then plot.
 
     arch "postln" runs the paper's architecture instead (``run_postln``); for "llama", ``lr`` /
@@ -131,8 +131,14 @@ def run_attention_entropy(out, seed: int = 0, size: str = "full", progress: bool
         raise ValueError(f"unknown --arch {arch!r}; choose llama or postln")
     if lr < 0 or steps < 0 or seeds < 1:
         raise ValueError("--lr and --steps must be >= 0 and --seeds >= 1")
+    try:
+        depths = tuple(int(x) for x in layers.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--layers must be comma-separated integers, got {layers!r}") from None
+    if any(d < 1 for d in depths):
+        raise ValueError("--layers must be >= 1")
     if arch == "postln":
-        return run_postln(out, seed, size, progress, lr=lr, steps=steps, seeds=seeds)
+        return run_postln(out, seed, size, progress, lr=lr, steps=steps, seeds=seeds, depths=depths)
     from attnlab.analysis import plots
     from attnlab.io import write_json
 
@@ -140,6 +146,8 @@ def run_attention_entropy(out, seed: int = 0, size: str = "full", progress: bool
     out, cfg = Path(out), dict(SIZES[size])
     if lr:
         cfg.update(lrs=(lr,), sweep_lrs=())
+    if depths:
+        cfg.update(layers=depths, sweep_lrs=())
     if steps:
         cfg.update(steps=steps, eval_every=max(20, steps // 10))
     configs = [(n, lr) for n in cfg["layers"] for lr in cfg["lrs"]]
@@ -198,7 +206,8 @@ def _row_summaries(log: list[dict], key: str) -> list[dict]:
     return [curve_summary(steps, [r[key][i] for r in log]) for i in range(len(log[0][key]))]
 
 
-def run_postln(out, seed: int, size: str, progress: bool, lr: float = 0.0, steps: int = 0, seeds: int = 1) -> dict:
+def run_postln(out, seed: int, size: str, progress: bool, lr: float = 0.0, steps: int = 0, seeds: int = 1,
+               depths: tuple = ()) -> dict:
     """J3 on the paper's post-LN Transformer: depths x seeds, one process, then per-layer plots."""
     from attnlab.analysis import plots
     from attnlab.analysis.postln import train_postln
@@ -207,7 +216,7 @@ def run_postln(out, seed: int, size: str, progress: bool, lr: float = 0.0, steps
 
     t0 = time.perf_counter()
     out, cfg = Path(out), dict(POSTLN_SIZES[size])
-    cfg.update({k: v for k, v in (("lr", lr), ("steps", steps)) if v})
+    cfg.update({k: v for k, v in (("lr", lr), ("steps", steps), ("layers", depths)) if v})
     marks = [s for s in EARLY_EVALS + LATE_EVALS if s < cfg["steps"]]
     runs, times = {}, {}
     for n in cfg["layers"]:

@@ -19,4 +19,5 @@ register(Experiment("attention-entropy", "J3: attention entropy per layer while 
                     options=(("arch", str, "llama", "llama (ours: pre-RMSNorm, RoPE, SwiGLU) or postln (the paper's)"),
                              ("lr", float, 0.0, "learning rate (0 = the size's default)"),
                              ("steps", int, 0, "minibatches (0 = the size's default)"),
-                             ("seeds", int, 1, "seeds per configuration (postln)"))))
+                             ("seeds", int, 1, "seeds per configuration (postln)"),
+                             ("layers", str, "", "comma-separated depths, e.g. 1,2 (empty = the size's default)"))))
