@@ -45,8 +45,20 @@ def test_cooccurrence_decays_with_ancestor_height():
     assert all(a > b for a, b in zip(means, means[1:]))
 
 
-def test_j4_layer_correlations(tmp_path):
+def test_j4_probe_trained_minus_untrained(tmp_path):
+    """Quick size, seeds 0-2 (d = 32, 150 Adam steps at lr 1e-3).
+
+    Measured: class-held-out probe, layer 0 / level-0 latents 0.75 -> 0.73, layer 1 / level-1
+    0.20 -> 0.17, shuffled latents -0.13 / -0.11; layer-1 gain per seed -0.004, -0.014, -0.082.
+    The full run (d = 64, 2000 steps at lr 1e-4) also shows no layer-1 gain (-0.017 mean), so the
+    issue's "gain in layer 1 > 0 over seeds" is NOT asserted: it is not what we measure. This pins
+    what we do measure: the probe sees the latent tree (true >> shuffled), layer 0 > layer 1, the
+    network learns the task, and the layer-1 gain stays near zero."""
     m = run_hierarchy(tmp_path, seed=0, size="quick", progress=False)
-    c0, c1 = m["corr_final"]
-    assert c0 >= 0.9 and c0 > c1
-    assert m["accuracy"] > 0.5
+    S = m["summary"]
+    for stage in ("untrained", "trained"):
+        true, shuf = S[f"{stage}_true"], S[f"{stage}_shuffled"]
+        assert true[0]["probe"] > shuf[0]["probe"] + 0.5 and true[1]["probe"] > shuf[1]["probe"] + 0.15
+        assert true[0]["probe"] > true[1]["probe"] + 0.3  # the ordering of JoMA's Table 1
+    assert min(m["accuracy"]) > 0.8  # 0.95, 0.95, 1.00
+    assert -0.1 < S["gain_true"][1]["probe"] < 0.05
