@@ -1,6 +1,5 @@
 """J1, J2 (JoMA) and J4 (hierarchy) must-shows at --quick size."""
 
-import pytest
 import torch
 
 from attnlab.dynamics.common import centred_cosine, make_generator
