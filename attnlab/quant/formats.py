@@ -5,7 +5,7 @@ reordered and concatenated (the loaders' q/k permutations, the fused q/k/v and
 gate/up projections) without dequantising. 4-bit codes use ggml's block layout
 (see kernels.cpp): GGUF Q4_0/Q4_1 tensors map onto `int4` group 32 by copy.
 
-- int8:   symmetric, one scale per output row.            w = q * s[row]
+- int8:   symmetric, one scale per row (or group of G).   w = q * s[g]          (Q8_0's rule at G = 32)
 - int4:   asymmetric min/max per group of G inputs.      w = c * s[g] + m[g]   (Q4_1's rule)
 - kmeans: 2**bits centroids per row (or group), Lloyd.    w = codebook[g][c]
 """
@@ -34,8 +34,8 @@ def unpack4(qs: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Packed:
-    """A quantized matrix. kind: 'int8' (q [N, K] int8, scale [N]), 'int4' (qs [N, K/2], scale and
-    min [N, K/group]), 'kmeans' (qs [N, K/2], codebook [N, K/group, 16])."""
+    """A quantized matrix. kind: 'int8' (q [N, K] int8, scale [N, K/group]), 'int4' (qs [N, K/2], scale
+    and min [N, K/group]), 'kmeans' (qs [N, K/2], codebook [N, K/group, 16]); group K = one per row."""
     kind: str
     shape: tuple[int, int]
     group: int = 0
@@ -61,7 +61,7 @@ class Packed:
         """[N, K] float32."""
         N, K = self.shape
         if self.kind == "int8":
-            return self.q.float() * self.scale[:, None]
+            return (self.q.float().view(N, -1, self.group) * self.scale[..., None]).view(N, K)
         codes = unpack4(self.qs).view(N, K // self.group, self.group)
         if self.kind == "int4":
             return (codes.float() * self.scale[..., None] + self.min[..., None]).view(N, K)
@@ -82,11 +82,14 @@ def check_shape(w: torch.Tensor, group: int) -> None:
         raise ValueError(f"input size {K} is not a multiple of the group size {group} (and of {BLOCK})")
 
 
-def quantize_int8(w: torch.Tensor) -> Packed:
-    w = w.float()
-    scale = w.abs().amax(1).clamp_min(1e-12) / 127
-    q = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
-    return Packed("int8", tuple(w.shape), q=q, scale=scale)
+def quantize_int8(w: torch.Tensor, group: int | None = None) -> Packed:
+    N, K = w.shape
+    group = group or K
+    check_shape(w, group)
+    g = w.float().view(N, K // group, group)
+    scale = g.abs().amax(-1).clamp_min(1e-12) / 127
+    q = (g / scale[..., None]).round().clamp(-127, 127).to(torch.int8)
+    return Packed("int8", (N, K), group, 8, q=q.view(N, K), scale=scale)
 
 
 def quantize_int4(w: torch.Tensor, group: int = 32) -> Packed:
@@ -142,20 +145,13 @@ def from_gguf_q4(blocks, kind: str, shape: tuple[int, int]) -> Packed:
 
 
 def from_gguf_q8_0(blocks, shape: tuple[int, int]) -> Packed:
-    """GGUF Q8_0 (fp16 d per 32, int8 codes) -> our per-row int8: requantised row by row in place of
-    a float copy of the whole matrix; equal to quantize_int8(dequantised)."""
+    """GGUF Q8_0 (fp16 scale per 32, int8 codes) -> int8 group 32, by copy (lossless)."""
     raw = torch.as_tensor(blocks).view(torch.uint8)
     N, K = shape
     raw = raw.reshape(N, K // BLOCK, 2 + BLOCK)
-    d = raw[..., 0:2].contiguous().view(torch.float16).float()   # [N, K/32, 1]
-    q = raw[..., 2:].contiguous().view(torch.int8)                # [N, K/32, 32]
-    out_q = torch.empty(N, K, dtype=torch.int8)
-    out_s = torch.empty(N)
-    step = 4096
-    for s in range(0, N, step):  # bounded temporary float memory
-        part = quantize_int8((q[s:s + step].float() * d[s:s + step]).view(-1, K))
-        out_q[s:s + step], out_s[s:s + step] = part.q, part.scale
-    return Packed("int8", (N, K), q=out_q, scale=out_s)
+    d = raw[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()   # [N, K/32]
+    q = raw[..., 2:].contiguous().view(torch.int8).reshape(N, K)
+    return Packed("int8", (N, K), BLOCK, 8, q=q, scale=d)
 
 
 def round_activations(x: torch.Tensor) -> torch.Tensor:

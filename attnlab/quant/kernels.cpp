@@ -12,7 +12,7 @@
 // and weight j + 16 in its high nibble.
 //   q4:   w = code * scale[g] + min[g]        (g = group of `group` weights, a multiple of 32)
 //   lut4: w = lut[g][code] * lut_scale[g]     (k-means codebooks, rounded to int8)
-//   q8:   w = int8 * scale[row]
+//   q8:   w = int8 * scale[g]                 (g = group of `group` weights: a row, or 32 as Q8_0)
 // Rows are split across torch's intra-op threads.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -41,12 +41,16 @@ inline __m256 dot_u8i8(__m256i u, __m256i s) {  // 32 u8 x 32 i8 -> 8 float part
   return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
 }
 
-// x [M, K] -> int8 codes [M, K] and one scale per 32 values [M, K/32]
-void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* d) {
+// x [M, K] -> int8 codes [M, K], one scale per 32 values [M, K/32] and (if sums) their exact sums
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* sums = nullptr) {
   for (int64_t b = 0; b < M * K / 32; ++b) {
     const float* xb = x + b * 32;
-    float amax = 0.f;
-    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    float amax = 0.f, sum = 0.f;
+    for (int j = 0; j < 32; ++j) {
+      amax = std::max(amax, std::fabs(xb[j]));
+      sum += xb[j];
+    }
+    if (sums) sums[b] = sum;
     d[b] = amax / 127.f;
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
     for (int j = 0; j < 32; ++j) q[b * 32 + j] = static_cast<int8_t>(std::lrintf(xb[j] * inv));
@@ -59,38 +63,49 @@ void check(const torch::Tensor& x, const torch::Tensor& w, int64_t K) {
   TORCH_CHECK(w.is_contiguous(), "weights must be contiguous");
 }
 
+void check_params(std::initializer_list<torch::Tensor> ts) {
+  for (const auto& t : ts)
+    TORCH_CHECK(t.is_contiguous() && t.scalar_type() != torch::kDouble, "scales must be contiguous");
+}
+
 }  // namespace
 
 // x [M, K] fp32; qs [N, K/2] uint8; scale, min [N, K/group] fp32 -> [M, N]
 torch::Tensor q4_mm(torch::Tensor x, torch::Tensor qs, torch::Tensor scale, torch::Tensor min, int64_t group) {
-  const int64_t N = qs.size(0), K = qs.size(1) * 2, M = x.size(0), G = K / group, B = K / 32;
+  const int64_t N = qs.size(0), K = qs.size(1) * 2, M = x.size(0), G = K / group, B = K / 32, per = group / 32;
   check(x, qs, K);
   TORCH_CHECK(group % 32 == 0 && K % group == 0, "group must be a multiple of 32 dividing K");
+  check_params({scale, min});
+  TORCH_CHECK(scale.numel() == N * G && min.numel() == N * G, "scale/min must be [N, K/group]");
   auto out = torch::empty({M, N}, x.options());
-  // per-group sums of x carry the min term: sum_j (c_j s + m) x_j = s sum c_j x_j + m sum x_j
-  auto xsum = x.view({M, G, group}).sum(-1).contiguous();
+  // the min term: sum_j (c_j s + m) x_j = s sum c_j x_j + m sum x_j, with exact float sums of x
   std::vector<int8_t> xq(M * K);
-  std::vector<float> xd(M * B);
-  quantize_rows(x.data_ptr<float>(), M, K, xq.data(), xd.data());
-  const float* XS = xsum.data_ptr<float>();
+  std::vector<float> xd(M * B), xb(M * B), xg(M * G, 0.f);
+  quantize_rows(x.data_ptr<float>(), M, K, xq.data(), xd.data(), xb.data());
+  for (int64_t i = 0; i < M * B; ++i) xg[i / per] += xb[i];
   const uint8_t* Q = qs.data_ptr<uint8_t>();
   const float* S = scale.data_ptr<float>();
   const float* MN = min.data_ptr<float>();
   float* O = out.data_ptr<float>();
-  const int64_t per = group / 32;
   at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const uint8_t* q = Q + r * K / 2;
+      const float* sr = S + r * G;
+      const float* mr = MN + r * G;
       for (int64_t m = 0; m < M; ++m) {
         const int8_t* xr = xq.data() + m * K;
         const float* dr = xd.data() + m * B;
+        const float* gs = xg.data() + m * G;
         __m256 acc = _mm256_setzero_ps();
         float mins = 0.f;
-        for (int64_t b = 0; b < B; ++b) {
-          __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + b * 32));
-          acc = _mm256_fmadd_ps(dot_u8i8(unpack32(q + b * 16), xv), _mm256_set1_ps(S[r * G + b / per] * dr[b]), acc);
+        for (int64_t g = 0; g < G; ++g) {
+          const float sg = sr[g];
+          for (int64_t b = g * per; b < (g + 1) * per; ++b) {
+            __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + b * 32));
+            acc = _mm256_fmadd_ps(dot_u8i8(unpack32(q + b * 16), xv), _mm256_set1_ps(sg * dr[b]), acc);
+          }
+          mins += mr[g] * gs[g];
         }
-        for (int64_t g = 0; g < G; ++g) mins += MN[r * G + g] * XS[m * G + g];
         O[m * N + r] = hsum(acc) + mins;
       }
     }
@@ -140,11 +155,11 @@ torch::Tensor lut4_mm(torch::Tensor x, torch::Tensor qs, torch::Tensor lut, torc
   return out;
 }
 
-// x [M, K] fp32; q [N, K] int8; scale [N] fp32 -> [M, N]
-torch::Tensor q8_mm(torch::Tensor x, torch::Tensor q, torch::Tensor scale) {
-  const int64_t N = q.size(0), K = q.size(1), M = x.size(0), B = K / 32;
+// x [M, K] fp32; q [N, K] int8; scale [N, K/group] fp32 -> [M, N]
+torch::Tensor q8_mm(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int64_t group) {
+  const int64_t N = q.size(0), K = q.size(1), M = x.size(0), B = K / 32, G = K / group, per = group / 32;
   check(x, q, K);
-  TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32");
+  TORCH_CHECK(K % 32 == 0 && group % 32 == 0 && K % group == 0, "K and group must be multiples of 32");
   auto out = torch::empty({M, N}, x.options());
   std::vector<int8_t> xq(M * K);
   std::vector<float> xd(M * B);
@@ -159,14 +174,17 @@ torch::Tensor q8_mm(torch::Tensor x, torch::Tensor q, torch::Tensor scale) {
         const int8_t* xr = xq.data() + m * K;
         const float* dr = xd.data() + m * B;
         __m256 acc = _mm256_setzero_ps();
-        for (int64_t b = 0; b < B; ++b) {
-          __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * 32));
-          __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + b * 32));
-          // |w| (unsigned) times x carrying w's sign: maddubs needs one unsigned operand
-          __m256 d = dot_u8i8(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
-          acc = _mm256_fmadd_ps(d, _mm256_set1_ps(dr[b]), acc);
+        for (int64_t g = 0; g < G; ++g) {
+          const float sg = S[r * G + g];
+          for (int64_t b = g * per; b < (g + 1) * per; ++b) {
+            __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * 32));
+            __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + b * 32));
+            // |w| (unsigned) times x carrying w's sign: maddubs needs one unsigned operand
+            __m256 d = dot_u8i8(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
+            acc = _mm256_fmadd_ps(d, _mm256_set1_ps(dr[b] * sg), acc);
+          }
         }
-        O[m * N + r] = hsum(acc) * S[r];
+        O[m * N + r] = hsum(acc);
       }
     }
   });
@@ -176,7 +194,7 @@ torch::Tensor q8_mm(torch::Tensor x, torch::Tensor q, torch::Tensor scale) {
 TORCH_LIBRARY(attnlab, m) {
   m.def("q4_mm(Tensor x, Tensor qs, Tensor scale, Tensor min, int group) -> Tensor");
   m.def("lut4_mm(Tensor x, Tensor qs, Tensor lut, Tensor lut_scale, int group) -> Tensor");
-  m.def("q8_mm(Tensor x, Tensor q, Tensor scale) -> Tensor");
+  m.def("q8_mm(Tensor x, Tensor q, Tensor scale, int group) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(attnlab, CPU, m) {

@@ -11,16 +11,19 @@ back to dequantise-then-matmul, the same numbers, only slower.
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from pathlib import Path
 
 import torch
 
 _STATE: dict = {}
+CACHE = Path(os.environ.get("ATTNLAB_CACHE", Path.home() / ".cache" / "attnlab")) / "kernels"
 
 
 def available() -> bool:
-    """True once the extension is built and loaded (built at most once per process, cached on disk)."""
+    """True once the extension is built and loaded (built at most once per process; the build is
+    kept under ~/.cache/attnlab/kernels and redone only when kernels.cpp changes)."""
     if "ok" not in _STATE:
         _STATE["ok"] = _build()
     return _STATE["ok"]
@@ -33,10 +36,16 @@ def _build() -> bool:
         return False
     try:
         from torch.utils.cpp_extension import load
+        build = CACHE / f"torch-{torch.__version__}"
+        build.mkdir(parents=True, exist_ok=True)
+        lock = build / "lock"  # left behind by a build that was killed: torch would wait on it forever
+        if lock.exists() and time.time() - lock.stat().st_mtime > 600:
+            lock.unlink(missing_ok=True)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             load(name="attnlab_qkernels", sources=[str(Path(__file__).with_name("kernels.cpp"))],
-                 extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c"], verbose=False, is_python_module=False)
+                 extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c"], build_directory=str(build),
+                 verbose=False, is_python_module=False)
     except Exception as e:  # no compiler, no ninja, ...: fall back, say why once
         warnings.warn(f"attnlab: fused quantized kernels unavailable ({type(e).__name__}: {str(e)[:200]}); "
                       "using dequantise-then-matmul")
@@ -61,5 +70,5 @@ def lut4_mm(x, qs, lut, lut_scale, group):
     return torch.ops.attnlab.lut4_mm(x, qs, lut, lut_scale, group)
 
 
-def q8_mm(x, q, scale):
-    return torch.ops.attnlab.q8_mm(x, q, scale)
+def q8_mm(x, q, scale, group):
+    return torch.ops.attnlab.q8_mm(x, q, scale, group)

@@ -28,11 +28,14 @@ class QuantSpec:
     bits: int = 8
     group: int = 0
     fused: bool = True
-    head: str = "int8"
+    head: str = "int8:32"
 
     @classmethod
     def parse(cls, text: "str | QuantSpec") -> "QuantSpec":
-        """'int8' | 'int4[:G]' | 'kmeans[:BITS[:G]]' | 'kmeans-naive[:BITS[:G]]' (G in weights; 0 = per row)."""
+        """'int8[:G]' | 'int4[:G]' | 'kmeans[:BITS[:G]]' | 'kmeans-naive[:BITS[:G]]' (G in weights; 0 = per row).
+
+        The LM head is int8 group 32 under every method (an int4 head costs ~8% perplexity; the
+        embedded GGUF's Q8_0 head maps onto it by copy); under int8 it follows the spec."""
         if isinstance(text, QuantSpec):
             return text
         parts = str(text).strip().lower().split(":")
@@ -43,8 +46,11 @@ class QuantSpec:
             nums = [int(n) for n in nums]
         except ValueError:
             raise ValueError(f"bad --quant {text!r}: numbers expected after ':'") from None
-        if method == "int8" and not nums:
-            return cls("int8", 8, 0, fused)
+        if method == "int8" and len(nums) <= 1:
+            group = nums[0] if nums else 0
+            if group < 0 or group % 32:
+                raise ValueError(f"int8 group must be 0 (per row) or a multiple of 32, got {group}")
+            return cls("int8", 8, group, fused)
         if method == "int4" and len(nums) <= 1:
             group = nums[0] if nums else 32
             if group < 32 or group % 32:
@@ -61,14 +67,14 @@ class QuantSpec:
 
     def __str__(self) -> str:
         if self.method == "int8":
-            return "int8"
+            return "int8" + (f":{self.group}" if self.group else "")
         if self.method == "int4":
             return f"int4:{self.group}"
         return f"kmeans{'' if self.fused else '-naive'}:{self.bits}" + (f":{self.group}" if self.group else "")
 
     def quantize(self, w: torch.Tensor) -> Packed:
         if self.method == "int8":
-            return quantize_int8(w)
+            return quantize_int8(w, self.group or None)
         if self.method == "int4":
             return quantize_int4(w, self.group)
         return quantize_kmeans(w, self.bits, self.group or None)
@@ -80,6 +86,8 @@ class QuantLinear(nn.Module):
     def __init__(self, packed: Packed, bias: torch.Tensor | None = None, fused: bool = True):
         super().__init__()
         self.kind, self.group, self.bits, self.fused = packed.kind, packed.group, packed.bits, fused
+        if fused:
+            kernels.available()  # build now, never inside a torch.compile trace
         self.out_features, self.in_features = packed.shape
         for name, t in packed.tensors().items():
             self.register_buffer(name, t.contiguous())
@@ -108,7 +116,7 @@ class QuantLinear(nn.Module):
         if self.fused and x2.shape[0] <= FUSED_MAX_ROWS and kernels.available():
             x2 = x2.contiguous()
             if self.kind == "int8":
-                y = kernels.q8_mm(x2, self.q, self.scale)
+                y = kernels.q8_mm(x2, self.q, self.scale, self.group)
             elif self.kind == "int4":
                 y = kernels.q4_mm(x2, self.qs, self.scale, self.min, self.group)
             else:
@@ -127,6 +135,7 @@ class QuantLinear(nn.Module):
 class QuantEmbedding(nn.Module):
     """Token lookup from a (tied) int8 head: one row dequantised per token, no float table kept."""
 
+
     def __init__(self, head: QuantLinear):
         super().__init__()
         if head.kind != "int8":
@@ -139,7 +148,7 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.head[0]
-        return h.q[ids].float() * h.scale[ids, None]
+        return (h.q[ids].float().unflatten(-1, (-1, h.group)) * h.scale[ids][..., None]).flatten(-2)
 
 
 def linear_names(model) -> list[str]:
@@ -169,7 +178,7 @@ def quantize_model(model, spec: QuantSpec | str, packed: dict[str, Packed] | Non
             continue
         fmt = spec if name != "lm_head" else QuantSpec.parse(spec.head) if spec.method != "int8" else spec
         p = packed.get(name)
-        if p is None or p.kind != fmt.method or (fmt.group and p.group != fmt.group):
+        if p is None or p.kind != fmt.method or (fmt.group or p.shape[1]) != p.group:
             p = fmt.quantize(p.dequantize() if p is not None else old.weight.data)
         _set(model, name, QuantLinear(p, getattr(old, "bias", None), fused=spec.fused))
     if model.cfg.tie_embeddings:

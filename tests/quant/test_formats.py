@@ -6,7 +6,7 @@ from attnlab.quant import QuantLinear, QuantSpec, kernels
 from attnlab.quant.formats import pack4, quantize_int4, quantize_int8, quantize_kmeans, round_activations, unpack4
 from attnlab.quant.linear import FUSED_MAX_ROWS
 
-SPECS = ["int8", "int4:32", "int4:64", "int4:128", "kmeans:4", "kmeans:3", "kmeans:4:64", "kmeans-naive:4"]
+SPECS = ["int8", "int8:32", "int4:32", "int4:64", "int4:128", "kmeans:4", "kmeans:3", "kmeans:4:64", "kmeans-naive:4"]
 
 
 @pytest.fixture(scope="module")
@@ -23,9 +23,11 @@ def test_pack4_roundtrip():
     assert pack4(codes).shape == (5, 32)
 
 
-def test_int8_error_at_most_half_a_step(w):
-    p = quantize_int8(w)
-    assert ((p.dequantize() - w).abs() <= p.scale[:, None] / 2 + 1e-7).all()
+@pytest.mark.parametrize("group", [None, 32])
+def test_int8_error_at_most_half_a_step(w, group):
+    p = quantize_int8(w, group)
+    err = (p.dequantize() - w).abs().view(96, -1, p.group)
+    assert (err <= p.scale[..., None] / 2 + 1e-7).all()
 
 
 @pytest.mark.parametrize("group", [32, 64, 128])
@@ -90,14 +92,14 @@ def test_fused_kernels_are_built():
     assert kernels.available()
 
 
-@pytest.mark.parametrize("text,expected", [("int8", "int8"), ("int4", "int4:32"), ("INT4:64", "int4:64"),
+@pytest.mark.parametrize("text,expected", [("int8", "int8"), ("int8:32", "int8:32"), ("int4", "int4:32"), ("INT4:64", "int4:64"),
                                            ("kmeans", "kmeans:4"), ("kmeans:3", "kmeans:3"),
                                            ("kmeans-naive:4:64", "kmeans-naive:4:64")])
 def test_spec_parse(text, expected):
     assert str(QuantSpec.parse(text)) == expected
 
 
-@pytest.mark.parametrize("bad", ["int3", "int4:48", "int4:0", "kmeans:5", "kmeans:4:10", "int8:2", "int4:x", ""])
+@pytest.mark.parametrize("bad", ["int3", "int4:48", "int4:0", "kmeans:5", "kmeans:4:10", "int8:2", "int8:32:1", "int4:x", ""])
 def test_spec_rejects(bad):
     with pytest.raises(ValueError):
         QuantSpec.parse(bad)

@@ -64,10 +64,14 @@ def test_quantized_model_is_smaller_and_close(gguf_file):
         assert (lm.logits(ids) - base).abs().max() < tol * base.abs().max()
 
 
-@pytest.mark.parametrize("spec", [None, "int4:32"])
+@pytest.mark.parametrize("spec", [None, "kmeans-naive:4", "int4:32"])
 def test_compiled_decode_step_equals_eager(spec):
     """The compiled single-token step against eager, with a block-evicting sink cache in `cache`
-    positions (keys re-rotated on eviction), through enough steps to evict several times."""
+    positions (keys re-rotated on eviction), through enough steps to evict several times.
+
+    Float paths agree to rounding. The fused int4 path rounds activations to int8, a step
+    function: the 1e-7 differences of compiled elementwise code flip an occasional code, which
+    this deliberately sharp random model amplifies; there the check is closeness, not equality."""
     torch._dynamo.reset()
     eager = tiny_lm(dim=64, hidden_dim=128)
     fast = tiny_lm(dim=64, hidden_dim=128)
@@ -83,14 +87,19 @@ def test_compiled_decode_step_equals_eager(spec):
         lm.prefill(ids[:, :8], cache)
         outs.append(torch.cat([lm.forward(ids[:, t:t + 1], cache) for t in range(8, 40)], 1))
         assert len(cache) <= 12 + 3
-    torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=1e-5)
+    if spec != "int4:32":
+        torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=1e-5)
+    else:
+        assert (outs[1] - outs[0]).norm() / outs[0].norm() < 0.05
+        assert (outs[1].argmax(-1) == outs[0].argmax(-1)).float().mean() >= 0.9
 
 
 def test_smollm2_int4_loads_from_its_blocks_and_tracks_fp32(smollm2):
     """The embedded GGUF (Q4_1 layers, tied Q8_0 embedding): int4 group 32 takes the file's codes, the
     tied head becomes int8 and the embedding reads its rows; next-token choices barely move."""
     lm = LM.load("smollm2-135m", quant="int4:32", tokenizer=False)
-    assert lm.model.lm_head.kind == "int8" and type(lm.model.embed).__name__ == "QuantEmbedding"
+    assert lm.model.lm_head.kind == "int8" and lm.model.lm_head.group == 32  # the Q8_0 blocks, copied
+    assert type(lm.model.embed).__name__ == "QuantEmbedding"
     ids = torch.tensor([smollm2.encode("To be, or not to be, that is the question: whether 'tis nobler in the mind")])
     ref, got = smollm2.logits(ids), lm.logits(ids)
     assert (ref.argmax(-1) == got.argmax(-1)).float().mean() >= 0.9
