@@ -36,11 +36,12 @@ class LM:
 
     @classmethod
     def load(cls, spec: str | Path = DEFAULT_MODEL, dtype: str = "float32", threads: int | None = None,
-             tokenizer: bool = True) -> "LM":
+             tokenizer: bool = True, rope: str | None = None) -> "LM":
+        """rope: a context-extension override, e.g. "yarn:4" or "linear:2" (see `attnlab.rope.parse_rope`)."""
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; choose from float32, bfloat16")
         set_threads(threads)
-        model, _, path = load_model(spec, DTYPES[dtype])
+        model, _, path = load_model(spec, DTYPES[dtype], rope=rope)
         tok, why = None, "tokenizer not loaded"
         if tokenizer:
             try:
@@ -203,6 +204,8 @@ def _as_ids(ids) -> torch.Tensor:
     return ids
 
 
-def load(spec: str | Path = DEFAULT_MODEL, dtype: str = "float32", threads: int | None = None) -> LM:
-    """Load a model: the embedded name 'smollm2-135m', a .gguf file, or a Hugging Face folder."""
-    return LM.load(spec, dtype=dtype, threads=threads)
+def load(spec: str | Path = DEFAULT_MODEL, dtype: str = "float32", threads: int | None = None,
+         rope: str | None = None) -> LM:
+    """Load a model: the embedded name 'smollm2-135m', a .gguf file, or a Hugging Face folder;
+    rope="yarn:4" (or linear/ntk/dynamic/llama3:F, or "none") overrides its RoPE scaling."""
+    return LM.load(spec, dtype=dtype, threads=threads, rope=rope)

@@ -159,7 +159,7 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
-        self.rope = Rope(cfg.head_dim, cfg.rope_base, cfg.rope_scaling, length=min(cfg.context_length, 8192))
+        self.rope = Rope(cfg.head_dim, cfg.rope_base, cfg.rope_scaling)  # tables built lazily, on demand
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor | None = None, cache=None,
                 last_only: bool = False) -> torch.Tensor:
