@@ -76,7 +76,7 @@ class LM:
             positions = getattr(policy, "positions", positions)
         cfg = self.cfg
         return KVCache(cfg.n_layers, batch, cfg.n_kv_heads, cfg.head_dim, self.model.rope, self.dtype,
-                       capacity, positions, max_capacity, policy)
+                       capacity, positions, max_capacity, policy, window=cfg.sliding_window)
 
     @torch.inference_mode()
     def logits(self, ids: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,7 @@ class ModelConfig:
     rope_base: float = 10000.0
     rope_scaling: dict | None = None
     context_length: int = 2048
+    sliding_window: int | None = None  # Mistral: each query sees only the last W positions
     qkv_bias: bool = False
     tie_embeddings: bool = False
     arch: str = "llama"
@@ -67,10 +68,13 @@ class RMSNorm(nn.Module):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, need_probs: bool = False):
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, need_probs: bool = False,
+           window: int | None = None):
     """Grouped-query attention without copying K/V per query head.
 
     q: [B, Hq, T, D]; k, v: [B, Hkv, L, D]; mask: None (all), "causal" (L == T) or bool [B, Hkv|1, T, L].
+    window: a sliding window (Mistral) narrowing a "causal" mask to the last `window` keys;
+    tensor masks from a cache already carry it (see `attnlab.kv.cache.LayerKV`).
     The G = Hq/Hkv query heads of a group are folded into the query axis, so every head of a
     group reads the same K/V. Returns out [B, Hq, T, D] and, if need_probs, the attention
     probabilities of every query head: [B, Hq, T, L] (float32; query head h reads KV head h // G).
@@ -78,6 +82,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, need_probs: 
     B, Hq, T, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
     G = Hq // Hkv
+    if mask == "causal" and window is not None and L > window:
+        i = torch.arange(L - T, L)[:, None]
+        mask = ((torch.arange(L) <= i) & (torch.arange(L) > i - window))[None, None]
     if mask == "causal" and not need_probs:
         return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=True), None
     if isinstance(mask, str):
@@ -118,7 +125,7 @@ class Attention(nn.Module):
             q = rope_apply(q, rot)
             k, v, mask = kv.update(k, v, step)
         need = policy is not None and policy.needs_probs
-        out, probs = attend(q, k, v, mask, need_probs=need)
+        out, probs = attend(q, k, v, mask, need_probs=need, window=self.cfg.sliding_window)
         if policy is not None:
             policy.observe(kv, probs)
         return self.wo(out.transpose(1, 2).reshape(B, T, self.q_size))

@@ -207,13 +207,16 @@ def read_hf_folder(path: Path):
             raise ModelLoadError(f"cannot read {f}: {type(e).__name__}: {e}") from None
     eos = hf.get("eos_token_id")
     scaling = _hf_scaling(hf, path)
+    if model_type == "qwen2" and hf.get("use_sliding_window"):
+        raise ModelLoadError(f"{path}: Qwen2's per-layer sliding window (use_sliding_window) is not supported")
+    window = hf.get("sliding_window") if model_type == "mistral" else None  # Qwen2 carries one it does not use
     rope_base = hf.get("rope_theta") or ((hf.get("rope_parameters") or {}).get("rope_theta")) or 10000.0
     cfg = ModelConfig(
         vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
         n_heads=hf["num_attention_heads"], n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
         hidden_dim=hf["intermediate_size"], head_dim=hf.get("head_dim") or 0,
         norm_eps=hf.get("rms_norm_eps", 1e-6), rope_base=float(rope_base), rope_scaling=scaling,
-        context_length=hf.get("max_position_embeddings", 2048),
+        context_length=hf.get("max_position_embeddings", 2048), sliding_window=int(window) if window else None,
         qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias")),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)) or "lm_head.weight" not in tensors,
         arch=model_type, bos_token_id=hf.get("bos_token_id"),
