@@ -14,7 +14,7 @@ from attnlab.cli.common import UserError, add_model_args, load_lm, nonneg_int, p
 from attnlab.io import progress
 
 # Subsystems that bring their own subcommands through `add_parser(subparsers)`.
-SUBSYSTEMS = ["attnlab.cli.dynamics", "attnlab.cli.stream", "attnlab.cli.analysis", "attnlab.cli.passkey"]
+SUBSYSTEMS = ["attnlab.cli.dynamics", "attnlab.cli.stream", "attnlab.cli.analysis", "attnlab.cli.passkey", "attnlab.cli.extend"]
 
 
 class Parser(argparse.ArgumentParser):
