@@ -36,16 +36,17 @@ class LM:
 
     @classmethod
     def load(cls, spec: str | Path = DEFAULT_MODEL, dtype: str = "float32", threads: int | None = None,
-             tokenizer: bool = True, quant=None, compile: bool = False) -> "LM":
+             tokenizer: bool = True, quant=None, compile: bool = False, rope: str | None = None) -> "LM":
         """quant: 'int8', 'int4:32', 'kmeans:4', ... (see attnlab.quant.QuantSpec); compile: compile the
-        single-token decode step with torch.compile (tens of seconds on first use; eager otherwise)."""
+        single-token decode step with torch.compile (tens of seconds on first use; eager otherwise);
+        rope: a context-extension override, e.g. "yarn:4" or "linear:2" (see `attnlab.rope.parse_rope`)."""
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; choose from float32, bfloat16")
         if quant is not None:
             from attnlab.quant import QuantSpec
             quant = QuantSpec.parse(quant)  # a bad spec fails before the slow load
         set_threads(threads)
-        model, _, path = load_model(spec, DTYPES[dtype], quant)
+        model, _, path = load_model(spec, DTYPES[dtype], quant, rope=rope)
         if compile:
             model.compile_decode()
         tok, why = None, "tokenizer not loaded"
@@ -86,7 +87,7 @@ class LM:
             positions = getattr(policy, "positions", positions)
         cfg = self.cfg
         return KVCache(cfg.n_layers, batch, cfg.n_kv_heads, cfg.head_dim, self.model.rope, self.dtype,
-                       capacity, positions, max_capacity, policy)
+                       capacity, positions, max_capacity, policy, window=cfg.sliding_window)
 
     @torch.inference_mode()
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
@@ -207,7 +208,8 @@ def _as_ids(ids) -> torch.Tensor:
 
 
 def load(spec: str | Path = DEFAULT_MODEL, dtype: str = "float32", threads: int | None = None,
-         quant=None, compile: bool = False) -> LM:
+         quant=None, compile: bool = False, rope: str | None = None) -> LM:
     """Load a model: the embedded name 'smollm2-135m', a .gguf file, or a Hugging Face folder
-    (or a quantized folder written by `attnlab quantize`). See `LM.load` for quant and compile."""
-    return LM.load(spec, dtype=dtype, threads=threads, quant=quant, compile=compile)
+    (or a quantized folder written by `attnlab quantize`). See `LM.load` for quant, compile and
+    rope ("yarn:4", linear/ntk/dynamic/llama3:F, or "none" to remove the checkpoint's scaling)."""
+    return LM.load(spec, dtype=dtype, threads=threads, quant=quant, compile=compile, rope=rope)

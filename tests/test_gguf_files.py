@@ -22,9 +22,12 @@ def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:  # llama.cpp convert_hf
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write_gguf(model, arch: str, qtype, path) -> None:
+def _write_gguf(model, arch: str, qtype, path, extra=None) -> None:
+    """extra(writer): adds more metadata or tensors (e.g. RoPE scaling) before the file is written."""
     c = model.config
     w = gguf.GGUFWriter(str(path), arch)
+    if extra is not None:
+        extra(w)
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)

@@ -16,7 +16,7 @@ from attnlab.textstream import TextStream
 
 # Subsystems that bring their own subcommands through `add_parser(subparsers)`.
 SUBSYSTEMS = ["attnlab.cli.dynamics", "attnlab.cli.stream", "attnlab.cli.analysis", "attnlab.cli.quantize",
-              "attnlab.cli.serve"]
+              "attnlab.cli.serve", "attnlab.cli.passkey", "attnlab.cli.extend"]
 
 
 class Parser(argparse.ArgumentParser):

@@ -49,8 +49,10 @@ class LayerKV:
     """One layer's slots. k, v: [B, H_kv, C, D]; pos: [B, H_kv, C] (absolute position, -1 = empty)."""
 
     def __init__(self, batch: int, heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
-                 rope: Rope, positions: str = "original", max_capacity: int | None = None):
+                 rope: Rope, positions: str = "original", max_capacity: int | None = None,
+                 window: int | None = None):
         self.rope, self.positions, self.max_capacity = rope, positions, max_capacity
+        self.window = window  # sliding-window attention: keys more than window - 1 tokens back are masked
         self.k = torch.zeros(batch, heads, capacity, head_dim, dtype=dtype)
         self.v = torch.zeros_like(self.k)
         self.pos = torch.full((batch, heads, capacity), -1, dtype=torch.long)
@@ -92,14 +94,17 @@ class LayerKV:
         self.pos[:, :, s] = step.pos[:, None, :]
         n = step.start + T
         K, V = self.k[:, :, :n], self.v[:, :, :n]
-        if T == 1 and not self.padded:
+        windowed = self.window is not None and int(step.pos.max()) - int(self.pos[:, :, :n].clamp_min(0).min()) >= self.window
+        if T == 1 and not self.padded and not windowed:
             return K, V, None
-        if self.natural and n == T:
+        if self.natural and n == T and not windowed:
             return K, V, "causal"
         k_pos = self.pos[:, :, :n]
         if self.positions == "cache":
             k_pos = torch.where(k_pos >= 0, torch.arange(n), -1)
         mask = (k_pos[:, :, None, :] <= step.q_pos[:, None, :, None]) & (k_pos[:, :, None, :] >= 0)
+        if windowed:  # by absolute token distance, whatever the position convention or evictions
+            mask &= self.pos[:, :, None, :n] > step.pos[:, None, :, None] - self.window
         mask |= ~mask.any(-1, keepdim=True)  # padding queries see everything; their output is unused
         return K, V, mask
 
@@ -129,10 +134,10 @@ class KVCache:
 
     def __init__(self, n_layers: int, batch: int, heads: int, head_dim: int, rope: Rope,
                  dtype: torch.dtype = torch.float32, capacity: int = 256, positions: str = "original",
-                 max_capacity: int | None = None, policy=None):
+                 max_capacity: int | None = None, policy=None, window: int | None = None):
         if positions not in POSITIONS:
             raise ValueError(f"unknown positions {positions!r}; choose from {', '.join(POSITIONS)}")
-        self.layers = [LayerKV(batch, heads, head_dim, capacity, dtype, rope, positions, max_capacity)
+        self.layers = [LayerKV(batch, heads, head_dim, capacity, dtype, rope, positions, max_capacity, window)
                        for _ in range(n_layers)]
         for i, layer in enumerate(self.layers):
             layer.index = i

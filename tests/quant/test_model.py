@@ -103,4 +103,4 @@ def test_smollm2_int4_loads_from_its_blocks_and_tracks_fp32(smollm2):
     ids = torch.tensor([smollm2.encode("To be, or not to be, that is the question: whether 'tis nobler in the mind")])
     ref, got = smollm2.logits(ids), lm.logits(ids)
     assert (ref.argmax(-1) == got.argmax(-1)).float().mean() >= 0.9
-    assert model_bytes(lm.model) < 110e6 < 500e6 < model_bytes(smollm2.model)
+    assert model_bytes(lm.model) < 115e6 < 500e6 < model_bytes(smollm2.model)  # the GGUF file: 105 MB

@@ -1,0 +1,45 @@
+"""`attnlab extend`: context extension of a pretrained model by RoPE scaling + a short fine-tune."""
+from __future__ import annotations
+
+from attnlab.cli.common import UserError, nonneg_int, positive_int
+from attnlab.engine import DEFAULT_MODEL, set_threads
+from attnlab.io import progress
+
+
+def cmd_extend(args) -> int:
+    from attnlab.train.extend import extend
+
+    set_threads(args.threads)
+    if args.factor < 1:
+        raise UserError(f"--factor must be >= 1, got {args.factor}")
+    try:
+        with progress(args.steps, "extend", unit="step") as bar:
+            lm, rows = extend(args.model, args.out, args.factor, args.method, args.steps, args.context, args.text,
+                              args.batch, args.lr, args.warmup, args.seed, args.resume, bar)
+    except (ValueError, FileNotFoundError) as e:
+        raise UserError(str(e)) from None
+    for r in rows:
+        extra = f", train loss {r['train_loss']:.4f}" if "train_loss" in r else ""
+        print(f"step {r['step']}: validation loss {r['val_loss']:.4f}{extra}")
+    print(f"extended model ({args.method}, factor {args.factor:g}, rope {lm.cfg.rope_scaling}) written to {args.out}; "
+          f"load it with attnlab.load({str(args.out)!r})")
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("extend", help="extend a model's context: RoPE scaling + fine-tune (resumable)")
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL, metavar="MODEL")
+    p.add_argument("--factor", type=float, required=True, help="context multiplier (e.g. 2, 4)")
+    p.add_argument("--method", default="pi", choices=["pi", "ntk", "yarn", "none"],
+                   help="pi = Position Interpolation; none = fine-tune without scaling (the control)")
+    p.add_argument("--steps", type=nonneg_int, default=50, help="fine-tuning steps (0: only rescale and save)")
+    p.add_argument("--context", type=positive_int, default=2048, help="training sequence length")
+    p.add_argument("--text", default="shakespeare:train", help="training text: shakespeare[:split|:play] or a file")
+    p.add_argument("--batch", type=positive_int, default=1)
+    p.add_argument("--lr", type=float, default=2e-5)
+    p.add_argument("--warmup", type=nonneg_int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="run folder; becomes a loadable checkpoint")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads")
+    p.set_defaults(func=cmd_extend)
