@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.attnlab-installed
 THREADS ?= 2
 
-.PHONY: setup demo test test-all bench clean
+.PHONY: setup demo test test-all fuzz bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,6 +25,9 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -m ''
+
+fuzz: $(STAMP)  # FUZZ_CASES (10000), FUZZ_SEED, FUZZ_WORKERS, FUZZ_REPORT=file
+	nice -n 19 $(BIN)/python -m pytest -m fuzz -s tests/test_fuzz_models.py
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/decode_speed.py
