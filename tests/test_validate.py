@@ -113,6 +113,7 @@ def test_probe_forward_catches_what_the_range_check_lets_through(tmp_path, monke
     ({"rms_norm_eps": -1}, "epsilon"),
     ({"rope_theta": "big"}, "RoPE base"),
     ({"rope_scaling": [1, 2]}, "rope_scaling must be an object"),
+    ({"rope_parameters": 7}, "rope_parameters must be an object, got int"),  # found by the fuzzer
     ({"rope_scaling": {"rope_type": "linear"}}, "rope_scaling"),
     ({"rope_scaling": {"rope_type": "linear", "factor": 0}}, "rope_scaling"),
     ({"eos_token_id": 48}, "eos_token_id = 48 is out of range"),

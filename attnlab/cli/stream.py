@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from attnlab.cli.common import UserError, add_model_args, load_lm, positive_int
+from attnlab.cli.common import UserError, add_model_args, load_lm, nonneg_int, positive_int
 from attnlab.io import progress, write_json
 
 DEFAULT_POLICIES = "full,window,sink,h2o,sink_h2o"
@@ -37,7 +37,7 @@ def add_policy_args(p: argparse.ArgumentParser, budget_default: str | None = "25
                    help="KV budget per layer and KV head: tokens (256) or a fraction of the stream (0.2, 20%%)")
     p.add_argument("--positions", default=positions_default, choices=["cache", "original"],
                    help="cache: keys stored before RoPE, rotated at their slot (StreamingLLM); original: absolute")
-    p.add_argument("--n-sink", type=int, default=4, help="attention-sink tokens kept by sink and sink_h2o")
+    p.add_argument("--n-sink", type=nonneg_int, default=4, help="attention-sink tokens kept by sink and sink_h2o")
 
 
 def build_policy(name: str, budget: str, positions: str, n_sink: int, length: int | None = None,
@@ -76,6 +76,8 @@ def cmd_stream(args) -> int:
         for b in (budgets if name != "full" else budgets[:1]):
             plan.append((name, build_policy(name, b, args.positions, args.n_sink, args.tokens, chunk=args.chunk)))
     text = corpus(args.text)
+    from attnlab.cli import check_tokens_fit
+    check_tokens_fit(args.offset + args.tokens * args.streams, text, "--offset + --tokens x --streams")
     lm = load_lm(args)
     ids = lm.encode(text)
     need = args.tokens * args.streams
@@ -157,16 +159,17 @@ def add_parser(sub) -> None:
     add_model_args(p)
     p.add_argument("--text", default="shakespeare:test", help="shakespeare[:split|:play] or a file path")
     add_policy_args(p, policy_default=DEFAULT_POLICIES)
-    p.add_argument("--tokens", type=positive_int, default=20480, help="tokens per stream")
+    p.add_argument("--tokens", type=positive_int, default=2048,
+                   help="tokens per stream (token-by-token scoring: a few minutes per policy on SmolLM2)")
     p.add_argument("--streams", type=positive_int, default=1,
                    help="parallel passages (consecutive slices of the text, one cache row each)")
-    p.add_argument("--offset", type=int, default=0, help="first token of the text to use")
+    p.add_argument("--offset", type=nonneg_int, default=0, help="first token of the text to use")
     p.add_argument("--out", default=None, help="run folder (default runs/stream/MODEL-TEXT)")
     p.add_argument("--plot", default=None, help="write the NLL-by-position figure here")
     p.add_argument("--sweep-plot", default=None, help="write the perplexity-by-budget figure here")
-    p.add_argument("--paired", type=int, default=0, metavar="POS",
+    p.add_argument("--paired", type=nonneg_int, default=0, metavar="POS",
                    help="also compare every policy with full token by token, before and after position POS")
-    p.add_argument("--bins", type=int, default=0, help="also print perplexity per bin of this many tokens")
+    p.add_argument("--bins", type=nonneg_int, default=0, help="also print perplexity per bin of this many tokens (0 = off)")
     p.add_argument("--full-decode", action="store_true",
                    help="score full token by token (default: chunked prefill, same logits, much faster)")
     p.add_argument("--chunk", type=positive_int, default=1,
@@ -175,4 +178,4 @@ def add_parser(sub) -> None:
     p.add_argument("--save-every", type=positive_int, default=1024, help="checkpoint every N tokens")
     p.add_argument("--force", action="store_true", help="rerun finished runs")
     p.add_argument("--json", action="store_true", help="print {'results': [...]} as JSON")
-    p.set_defaults(func=cmd_stream)
+    p.set_defaults(func=cmd_stream, resume_hint="rerun the same command to resume from the last checkpoint")

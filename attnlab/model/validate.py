@@ -378,6 +378,9 @@ def check_hf(path, hf: dict, files) -> Dims:
     """Types and ranges of config.json, then tensor shapes from the safetensors headers, before any data is read."""
     if not isinstance(hf, dict):
         raise error(path, "config.json must hold a JSON object")
+    for key in ("rope_parameters", "rope_scaling"):
+        if hf.get(key) is not None and not isinstance(hf[key], dict):
+            raise error(path, f"{key} must be an object, got {type(hf[key]).__name__}")
     for key in ("max_position_embeddings", "rms_norm_eps", "vocab_size"):
         if key in hf and hf[key] is None:
             raise error(path, f"{key} is null in config.json")
