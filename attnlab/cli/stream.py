@@ -2,11 +2,16 @@
 
 Every (policy, budget) run scores the same tokens, token by token, and is saved
 as `<out>/<key>.json` (summary + per-token NLL); a run interrupted midway resumes
-from `<out>/<key>.ckpt.pt`, a finished one is read back instead of rerun.
+from `<out>/<key>.ckpt.pt`, a finished one is read back instead of rerun. The key
+ends in a hash of everything that changes the numbers (model file identity, dtype,
+quantization, text name and content, every policy field, positions, chunk, tokens,
+streams, offset), so a rerun with anything changed recomputes instead of reusing.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -58,6 +63,26 @@ def _slug(text: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in text).strip("_")[:60]
 
 
+def run_identity(args, text: str) -> dict:
+    """What every run of this invocation shares and its numbers depend on (the policy is added per run)."""
+    from attnlab.model.loaders import resolve
+    src = resolve(args.model)
+    files = [src] if src.is_file() else sorted(p for p in src.iterdir() if p.suffix in (".json", ".safetensors"))
+    return {"model": str(src.absolute()), "model_files": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files],
+            "dtype": args.dtype, "quant": getattr(args, "quant", None), "text": args.text,
+            "text_sha256": hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest(),
+            "tokens": args.tokens, "streams": args.streams, "offset": args.offset, "chunk": args.chunk}
+
+
+def run_key(identity: dict, name: str, policy, mode: str) -> tuple[str, dict]:
+    """-> (file stem: readable part + hash of everything, the full identity of this run)."""
+    ident = {**identity, "policy": name, "policy_fields": dataclasses.asdict(policy), "mode": mode}
+    digest = hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    readable = _slug(f"{name}-{policy.budget if name != 'full' else 'all'}-{policy.positions}-"
+                     f"{identity['tokens']}x{identity['streams']}")
+    return f"{readable}-{digest}", ident
+
+
 def cmd_stream(args) -> int:
     import torch
 
@@ -87,18 +112,26 @@ def cmd_stream(args) -> int:
     ids = torch.tensor(ids[args.offset:args.offset + need])
     ids = ids.view(args.streams, args.tokens)
     out = Path(args.out) if args.out else Path("runs") / "stream" / _slug(f"{Path(str(args.model)).name}-{args.text}")
+    identity = run_identity(args, text)
     results, runs = [], []
     for name, policy in plan:
         mode = "prefill" if name == "full" and not args.full_decode else "decode" if args.chunk == 1 else "chunk"
-        key = _slug(f"{name}-{policy.budget if name != 'full' else 'all'}-{args.positions}-"
-                    f"{args.tokens}x{args.streams}-o{args.offset}" + (f"-c{args.chunk}" if mode == "chunk" else ""))
-        path = out / f"{key}.json"
-        if path.exists() and not args.force:
-            run = json.loads(path.read_text())
-        else:
+        key, ident = run_key(identity, name, policy, mode)
+        path, ckpt = out / f"{key}.json", out / f"{key}.ckpt.pt"
+        run = None
+        if args.force:
+            ckpt.unlink(missing_ok=True)
+        elif path.exists():
+            try:
+                run = json.loads(path.read_text())
+            except (OSError, ValueError) as e:
+                raise UserError(f"result file {path} is unreadable ({e}); rerun with --force to recompute") from None
+            if run.get("identity") != json.loads(json.dumps(ident)):
+                run = None  # a hash collision or a hand-edited file: recompute
+        if run is None:
             with progress(args.streams * (args.tokens - 1), f"{name} {policy.budget}") as bar:
                 r = stream_nll(lm, ids, policy, mode=mode, chunk=args.chunk if mode == "chunk" else 256,
-                               progress=bar.update, checkpoint=out / f"{key}.ckpt.pt", save_every=args.save_every)
+                               progress=bar.update, checkpoint=ckpt, save_every=args.save_every)
             s = summarize(r["nll"])
             budget = args.tokens if name == "full" else policy.tokens
             run = {"policy": name, "budget": budget, "budget_fraction": budget / args.tokens,
@@ -107,9 +140,10 @@ def cmd_stream(args) -> int:
                    "offset": args.offset, "ppl": s["ppl"], "nll": s["nll"], "kv_bytes": r["kv_bytes"],
                    "peak_tokens": r["peak_tokens"], "seconds": r["seconds"],
                    "tokens_per_s": r["nll"].numel() / r["seconds"], "mode": mode, "chunk": args.chunk, "model": str(args.model),
-                   "text": args.text, "nll_tokens": [[round(v, 5) for v in row] for row in r["nll"].tolist()]}
+                   "text": args.text, "identity": ident,
+                   "nll_tokens": [[round(v, 5) for v in row] for row in r["nll"].tolist()]}
             write_json(path, run)
-            (out / f"{key}.ckpt.pt").unlink(missing_ok=True)
+            ckpt.unlink(missing_ok=True)
         runs.append(run)
         results.append({k: run[k] for k in ("policy", "budget", "positions", "tokens", "ppl", "kv_bytes",
                                              "tokens_per_s", "mode", "budget_fraction")})
@@ -176,6 +210,6 @@ def add_parser(sub) -> None:
                    help="tokens per step for evicting policies (1 = token by token, exact streaming; N > 1 evicts "
                         "between chunks of N, faster, an approximation)")
     p.add_argument("--save-every", type=positive_int, default=1024, help="checkpoint every N tokens")
-    p.add_argument("--force", action="store_true", help="rerun finished runs")
+    p.add_argument("--force", action="store_true", help="rerun finished runs and discard checkpoints")
     p.add_argument("--json", action="store_true", help="print {'results': [...]} as JSON")
     p.set_defaults(func=cmd_stream, resume_hint="rerun the same command to resume from the last checkpoint")
