@@ -3,7 +3,8 @@ PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.attnlab-installed
-THREADS ?= 2
+# 1 thread by measurement: on a busy 2-core machine 2 threads decoded 3x slower (README)
+THREADS ?= 1
 
 .PHONY: setup demo test test-all fuzz bench clean
 

@@ -8,17 +8,9 @@ import sys
 
 import pytest
 
-from attnlab.cli import build_parser, main
+from attnlab.cli import build_parser
 from tests.model_files import write_gguf
-
-
-def run(capsys, *argv):
-    try:
-        code = main(list(argv))
-    except SystemExit as e:  # argparse rejects the option itself
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
+from tests.test_cli import run
 
 
 def one_line_error(code, err, expect):
@@ -90,7 +82,7 @@ def test_ctrl_c_on_resumable_run_says_how_to_resume(small_text, capsys, monkeypa
     monkeypatch.setattr("attnlab.cli.stream.load_lm", interrupted)
     code, _, err = run(capsys, "stream", "--text", str(small_text), "--tokens", "16")
     assert code == 130 and "rerun the same command to resume" in err and "Traceback" not in err
-    monkeypatch.setattr("attnlab.cli.load_lm", interrupted)
+    monkeypatch.setattr("attnlab.model.metadata.read_config", interrupted)
     code, _, err = run(capsys, "info")
     assert code == 130 and err.strip() == "attnlab: interrupted"
 
@@ -99,7 +91,7 @@ def test_os_errors_are_one_line(capsys, monkeypatch):
     """An unwritable --out or an unreadable file surfaces as OSError from deep inside a command."""
     def denied(*a, **k):
         raise PermissionError(13, "Permission denied", "/root/runs/x.json")
-    monkeypatch.setattr("attnlab.cli.load_lm", denied)
+    monkeypatch.setattr("attnlab.model.metadata.read_config", denied)
     code, _, err = run(capsys, "info")
     one_line_error(code, err, "Permission denied: '/root/runs/x.json'")
 
@@ -128,3 +120,13 @@ def test_every_option_has_help_with_default():
     assert not missing, missing
     text = parser._subparsers._group_actions[0].choices["stream"].format_help()
     assert "(default: 2048)" in " ".join(text.split())  # a sane stream length, shown
+
+
+def test_model_load_status_line(monkeypatch, tiny_gguf, capsys):
+    """Where progress bars show (a terminal, or ATTNLAB_PROGRESS=1), a model load says it is running."""
+    monkeypatch.setenv("ATTNLAB_PROGRESS", "1")
+    code, _, err = run(capsys, "generate", str(tiny_gguf), "--prompt", "hi")
+    assert code == 2 and err.startswith(f"loading {tiny_gguf} ... ") and " s\n" in err and "no tokenizer" in err
+    monkeypatch.delenv("ATTNLAB_PROGRESS")
+    code, _, err = run(capsys, "generate", str(tiny_gguf), "--prompt", "hi")
+    assert code == 2 and "loading" not in err

@@ -147,3 +147,20 @@ def test_hf_missing_tensor_named(tmp_path):
     (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(ModelLoadError, match="vocab_size is missing"):
         _load(tmp_path / "hf")
+
+
+@pytest.mark.parametrize("kind", ["gguf", "hf", "smollm2"])
+def test_metadata_only_config_equals_loaded_config(kind, tmp_path, request):
+    """`attnlab info` reads no weights; what it reports must be what a full load builds."""
+    from attnlab.model.metadata import read_config
+    if kind == "smollm2":
+        lm = request.getfixturevalue("smollm2")
+        path = lm.source
+    else:
+        path = write_hf(tmp_path / "hf", config={"rope_scaling": {"rope_type": "linear", "factor": 2.0}}) \
+            if kind == "hf" else write_gguf(tmp_path / "m.gguf")
+        lm = _load(path)
+    start = time.perf_counter()
+    cfg, source = read_config(path)
+    assert time.perf_counter() - start < 2 and source == lm.source
+    assert cfg == lm.cfg

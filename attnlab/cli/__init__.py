@@ -57,15 +57,20 @@ def check_tokens_fit(tokens: int, text: str, what: str) -> None:
 # ---------------------------------------------------------------- commands
 
 def cmd_info(args) -> int:
-    lm = load_lm(args, tokenizer=False)
-    c = lm.cfg
-    rows = [("source", str(lm.source)), ("architecture", c.arch), ("parameters", f"{c.n_params / 1e6:.1f}M"),
+    """Architecture summary from the file's metadata only: no weights are read (milliseconds, not seconds)."""
+    from attnlab.engine import DTYPES, set_threads
+    from attnlab.model.metadata import read_config
+
+    set_threads(args.threads)
+    c, source = read_config(args.model)
+    element = DTYPES[args.dtype].itemsize
+    rows = [("source", str(source)), ("architecture", c.arch), ("parameters", f"{c.n_params / 1e6:.1f}M"),
             ("layers", c.n_layers), ("hidden size", c.dim), ("MLP size", c.hidden_dim),
             ("attention heads", f"{c.n_heads} query / {c.n_kv_heads} key-value (GQA group {c.n_heads // c.n_kv_heads})"),
             ("head dim", c.head_dim), ("vocabulary", c.vocab_size), ("context length", c.context_length),
             ("RoPE base", c.rope_base), ("RoPE scaling", c.rope_scaling or "none"), ("q/k/v bias", c.qkv_bias),
-            ("tied embeddings", c.tie_embeddings), ("dtype", str(lm.dtype).replace("torch.", "")),
-            ("KV cache per token", f"{2 * c.n_layers * c.n_kv_heads * c.head_dim * lm.model.embed.weight.element_size()} bytes")]
+            ("tied embeddings", c.tie_embeddings), ("dtype", args.dtype),
+            ("KV cache per token", f"{2 * c.n_layers * c.n_kv_heads * c.head_dim * element} bytes")]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")

@@ -13,7 +13,6 @@ import argparse
 import dataclasses
 import hashlib
 import json
-import sys
 from pathlib import Path
 
 from attnlab.cli.common import UserError, add_model_args, load_lm, nonneg_int, positive_int
@@ -158,7 +157,8 @@ def cmd_stream(args) -> int:
         print(json.dumps({"results": results}))
         return 0
     full = next((r for r in results if r["policy"] == "full"), None)
-    print(f"{args.streams} x {args.tokens} tokens of {args.text}, positions {args.positions}")
+    print(f"{args.streams} x {args.tokens} tokens of {args.text}, positions {args.positions}; ppl: perplexity "
+          f"(lower is better), vs full: ppl / full's ppl, KV MiB: cache memory")
     print(f"{'policy':<10} {'budget':>7} {'ppl':>9} {'vs full':>8} {'KV MiB':>8} {'tok/s':>7}")
     for r in results:
         rel = f"{r['ppl'] / full['ppl']:.3f}x" if full else "-"
@@ -168,7 +168,7 @@ def cmd_stream(args) -> int:
         from attnlab.eval.streaming import paired
         ref = torch.tensor(next(r for r in runs if r["policy"] == "full")["nll_tokens"])
         cut = min(args.paired, ref.shape[1])
-        print(f"\npaired per-token NLL against full (mean difference +- standard error over 256-token blocks):")
+        print("\npaired per-token NLL against full (mean difference +- standard error over 256-token blocks):")
         for r in runs:
             if r["policy"] == "full":
                 continue
