@@ -49,9 +49,13 @@ def small_text(tmp_path):
     (["train", "--out", "{text}"], "is a file"),
     (["ppl", "--text", "{text}", "--tokens", str(10**12)], "asks for 1000000000000 tokens"),
     (["stream", "--text", "{text}", "--tokens", str(10**9)], "asks for 1000000000 tokens"),
+    (["ppl", "--text", "{bad}"], "cannot read corpus"),  # a text file that is not UTF-8
+    (["stream", "--text", "{bad}"], "cannot read corpus"),
 ])
 def test_bad_option_one_line_before_load(argv, expect, tmp_path, small_text, capsys, no_model_load):
-    argv = [a.format(tmp=tmp_path, text=small_text) for a in argv]
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("Wherefore art thou, Rom\xe9o?".encode("latin-1"))
+    argv = [a.format(tmp=tmp_path, text=small_text, bad=bad) for a in argv]
     code, _, err = run(capsys, *argv)
     one_line_error(code, err, expect)
 
