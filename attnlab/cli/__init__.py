@@ -21,11 +21,21 @@ from attnlab.io import progress
 SUBSYSTEMS = ["attnlab.cli.dynamics", "attnlab.cli.stream", "attnlab.cli.analysis"]
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows "(default: X)" unless the help already explains its default or there is none to show."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default is None or action.default is False or action.default is argparse.SUPPRESS:
+            return text
+        return super()._get_help_string(action)
+
+
 class Parser(argparse.ArgumentParser):
     """One-line usage errors; every option's help shows its default."""
 
     def __init__(self, *a, **kw):
-        kw.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        kw.setdefault("formatter_class", HelpFormatter)
         super().__init__(*a, **kw)
 
     def error(self, message):  # one line instead of usage + error
