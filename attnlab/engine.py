@@ -36,11 +36,18 @@ class LM:
 
     @classmethod
     def load(cls, spec: str | Path = DEFAULT_MODEL, dtype: str = "float32", threads: int | None = None,
-             tokenizer: bool = True) -> "LM":
+             tokenizer: bool = True, quant=None, compile: bool = False) -> "LM":
+        """quant: 'int8', 'int4:32', 'kmeans:4', ... (see attnlab.quant.QuantSpec); compile: compile the
+        single-token decode step with torch.compile (tens of seconds on first use; eager otherwise)."""
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; choose from float32, bfloat16")
+        if quant is not None:
+            from attnlab.quant import QuantSpec
+            quant = QuantSpec.parse(quant)  # a bad spec fails before the slow load
         set_threads(threads)
-        model, _, path = load_model(spec, DTYPES[dtype])
+        model, _, path = load_model(spec, DTYPES[dtype], quant)
+        if compile:
+            model.compile_decode()
         tok, why = None, "tokenizer not loaded"
         if tokenizer:
             try:
@@ -56,7 +63,11 @@ class LM:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.embed.weight.dtype
+        return self.model.norm.weight.dtype
+
+    @property
+    def quant(self) -> str | None:
+        return getattr(self.model, "quant", None)
 
     @property
     def eos_ids(self) -> set[int]:
@@ -206,6 +217,8 @@ def _as_ids(ids) -> torch.Tensor:
     return ids
 
 
-def load(spec: str | Path = DEFAULT_MODEL, dtype: str = "float32", threads: int | None = None) -> LM:
-    """Load a model: the embedded name 'smollm2-135m', a .gguf file, or a Hugging Face folder."""
-    return LM.load(spec, dtype=dtype, threads=threads)
+def load(spec: str | Path = DEFAULT_MODEL, dtype: str = "float32", threads: int | None = None,
+         quant=None, compile: bool = False) -> LM:
+    """Load a model: the embedded name 'smollm2-135m', a .gguf file, or a Hugging Face folder
+    (or a quantized folder written by `attnlab quantize`). See `LM.load` for quant and compile."""
+    return LM.load(spec, dtype=dtype, threads=threads, quant=quant, compile=compile)

@@ -55,9 +55,11 @@ class Rope:
             self._grow(max(need, 2 * self.cis.shape[0]))
         return self.cis[pos.clamp_min(0)]
 
-    def rotation(self, pos: torch.Tensor) -> torch.Tensor:
-        """The table for `apply`: pos [B, T] -> [B, 1, T, head_dim / 2] complex (broadcast over heads)."""
-        return self.tables(pos)[:, None]
+    def rotation(self, pos: torch.Tensor, real: bool = False) -> torch.Tensor:
+        """The table for `apply`: pos [B, T] -> [B, 1, T, head_dim / 2] complex (broadcast over heads),
+        or [B, 1, T, head_dim / 2, 2] (cos, sin) if real (for torch.compile, which has no complex kernels)."""
+        rot = self.tables(pos)[:, None]
+        return torch.view_as_real(rot) if real else rot
 
     def rotate(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """x: [B, H, T, D] rotated at pos: [B, T] (same for all heads) or [B, H, T] (per head)."""
@@ -66,15 +68,18 @@ class Rope:
 
 
 def apply(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
-    """Rotate x [..., T, D] by a complex table broadcastable to [..., T, D / 2].
+    """Rotate x [..., T, D] by a complex table broadcastable to [..., T, D / 2] (or its real form).
 
     Rotated pairs are adjacent dimensions (2i, 2i+1), so a rotation is one complex multiply
     (about 10x faster on CPU than the half-split cos/sin form, which matters when the
     `cache` position convention re-rotates every cached key at every step). Checkpoints in
     the half-split (Hugging Face) layout get their q/k rows interleaved once at load time.
     """
-    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
-    return torch.view_as_real(xc * rot).flatten(-2).to(x.dtype)
+    pairs = x.float().reshape(*x.shape[:-1], -1, 2)
+    if not rot.is_complex():  # (cos, sin) pairs: the same rotation written with real arithmetic
+        x0, x1, c, s = pairs[..., 0], pairs[..., 1], rot[..., 0], rot[..., 1]
+        return torch.stack([x0 * c - x1 * s, x0 * s + x1 * c], -1).flatten(-2).to(x.dtype)
+    return torch.view_as_real(torch.view_as_complex(pairs) * rot).flatten(-2).to(x.dtype)
 
 
 def interleave_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:

@@ -164,3 +164,17 @@ def test_metadata_only_config_equals_loaded_config(kind, tmp_path, request):
     cfg, source = read_config(path)
     assert time.perf_counter() - start < 2 and source == lm.source
     assert cfg == lm.cfg
+
+
+@pytest.mark.parametrize("quant", [None, "int8"])
+def test_nan_scale_in_quantized_tensor_is_named(quant, tmp_path):
+    """A Q8_0 block scale set to NaN: caught whether the tensor is dequantised or kept packed (--quant)."""
+    from attnlab.model.validate import scan_gguf
+    path = write_gguf(tmp_path / "q.gguf", qtype="Q8_0")
+    head = scan_gguf(path)
+    data = bytearray(path.read_bytes())
+    at = head.data_offset + head.tensors["blk.0.attn_q.weight"].offset
+    data[at:at + 2] = np.array([np.nan], dtype=np.float16).tobytes()
+    path.write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match=r"tensor model.layers.0.self_attn.q_proj.weight .*NaN"):
+        LM.load(path, tokenizer=False, quant=quant)

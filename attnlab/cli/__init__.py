@@ -18,7 +18,7 @@ from attnlab.cli.common import UserError, add_model_args, load_lm, nonneg_int, p
 from attnlab.io import progress
 
 # Subsystems that bring their own subcommands through `add_parser(subparsers)`.
-SUBSYSTEMS = ["attnlab.cli.dynamics", "attnlab.cli.stream", "attnlab.cli.analysis"]
+SUBSYSTEMS = ["attnlab.cli.dynamics", "attnlab.cli.stream", "attnlab.cli.analysis", "attnlab.cli.quantize"]
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -125,7 +125,7 @@ def _policy(args, length: int | None):
     from attnlab.cli.stream import build_policy
     if length is None and any(c in args.budget for c in ".%eE"):
         raise UserError("chat needs a budget in tokens (e.g. --budget 1024), not a fraction")
-    return build_policy(args.policy, args.budget, args.positions, args.n_sink, length)
+    return build_policy(args.policy, args.budget, args.positions, args.n_sink, length, block=args.block)
 
 
 def _add_policy(p):

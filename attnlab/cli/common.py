@@ -31,10 +31,24 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and activations")
     p.add_argument("--threads", type=positive_int, default=1,
                    help="torch intra-op threads (1 by measurement: a busy machine slows 2+ threads down 3x or more)")
+    p.add_argument("--quant", type=quant_spec, default=None, metavar="SPEC",
+                   help="quantized weights: int8, int4[:GROUP] (default group 32), kmeans[:BITS[:GROUP]], "
+                        "kmeans-naive[:BITS] (lookup-then-matmul baseline); default: float weights")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the single-token decode step (torch.compile; tens of seconds on first use)")
+
+
+def quant_spec(text: str):
+    from attnlab.quant import QuantSpec
+    try:
+        return QuantSpec.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def load_lm(args, tokenizer: bool = True):
     from attnlab.engine import LM
     from attnlab.io import status
     with status(f"loading {args.model}"):  # 10-20 s for SmolLM2: say so
-        return LM.load(args.model, dtype=args.dtype, threads=args.threads, tokenizer=tokenizer)
+        return LM.load(args.model, dtype=args.dtype, threads=args.threads, tokenizer=tokenizer,
+                       quant=getattr(args, "quant", None), compile=getattr(args, "compile", False))

@@ -42,14 +42,17 @@ def add_policy_args(p: argparse.ArgumentParser, budget_default: str | None = "25
     p.add_argument("--positions", default=positions_default, choices=["cache", "original"],
                    help="cache: keys stored before RoPE, rotated at their slot (StreamingLLM); original: absolute")
     p.add_argument("--n-sink", type=nonneg_int, default=4, help="attention-sink tokens kept by sink and sink_h2o")
+    p.add_argument("--block", type=positive_int, default=1,
+                   help="block eviction: evict once every BLOCK tokens (cache holds up to budget + BLOCK - 1); "
+                        "1 = exact per-token eviction")
 
 
 def build_policy(name: str, budget: str, positions: str, n_sink: int, length: int | None = None,
-                 chunk: int = 512):
+                 chunk: int = 512, block: int = 1):
     """One policy from CLI options; a fractional budget is resolved against `length` tokens."""
     from attnlab.kv.policies import make_policy
     try:
-        p = make_policy(name, budget, positions=positions, n_sink=n_sink, chunk=chunk)
+        p = make_policy(name, budget, positions=positions, n_sink=n_sink, chunk=chunk, block=block)
         if length is not None:
             p = p.resolve(length)
             p.check_budget(p.tokens)
@@ -68,7 +71,7 @@ def run_identity(args, text: str) -> dict:
     src = resolve(args.model)
     files = [src] if src.is_file() else sorted(p for p in src.iterdir() if p.suffix in (".json", ".safetensors"))
     return {"model": str(src.absolute()), "model_files": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files],
-            "dtype": args.dtype, "quant": getattr(args, "quant", None), "text": args.text,
+            "dtype": args.dtype, "quant": str(args.quant) if getattr(args, "quant", None) else None, "text": args.text,
             "text_sha256": hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest(),
             "tokens": args.tokens, "streams": args.streams, "offset": args.offset, "chunk": args.chunk}
 
@@ -98,7 +101,8 @@ def cmd_stream(args) -> int:
     plan = []
     for name in names:
         for b in (budgets if name != "full" else budgets[:1]):
-            plan.append((name, build_policy(name, b, args.positions, args.n_sink, args.tokens, chunk=args.chunk)))
+            plan.append((name, build_policy(name, b, args.positions, args.n_sink, args.tokens, chunk=args.chunk,
+                                            block=args.block)))
     text = corpus(args.text)
     from attnlab.cli import check_tokens_fit
     check_tokens_fit(args.offset + args.tokens * args.streams, text, "--offset + --tokens x --streams")

@@ -8,8 +8,16 @@ evicted and compacted, and it is what lets a policy drop tokens for real.
 
 Two position conventions (StreamingLLM section 3.2):
 - ``original``: keys are rotated at their absolute position when stored.
-- ``cache``: keys are stored before RoPE and rotated at their *slot index* on
-  every read, so positions never exceed the cache size.
+- ``cache``: keys are rotated at their *slot index*, so positions never exceed
+  the cache size. StreamingLLM stores keys before RoPE and rotates the whole
+  cache at every step; here a key is rotated at its slot when written and, when
+  eviction moves it to a lower slot, rotated on by the (negative) distance moved
+  (rotations compose). The result is the same, and a step costs nothing extra
+  unless it evicts, which block eviction (see `Policy.block`) makes rare.
+
+The per-step bookkeeping (`KVCache.begin` / `advance`: positions, growth,
+eviction) runs outside the layers, so a layer's `update` is tensor work only and
+a decode step can be compiled.
 """
 from __future__ import annotations
 
@@ -20,16 +28,17 @@ import torch
 from attnlab.rope import Rope, apply as rope_apply
 
 POSITIONS = ("original", "cache")
+KEY_FORMAT = "rotated-at-slot"  # what cache_state() stores; older states held pre-RoPE `cache` keys
 
 
 @dataclass
 class Step:
     """What every layer needs to know about the chunk being fed (shared, computed once)."""
     pos: torch.Tensor        # [B, T] absolute positions, -1 = left padding
-    q_pos: torch.Tensor      # [B, T] positions the queries are rotated at
-    rot: torch.Tensor        # complex rotations [B, 1, T, D/2] for q_pos
-    slot_rot: torch.Tensor | None  # [1, 1, n, D/2] for slot indices (cache positions only)
+    q_pos: torch.Tensor      # [B, T] positions queries and new keys are rotated at (slots in `cache` mode)
+    rot: torch.Tensor        # RoPE tables for q_pos: complex [B, 1, T, D/2] or real [B, 1, T, D/2, 2]
     padded: bool             # the chunk contains left padding
+    start: int               # first slot the chunk is written to (equal in every layer)
 
 
 class CacheFullError(RuntimeError):
@@ -67,27 +76,22 @@ class LayerKV:
         self.v = torch.cat([self.v, self.v.new_zeros(*self.v.shape[:2], grow, self.v.shape[3])], dim=2)
         self.pos = torch.cat([self.pos, self.pos.new_full((*self.pos.shape[:2], grow), -1)], dim=2)
 
-    def update(self, k: torch.Tensor, v: torch.Tensor, step: "Step", rotated: bool = False):
+    def update(self, k: torch.Tensor, v: torch.Tensor, step: "Step"):
         """Store a chunk and return what its queries attend to.
 
-        k, v: [B, H_kv, T, D] keys and values of the chunk described by step; keys pre-RoPE
-        unless rotated (the network may rotate them with the queries in `original` mode).
-        Returns (K, V, mask): K, V [B, H_kv, n, D] with keys rotated, and mask None (attend to
-        all), "causal" (plain causal over a fresh cache) or bool [B, H_kv, T, n].
+        k, v: [B, H_kv, T, D] keys (already rotated at step.q_pos) and values of the chunk.
+        Returns (K, V, mask): K, V [B, H_kv, n, D] and mask None (attend to all), "causal"
+        (plain causal over a fresh cache) or bool [B, H_kv, T, n].
         """
         T = k.shape[2]
         if step.padded:
             self.padded, self.natural = True, False
-        self._reserve(self.n + T)
-        s = slice(self.n, self.n + T)
-        self.k[:, :, s] = k if self.positions == "cache" or rotated else rope_apply(k, step.rot)
+        s = slice(step.start, step.start + T)
+        self.k[:, :, s] = k
         self.v[:, :, s] = v
         self.pos[:, :, s] = step.pos[:, None, :]
-        self.n += T
-        n = self.n
+        n = step.start + T
         K, V = self.k[:, :, :n], self.v[:, :, :n]
-        if self.positions == "cache":
-            K = rope_apply(K, step.slot_rot)
         if T == 1 and not self.padded:
             return K, V, None
         if self.natural and n == T:
@@ -105,7 +109,10 @@ class LayerKV:
         m = idx.shape[-1]
         # whole rows by index_select on a flat view: several times faster than an elementwise gather
         flat = (idx + torch.arange(B * H).view(B, H, 1) * C).reshape(-1)
-        self.k[:, :, :m] = self.k.view(B * H * C, D).index_select(0, flat).view(B, H, m, D)
+        kept = self.k.view(B * H * C, D).index_select(0, flat).view(B, H, m, D)
+        if self.positions == "cache":  # a key moved from slot idx to slot j: rotate it on by j - idx <= 0
+            kept = rope_apply(kept, self.rope.tables(idx - torch.arange(m)).conj())
+        self.k[:, :, :m] = kept
         self.v[:, :, :m] = self.v.view(B * H * C, D).index_select(0, flat).view(B, H, m, D)
         self.pos[:, :, :m] = torch.gather(self.pos[:, :, :self.n], 2, idx)
         self.pos[:, :, m:self.n] = -1
@@ -133,21 +140,26 @@ class KVCache:
         self.seen = 0                                   # tokens fed per row, padding included
         self.pad = torch.zeros(batch, dtype=torch.long)  # left-padding length of each row
 
-    def begin(self, T: int, rope: Rope) -> "Step":
-        """Positions and rotation tables of the next T tokens, computed once for all layers."""
+    def begin(self, T: int, rope: Rope, real: bool = False) -> "Step":
+        """Positions and rotation tables of the next T tokens, computed once for all layers; makes room."""
+        start = len(self)
+        for layer in self.layers:
+            layer._reserve(start + T)
         pos = self.seen + torch.arange(T)[None, :] - self.pad[:, None]
         padded = bool(self.seen < int(self.pad.max()))
         pos = torch.where(pos >= 0, pos, -1) if padded else pos
-        slot_rot = None
-        if self.positions == "cache":  # queries sit at the last T slots; keys at their slot index
-            n = len(self) + T
-            q_pos = torch.arange(n - T, n).expand(self.batch, T)
-            slot_rot = rope.rotation(torch.arange(n)[None])
+        if self.positions == "cache":  # queries and new keys sit at their slots
+            q_pos = torch.arange(start, start + T).expand(self.batch, T)
         else:
             q_pos = pos
-        return Step(pos, q_pos, rope.rotation(q_pos), slot_rot, padded)
+        return Step(pos, q_pos, rope.rotation(q_pos, real=real), padded, start)
 
     def advance(self, T: int) -> None:
+        """After a step: count its tokens and let the policy evict (every layer's attention is done)."""
+        for layer in self.layers:
+            layer.n += T
+            if self.policy is not None:
+                self.policy.after_step(layer)
         self.seen += T
 
     def nbytes(self) -> int:
@@ -163,11 +175,13 @@ def cache_state(cache: KVCache) -> dict:
                "n": l.n, "natural": l.natural, "padded": l.padded, "capacity": l.capacity,
                "policy_state": {key: (val.clone() if isinstance(val, torch.Tensor) else val)
                                 for key, val in l.policy_state.items()}} for l in cache.layers]
-    return {"layers": layers, "seen": cache.seen, "pad": cache.pad.clone()}
+    return {"layers": layers, "seen": cache.seen, "pad": cache.pad.clone(), "keys": KEY_FORMAT}
 
 
 def load_cache_state(cache: KVCache, state: dict) -> None:
     """Restore cache_state() output into a cache built the same way (same model, batch and policy)."""
+    if state.get("keys") != KEY_FORMAT:
+        raise ValueError("the saved cache was written by an older attnlab (keys stored differently); rerun with --force")
     for layer, s in zip(cache.layers, state["layers"], strict=True):
         layer._reserve(s["capacity"])
         n = s["n"]

@@ -13,11 +13,12 @@ layer keeps exactly `budget` slots (so all layers keep the same slot count),
 but which tokens it keeps is its own choice; attention-based scores of the G
 query heads of a grouped-query group are averaged into their KV head's score.
 
-The engine calls `observe(kv, probs)` after every layer's attention, with the
-attention probabilities [B, Hq, T, n] when `needs_probs` (computed in the same
-pass, see `attnlab.model.llama.attend`). Once a layer holds more than `budget`
-slots it is evicted down to `budget`, so the cache holds at most budget + one
-chunk (`capacity`), and frees memory for real.
+The network calls `observe(kv, probs)` after a layer's attention when the policy
+`needs_probs` (the attention probabilities [B, Hq, T, n], computed in the same
+pass, see `attnlab.model.llama.attend`); once the step is done the cache calls
+`after_step(kv)` for every layer, which evicts down to `budget` when the layer
+holds budget + block slots or more. The cache thus holds at most budget +
+block - 1 + one chunk slots (`capacity`), and frees memory for real.
 
 Positions (`positions`): "original" keeps every key rotated at its absolute
 position; "cache" (StreamingLLM) stores keys before RoPE and rotates them at
@@ -41,11 +42,15 @@ class Policy:
 
     A fractional budget is a share of the tokens the cache will see; turn it into tokens with
     `resolve(length)` before building a cache. `chunk` is the largest prefill chunk the cache
-    must hold on top of the budget.
+    must hold on top of the budget. `block` is block eviction: let the cache fill to
+    budget + block - 1 slots and then evict down to budget in one go, so compaction (and
+    re-rotation of `cache` positions) happens once every `block` tokens instead of at every
+    step; block 1 is the exact per-token policy.
     """
     budget: int | float = 256
     positions: str = "cache"
     chunk: int = 512
+    block: int = 1
     needs_probs: ClassVar[bool] = False
     name: ClassVar[str] = "base"
 
@@ -61,6 +66,8 @@ class Policy:
             raise ValueError(f"budget must be >= 1 token, got {self.budget}")
         if self.chunk < 1:
             raise ValueError(f"chunk must be >= 1, got {self.chunk}")
+        if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 1:
+            raise ValueError(f"block must be an integer >= 1, got {self.block!r}")
         if isinstance(self.budget, int):
             self.check_budget(self.budget)
 
@@ -94,8 +101,8 @@ class Policy:
 
     @property
     def capacity(self) -> int | None:
-        """Slots a cache needs: the budget plus one prefill chunk (None = unbounded)."""
-        return self.tokens + self.chunk
+        """Slots a cache needs: the budget, the block's slack and one prefill chunk (None = unbounded)."""
+        return self.tokens + self.block - 1 + self.chunk
 
     def resolve(self, length: int) -> "Policy":
         """A copy whose fractional budget is turned into tokens: ceil(fraction * length)."""
@@ -103,15 +110,17 @@ class Policy:
             return self
         return replace(self, budget=max(1, math.ceil(self.budget * length)))
 
-    def observe(self, kv, probs: torch.Tensor | None) -> None:
-        """Called by the attention of layer kv.index after every step; evicts down to the budget."""
-        if probs is not None:
-            B, Hq, T, n = probs.shape
-            H = kv.pos.shape[1]
-            probs = probs.view(B, H, Hq // H, T, n).mean(2)
-            probs = probs * (kv.pos[:, :, n - T:n, None] >= 0)  # padding queries carry no evidence
+    def observe(self, kv, probs: torch.Tensor) -> None:
+        """Called by the attention of layer kv.index with this step's probabilities (when needs_probs)."""
+        B, Hq, T, n = probs.shape
+        H = kv.pos.shape[1]
+        probs = probs.view(B, H, Hq // H, T, n).mean(2)
+        probs = probs * (kv.pos[:, :, n - T:n, None] >= 0)  # padding queries carry no evidence
         self.accumulate(kv, probs)
-        if kv.n > self.tokens:
+
+    def after_step(self, kv) -> None:
+        """Called for every layer once a step is done: evicts down to the budget when the block is full."""
+        if kv.n > self.tokens + self.block - 1:
             self.evict(kv)
 
     def evict(self, kv) -> torch.Tensor:
@@ -129,7 +138,8 @@ class Policy:
         return idx
 
     def describe(self) -> str:
-        return f"{self.name}(budget={self.budget}, positions={self.positions})"
+        block = f", block={self.block}" if self.block > 1 else ""
+        return f"{self.name}(budget={self.budget}, positions={self.positions}{block})"
 
 
 def select(pos: torch.Tensor, score: torch.Tensor, budget: int, n_sink: int, n_recent: int) -> torch.Tensor:
@@ -167,7 +177,7 @@ class Full(Policy):
     def capacity(self) -> None:
         return None
 
-    def observe(self, kv, probs) -> None:
+    def after_step(self, kv) -> None:
         pass
 
 
@@ -322,10 +332,10 @@ def parse_budget(text: str | int | float) -> int | float:
 
 
 def make_policy(name: str, budget: int | float | str = 256, positions: str = "cache", n_sink: int = 4,
-                chunk: int = 512) -> Policy:
+                chunk: int = 512, block: int = 1) -> Policy:
     """A policy by name ('full', 'window', 'sink', 'h2o', 'sink_h2o', 'tova', 'snapkv')."""
     cls = POLICIES.get(name)
     if cls is None:
         raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
     extra = {"sinks": n_sink} if cls in (Sink, SinkH2O) else {}
-    return cls(budget=parse_budget(budget), positions=positions, chunk=chunk, **extra)
+    return cls(budget=parse_budget(budget), positions=positions, chunk=chunk, block=block, **extra)

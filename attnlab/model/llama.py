@@ -105,21 +105,16 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(cfg.dim, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.wo = nn.Linear(self.q_size, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rot: tuple, kv=None, step=None, policy=None) -> torch.Tensor:
-        """x: [B, T, dim]; rot: query RoPE tables; kv: this layer's LayerKV (with its step) or None."""
+    def forward(self, x: torch.Tensor, rot: torch.Tensor, kv=None, step=None, policy=None) -> torch.Tensor:
+        """x: [B, T, dim]; rot: RoPE tables of the chunk's positions; kv: this layer's LayerKV or None."""
         B, T, _ = x.shape
         qkv = self.wqkv(x).view(B, T, self.n_heads + 2 * self.n_kv, self.head_dim).transpose(1, 2)
         qk, v = qkv.split([self.n_heads + self.n_kv, self.n_kv], dim=1)  # [B, H, T, D] views
-        if kv is None or kv.positions == "original":  # q and k rotated together: one pass, not two
-            q, k = rope_apply(qk, rot).split([self.n_heads, self.n_kv], dim=1)
-            k, v, mask = (k, v, "causal") if kv is None else kv.update(k, v, step, rotated=True)
-        else:
-            q, k = qk.split([self.n_heads, self.n_kv], dim=1)
-            q = rope_apply(q, rot)
-            k, v, mask = kv.update(k, v, step)
+        q, k = rope_apply(qk, rot).split([self.n_heads, self.n_kv], dim=1)  # q and k in one pass
+        k, v, mask = (k, v, "causal") if kv is None else kv.update(k, v, step)
         need = policy is not None and policy.needs_probs
         out, probs = attend(q, k, v, mask, need_probs=need)
-        if policy is not None:
+        if need:
             policy.observe(kv, probs)
         return self.wo(out.transpose(1, 2).reshape(B, T, self.q_size))
 
@@ -166,20 +161,37 @@ class Transformer(nn.Module):
         """ids: [B, T] -> logits [B, T, vocab] (or [B, 1, vocab] if last_only).
 
         Without a cache this is one full causal forward from position 0. With a KVCache the
-        chunk is appended to it (positions continue from what the cache has seen).
+        chunk is appended to it (positions continue from what the cache has seen); the cache's
+        bookkeeping (positions, eviction) runs around `run`, so `run` is tensor work only and
+        a single-token step can go through its compiled form (see `compile_decode`).
         """
-        x = self.embed(ids)
         if cache is None:
             pos = torch.arange(ids.shape[1]).expand(ids.shape[0], -1) if pos is None else pos
-            rot = self.rope.rotation(pos)
-            for layer in self.layers:
-                x = layer(x, rot)
-        else:
-            step = cache.begin(ids.shape[1], self.rope)
-            for layer, kv in zip(self.layers, cache.layers):
-                x = layer(x, step.rot, kv, step, cache.policy)
-        if cache is not None:
-            cache.advance(ids.shape[1])
+            return self.run(ids, self.rope.rotation(pos), None, None, None, last_only)
+        T = ids.shape[1]
+        policy = cache.policy
+        fast = self.compiled is not None and T == 1 and not (policy is not None and policy.needs_probs)
+        step = cache.begin(T, self.rope, real=fast)
+        fast = fast and not step.padded
+        logits = (self.compiled if fast else self.run)(ids, step.rot, step, cache.layers, policy, last_only)
+        cache.advance(T)
+        return logits
+
+    def run(self, ids, rot, step, kvs, policy, last_only: bool = False) -> torch.Tensor:
+        """The layers and the head: ids [B, T], rot (RoPE tables), the step and per-layer caches (or None)."""
+        x = self.embed(ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rot, kvs[i] if kvs is not None else None, step, policy)
         if last_only:
             x = x[:, -1:]
         return self.lm_head(self.norm(x)).float()
+
+    compiled = None
+
+    def compile_decode(self, **options) -> None:
+        """Compile `run` for single-token decode steps (eager stays the reference and the fallback).
+
+        The cache length is a dynamic size (one graph for every length), the KV buffers are
+        written in place, and RoPE uses real cos/sin tables (inductor has no complex kernels).
+        """
+        self.compiled = torch.compile(self.run, dynamic=None, **options)

@@ -62,12 +62,18 @@ _GGUF_BLOCK = {
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's q/k row interleaving (its RoPE rotates adjacent pairs, HF rotates halves)."""
     rows = w.shape[0]
-    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(tuple(w.shape))
 
 
-def read_gguf(path: Path):
-    """-> (ModelConfig, {hf_name: float32 tensor}) from a GGUF file."""
+def read_gguf(path: Path, packed_types: tuple[str, ...] = ()):
+    """-> (ModelConfig, {hf_name: float32 tensor or Packed}) from a GGUF file.
+
+    Tensors of packed_types ("Q4_0", "Q4_1", "Q8_0") stay quantized (`attnlab.quant.Packed`),
+    with no float copy: lower peak memory and load time when the model runs quantized anyway.
+    """
     import gguf
+
+    from attnlab.quant import formats
 
     validate.check_gguf(path, validate.scan_gguf(path))  # before the reader builds what the header claims
     try:
@@ -86,11 +92,18 @@ def read_gguf(path: Path):
     n_heads, n_kv = int(key("attention.head_count")), int(key("attention.head_count_kv", key("attention.head_count")))
     tensors = {}
     for t in reader.tensors:
+        shape = [int(d) for d in reversed(t.shape)]
+        kind = t.tensor_type.name
         try:
-            data = gguf.quants.dequantize(t.data, t.tensor_type)
+            if kind in packed_types and len(shape) == 2:
+                raw = np.require(np.asarray(t.data), requirements=["C", "W"])
+                data = formats.from_gguf_q8_0(raw, tuple(shape)) if kind == "Q8_0" else \
+                    formats.from_gguf_q4(raw, kind, tuple(shape))
+            else:
+                data = gguf.quants.dequantize(t.data, t.tensor_type)
+                data = np.asarray(data, dtype=np.float32).reshape(shape)
         except Exception as e:
             raise ModelLoadError(f"cannot read tensor {t.name} of {path}: {type(e).__name__}: {e}") from None
-        data = np.asarray(data, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
         name = t.name
         if name in _GGUF_NAMES:
             hf = _GGUF_NAMES[name]
@@ -100,8 +113,12 @@ def read_gguf(path: Path):
                 continue  # e.g. rope_freqs: recomputed from metadata
             hf = f"model.layers.{parts[1]}.{_GGUF_BLOCK[parts[2]]}.{parts[3]}"
             if arch == "llama" and parts[2] in ("attn_q", "attn_k"):
-                data = _unpermute(data, n_heads if parts[2] == "attn_q" else n_kv)
-        tensors[hf] = torch.from_numpy(np.require(data, requirements=['C', 'W']))  # copies read-only maps
+                heads = n_heads if parts[2] == "attn_q" else n_kv
+                data = data.map_rows(lambda a: _unpermute(a, heads)) if isinstance(data, formats.Packed) \
+                    else _unpermute(data, heads)
+        if not isinstance(data, formats.Packed):
+            data = torch.from_numpy(np.require(data, requirements=['C', 'W']))  # copies read-only maps
+        tensors[hf] = data
     scaling = None
     if key("rope.scaling.type") in ("linear",):
         scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor"))}
@@ -173,31 +190,58 @@ def read_hf_folder(path: Path):
 
 # ---------------------------------------------------------------- assembly
 
-def build(cfg: ModelConfig, tensors: dict, dtype: torch.dtype = torch.float32) -> Transformer:
-    """Create the network and copy Hugging Face-named tensors into its fused layout."""
+def build(cfg: ModelConfig, tensors: dict, dtype: torch.dtype = torch.float32, quant=None) -> Transformer:
+    """Create the network and copy Hugging Face-named tensors into its fused layout.
+
+    With quant (a QuantSpec or its text) the linear layers become QuantLinear; matrices that
+    arrive already quantized (`Packed`, from GGUF blocks) are permuted and concatenated as
+    codes and never expanded to float.
+    """
+    from attnlab.quant import Packed, quantize_model
+    from attnlab.quant.formats import cat_rows
+
+    def rows(fn, t):
+        return t.map_rows(fn) if isinstance(t, Packed) else fn(t)
+
+    def cat(parts):
+        if all(isinstance(t, Packed) for t in parts):
+            return cat_rows(parts)
+        return torch.cat([t.dequantize() if isinstance(t, Packed) else t for t in parts])
+
     with torch.device("meta"):
         model = Transformer(cfg)
     state = {"embed.weight": tensors["model.embed_tokens.weight"], "norm.weight": tensors["model.norm.weight"]}
     if not cfg.tie_embeddings:
         state["lm_head.weight"] = tensors["lm_head.weight"]
+    elif quant is not None:  # the head is the embedding; the embedding then reads the quantized head
+        state["lm_head.weight"] = state.pop("embed.weight")
     for i in range(cfg.n_layers):
         p, a = f"model.layers.{i}.", f"layers.{i}."
         try:
             for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
                 q, k, v = (tensors[p + f"self_attn.{n}_proj.{kind}"] for n in "qkv")
-                state[a + f"attn.wqkv.{kind}"] = torch.cat(  # the network rotates adjacent pairs
-                    [interleave_rows(q, cfg.n_heads), interleave_rows(k, cfg.n_kv_heads), v])
+                state[a + f"attn.wqkv.{kind}"] = cat(  # the network rotates adjacent pairs
+                    [rows(lambda w: interleave_rows(w, cfg.n_heads), q), rows(lambda w: interleave_rows(w, cfg.n_kv_heads), k), v])
             state[a + "attn.wo.weight"] = tensors[p + "self_attn.o_proj.weight"]
-            state[a + "mlp.w13.weight"] = torch.cat([tensors[p + "mlp.gate_proj.weight"], tensors[p + "mlp.up_proj.weight"]])
+            state[a + "mlp.w13.weight"] = cat([tensors[p + "mlp.gate_proj.weight"], tensors[p + "mlp.up_proj.weight"]])
             state[a + "mlp.w2.weight"] = tensors[p + "mlp.down_proj.weight"]
             state[a + "attn_norm.weight"] = tensors[p + "input_layernorm.weight"]
             state[a + "mlp_norm.weight"] = tensors[p + "post_attention_layernorm.weight"]
         except KeyError as e:
             raise ModelLoadError(f"checkpoint is missing tensor {e.args[0]}") from None
-    state = {k: v.to(dtype) for k, v in state.items()}
+    if isinstance(state.get("embed.weight"), Packed):  # an untied embedding is looked up, not multiplied
+        state["embed.weight"] = state["embed.weight"].dequantize()
+    packed = {k.removesuffix(".weight"): v for k, v in state.items() if isinstance(v, Packed)}
+    if quant is None:
+        packed = {k: v.dequantize() for k, v in packed.items()}
+        state.update({k + ".weight": v for k, v in packed.items()})
+        packed = {}
+    state = {k: v.to(dtype) for k, v in state.items() if k.removesuffix(".weight") not in packed}
     model.load_state_dict(state, strict=False, assign=True)
-    if cfg.tie_embeddings:
+    if cfg.tie_embeddings and quant is None:
         model.lm_head.weight = model.embed.weight
+    if quant is not None:
+        quantize_model(model, quant, packed)
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise ModelLoadError(f"checkpoint does not fill {missing[0]}")
@@ -205,14 +249,24 @@ def build(cfg: ModelConfig, tensors: dict, dtype: torch.dtype = torch.float32) -
     return model.eval().requires_grad_(False)
 
 
-def load_model(spec: str | Path, dtype: torch.dtype = torch.float32):
-    """-> (Transformer, ModelConfig, source path) for any supported checkpoint."""
+def load_model(spec: str | Path, dtype: torch.dtype = torch.float32, quant=None):
+    """-> (Transformer, ModelConfig, source path) for any supported checkpoint (quantized if quant)."""
+    from attnlab.quant import QuantSpec
+    from attnlab.quant.store import is_quantized_folder, load_quantized
+
     path = resolve(spec)
+    quant = QuantSpec.parse(quant) if quant is not None else None
+    if path.is_dir() and is_quantized_folder(path):
+        model = load_quantized(path, dtype)
+        if quant is not None and str(quant) != model.quant:
+            raise ModelLoadError(f"{path} holds {model.quant} weights; load it without --quant or with --quant {model.quant}")
+        return model, model.cfg, path
     if path.is_dir():
         cfg, tensors = read_hf_folder(path)
     else:
-        cfg, tensors = read_gguf(path)
+        keep = () if quant is None else ("Q8_0",) + (("Q4_0", "Q4_1") if quant.method == "int4" and quant.group == 32 else ())
+        cfg, tensors = read_gguf(path, keep)
     validate.check_weights(path, tensors)
-    model = build(cfg, tensors, dtype)
+    model = build(cfg, tensors, dtype, quant)
     validate.check_model(path, model)
     return model, cfg, path

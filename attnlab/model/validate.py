@@ -245,7 +245,10 @@ def check_hf(path, hf: dict, files) -> Dims:
 def check_weights(path, tensors: dict) -> None:
     """Reject NaN, inf and absurd magnitudes, naming the tensor (one min/max pass per tensor, no copies)."""
     import torch
-    for name, t in tensors.items():
+    parts = []
+    for name, t in tensors.items():  # a quantized tensor kept packed: its float parts (scales, codebooks)
+        parts += [(name, t)] if isinstance(t, torch.Tensor) else [(f"{name} ({k})", v) for k, v in t.tensors().items()]
+    for name, t in parts:
         if not t.is_floating_point() or t.numel() == 0:
             continue
         lo, hi = torch.aminmax(t)

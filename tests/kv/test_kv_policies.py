@@ -152,3 +152,19 @@ def test_bad_options_raise_one_line_errors(args, message):
 def test_unknown_positions_rejected():
     with pytest.raises(ValueError, match="positions"):
         make_policy("sink", 64, positions="absolute")
+
+
+@pytest.mark.parametrize("name", ["window", "sink", "h2o", "sink_h2o"])
+@pytest.mark.parametrize("positions", ["original", "cache"])
+def test_block_eviction_equals_masked_reference(lm, ids, name, positions):
+    """Evicting every 5 tokens: the same brute-force references hold, and the cache breathes
+    between budget and budget + block - 1 instead of staying at budget."""
+    p = policy(name, positions, block=5)
+    logits, evicted, sizes, cache = run(lm, ids, p, STEPS)
+    reference = original_reference if positions == "original" else cache_reference
+    torch.testing.assert_close(logits, reference(lm, ids, evicted, STEPS), atol=1e-5, rtol=1e-4)
+    decode = sizes[2:]
+    assert max(decode) == BUDGET + 4 and min(decode) == BUDGET  # evicted in blocks, not every step
+    assert cache.layers[0].capacity == BUDGET + 4 + CHUNK
+    per_token, *_ = run(lm, ids, policy(name, positions), STEPS)
+    assert not torch.allclose(per_token, logits)  # block eviction keeps more: a different model of the stream

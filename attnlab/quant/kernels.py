@@ -1,0 +1,64 @@
+"""The fused kernels (kernels.cpp), built on first use, with a pure-torch fallback.
+
+Why a C++ kernel: the point of quantized weights is reading fewer bytes per token,
+which pays only if dequantisation happens in registers. torch's own int4/int8
+kernels want bf16 activations and are compute-bound on AVX2 CPUs, and inductor
+turns a codebook lookup into scalar gathers (slower than float). The build needs a
+C++ compiler and AVX2; without them `available()` is False and every format falls
+back to dequantise-then-matmul, the same numbers, only slower.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+_STATE: dict = {}
+
+
+def available() -> bool:
+    """True once the extension is built and loaded (built at most once per process, cached on disk)."""
+    if "ok" not in _STATE:
+        _STATE["ok"] = _build()
+    return _STATE["ok"]
+
+
+def _build() -> bool:
+    if os.environ.get("ATTNLAB_NO_KERNELS"):
+        return False
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return False
+    try:
+        from torch.utils.cpp_extension import load
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            load(name="attnlab_qkernels", sources=[str(Path(__file__).with_name("kernels.cpp"))],
+                 extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c"], verbose=False, is_python_module=False)
+    except Exception as e:  # no compiler, no ninja, ...: fall back, say why once
+        warnings.warn(f"attnlab: fused quantized kernels unavailable ({type(e).__name__}: {str(e)[:200]}); "
+                      "using dequantise-then-matmul")
+        return False
+    _register_fakes()
+    return True
+
+
+def _register_fakes() -> None:
+    """Shapes for torch.compile: the ops are opaque to it but their outputs are [M, N] float32."""
+    def fake(x, qs, *rest):
+        return x.new_empty(x.shape[0], qs.shape[0])
+    for name in ("q4_mm", "lut4_mm", "q8_mm"):
+        torch.library.register_fake(f"attnlab::{name}")(fake)
+
+
+def q4_mm(x, qs, scale, min_, group):
+    return torch.ops.attnlab.q4_mm(x, qs, scale, min_, group)
+
+
+def lut4_mm(x, qs, codebook, group):
+    return torch.ops.attnlab.lut4_mm(x, qs, codebook, group)
+
+
+def q8_mm(x, q, scale):
+    return torch.ops.attnlab.q8_mm(x, q, scale)

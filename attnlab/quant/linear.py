@@ -1,0 +1,184 @@
+"""A linear layer whose weight stays quantized, and the swap that puts it into a network.
+
+At batch 1 the layer multiplies straight from the codes (a fused kernel, see
+`attnlab.quant.kernels`); from `FUSED_MAX_ROWS` rows on (prefill, perplexity) it
+dequantises the weight once and runs a float matmul, which is compute-bound
+anyway. `fused=False` keeps the talk's cautionary baseline: look the weights up,
+then matmul, at every call.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attnlab.quant import kernels
+from attnlab.quant.formats import Packed, quantize_int4, quantize_int8, quantize_kmeans
+
+FUSED_MAX_ROWS = 8
+METHODS = ("int8", "int4", "kmeans")
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """What `--quant` says: method, bits, group (0 = per row), fused or naive, the head's format."""
+    method: str
+    bits: int = 8
+    group: int = 0
+    fused: bool = True
+    head: str = "int8"
+
+    @classmethod
+    def parse(cls, text: "str | QuantSpec") -> "QuantSpec":
+        """'int8' | 'int4[:G]' | 'kmeans[:BITS[:G]]' | 'kmeans-naive[:BITS[:G]]' (G in weights; 0 = per row)."""
+        if isinstance(text, QuantSpec):
+            return text
+        parts = str(text).strip().lower().split(":")
+        name, nums = parts[0], parts[1:]
+        fused = not name.endswith("-naive")
+        method = name.removesuffix("-naive")
+        try:
+            nums = [int(n) for n in nums]
+        except ValueError:
+            raise ValueError(f"bad --quant {text!r}: numbers expected after ':'") from None
+        if method == "int8" and not nums:
+            return cls("int8", 8, 0, fused)
+        if method == "int4" and len(nums) <= 1:
+            group = nums[0] if nums else 32
+            if group < 32 or group % 32:
+                raise ValueError(f"int4 group must be a multiple of 32, got {group}")
+            return cls("int4", 4, group, fused)
+        if method == "kmeans" and len(nums) <= 2:
+            bits = nums[0] if nums else 4
+            group = nums[1] if len(nums) > 1 else 0
+            if bits not in (2, 3, 4) or group < 0 or group % 32:
+                raise ValueError(f"kmeans needs 2-4 bits and a group that is 0 or a multiple of 32, got {text!r}")
+            return cls("kmeans", bits, group, fused)
+        raise ValueError(f"unknown --quant {text!r}; use int8, int4[:GROUP], kmeans[:BITS[:GROUP]] "
+                         "or kmeans-naive[:BITS[:GROUP]]")
+
+    def __str__(self) -> str:
+        if self.method == "int8":
+            return "int8"
+        if self.method == "int4":
+            return f"int4:{self.group}"
+        return f"kmeans{'' if self.fused else '-naive'}:{self.bits}" + (f":{self.group}" if self.group else "")
+
+    def quantize(self, w: torch.Tensor) -> Packed:
+        if self.method == "int8":
+            return quantize_int8(w)
+        if self.method == "int4":
+            return quantize_int4(w, self.group)
+        return quantize_kmeans(w, self.bits, self.group or None)
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T (+ b) with W kept as a `Packed` matrix; x [..., K] -> [..., N] in x's dtype."""
+
+    def __init__(self, packed: Packed, bias: torch.Tensor | None = None, fused: bool = True):
+        super().__init__()
+        self.kind, self.group, self.bits, self.fused = packed.kind, packed.group, packed.bits, fused
+        self.out_features, self.in_features = packed.shape
+        for name, t in packed.tensors().items():
+            self.register_buffer(name, t.contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+
+    @property
+    def packed(self) -> Packed:
+        names = ("q", "qs", "scale", "min", "codebook")
+        return Packed(self.kind, (self.out_features, self.in_features), self.group, self.bits,
+                      **{n: getattr(self, n) for n in names if hasattr(self, n)})
+
+    def dequantize(self) -> torch.Tensor:
+        return self.packed.dequantize()
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features).float()
+        if self.fused and x2.shape[0] <= FUSED_MAX_ROWS and kernels.available():
+            x2 = x2.contiguous()
+            if self.kind == "int8":
+                y = kernels.q8_mm(x2, self.q, self.scale)
+            elif self.kind == "int4":
+                y = kernels.q4_mm(x2, self.qs, self.scale, self.min, self.group)
+            else:
+                y = kernels.lut4_mm(x2, self.qs, self.codebook, self.group)
+            if self.bias is not None:
+                y = y + self.bias
+        else:
+            y = F.linear(x2, self.dequantize(), self.bias)
+        return y.view(*shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        g = f", group={self.group}" if self.group else ""
+        return f"{self.in_features} -> {self.out_features}, {self.kind}{g}, bits={self.bits}, fused={self.fused}"
+
+
+class QuantEmbedding(nn.Module):
+    """Token lookup from a (tied) int8 head: one row dequantised per token, no float table kept."""
+
+    def __init__(self, head: QuantLinear):
+        super().__init__()
+        if head.kind != "int8":
+            raise ValueError("QuantEmbedding reads an int8 head")
+        self.head = [head]  # a plain list: the head's buffers belong to the head, not saved twice
+
+    @property
+    def weight(self) -> torch.Tensor:  # shape/dtype queries only (engine.dtype, parameter counts)
+        return self.head[0].scale
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.head[0]
+        return h.q[ids].float() * h.scale[ids, None]
+
+
+def linear_names(model) -> list[str]:
+    """Dotted names of the network's linear layers, LM head last."""
+    names = []
+    for i, _ in enumerate(model.layers):
+        names += [f"layers.{i}.attn.wqkv", f"layers.{i}.attn.wo", f"layers.{i}.mlp.w13", f"layers.{i}.mlp.w2"]
+    return names + ["lm_head"]
+
+
+def _set(model, name: str, module: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, module)
+
+
+def quantize_model(model, spec: QuantSpec | str, packed: dict[str, Packed] | None = None) -> None:
+    """Swap every linear layer of model for a QuantLinear in place (the head in spec.head's format).
+
+    packed: matrices already in a quantized format (GGUF blocks loaded directly), by layer name.
+    A tied embedding then reads its rows from the int8 head.
+    """
+    spec = QuantSpec.parse(spec)
+    packed = packed or {}
+    for name in linear_names(model):
+        old = model.get_submodule(name)
+        if isinstance(old, QuantLinear):
+            continue
+        fmt = spec if name != "lm_head" else QuantSpec.parse(spec.head) if spec.method != "int8" else spec
+        p = packed.get(name)
+        if p is None or p.kind != fmt.method or (fmt.group and p.group != fmt.group):
+            p = fmt.quantize(p.dequantize() if p is not None else old.weight.data)
+        _set(model, name, QuantLinear(p, getattr(old, "bias", None), fused=spec.fused))
+    if model.cfg.tie_embeddings:
+        model.embed = QuantEmbedding(model.lm_head)
+    model.quant = str(spec)
+
+
+def model_bytes(model) -> int:
+    """Bytes of every weight the network holds (float parameters + quantized buffers, shared ones once)."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total

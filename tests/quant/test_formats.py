@@ -1,0 +1,77 @@
+"""Quantized formats: round-trip bounds, fused kernels against dequantise-then-matmul."""
+import pytest
+import torch
+
+from attnlab.quant import QuantLinear, QuantSpec, kernels
+from attnlab.quant.formats import pack4, quantize_int4, quantize_int8, quantize_kmeans, unpack4
+
+SPECS = ["int8", "int4:32", "int4:64", "int4:128", "kmeans:4", "kmeans:3", "kmeans:4:64", "kmeans-naive:4"]
+
+
+@pytest.fixture(scope="module")
+def w():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 256, generator=g) * 0.05
+    w[3, 7] = 0.9  # an outlier, as real checkpoints have
+    return w
+
+
+def test_pack4_roundtrip():
+    codes = torch.randint(0, 16, (5, 64), dtype=torch.uint8)
+    assert torch.equal(unpack4(pack4(codes)), codes)
+    assert pack4(codes).shape == (5, 32)
+
+
+def test_int8_error_at_most_half_a_step(w):
+    p = quantize_int8(w)
+    assert ((p.dequantize() - w).abs() <= p.scale[:, None] / 2 + 1e-7).all()
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_error_at_most_half_a_step_per_group(w, group):
+    p = quantize_int4(w, group)
+    err = (p.dequantize() - w).abs().view(96, -1, group)
+    assert (err <= p.scale[..., None] / 2 + 1e-6).all()
+    assert p.nbytes < w.numel() * 4 / 5  # 4-bit codes plus two floats per group
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+def test_kmeans_assigns_the_nearest_centroid_and_beats_uniform(w, bits):
+    p = quantize_kmeans(w, bits)
+    book = p.codebook[:, 0, :2 ** bits]                      # [N, C] per-row codebooks
+    nearest = (w[:, :, None] - book[:, None, :]).abs().min(-1).values
+    assert torch.allclose((p.dequantize() - w).abs(), nearest, atol=1e-6)
+    uniform = quantize_int4(w, 256) if bits == 4 else None    # same bits, evenly spaced levels per row
+    if uniform is not None:
+        assert (p.dequantize() - w).norm() < (uniform.dequantize() - w).norm()
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_layer_equals_dequantised_matmul(w, spec, rows):
+    s = QuantSpec.parse(spec)
+    bias = torch.randn(96)
+    layer = QuantLinear(s.quantize(w), bias, fused=s.fused)
+    x = torch.randn(2, rows, 256)
+    ref = torch.nn.functional.linear(x, layer.dequantize(), bias)
+    torch.testing.assert_close(layer(x), ref, atol=2e-5, rtol=1e-5)
+
+
+def test_fused_kernels_are_built():
+    """CI machines have a compiler and AVX2: the fused path must really be there, not the fallback."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("no AVX2 on this CPU")
+    assert kernels.available()
+
+
+@pytest.mark.parametrize("text,expected", [("int8", "int8"), ("int4", "int4:32"), ("INT4:64", "int4:64"),
+                                           ("kmeans", "kmeans:4"), ("kmeans:3", "kmeans:3"),
+                                           ("kmeans-naive:4:64", "kmeans-naive:4:64")])
+def test_spec_parse(text, expected):
+    assert str(QuantSpec.parse(text)) == expected
+
+
+@pytest.mark.parametrize("bad", ["int3", "int4:48", "int4:0", "kmeans:5", "kmeans:4:10", "int8:2", "int4:x", ""])
+def test_spec_rejects(bad):
+    with pytest.raises(ValueError):
+        QuantSpec.parse(bad)
