@@ -3,7 +3,8 @@
 A seeded mutation loop over a tiny random llama written here (tests/model_files.py): byte
 flips and interesting integers in the GGUF header, weight bytes, truncations, metadata
 rewritten through gguf.GGUFWriter with wrong values or types, config.json fields set to
-hostile JSON, safetensors header and data bytes. Every case runs in a worker process
+hostile JSON, safetensors header and data bytes; a quarter of the cases load with
+--quant int8 (GGUF Q8_0 tensors kept packed). Every case runs in a worker process
 (spawned once, reused) whose data segment is capped at its start-up size + 1 GiB and
 whose case must finish within CASE_SECONDS: a subprocess is the only way to stop a
 hang or survive a blow-up without taking pytest down, and one long-lived worker keeps
@@ -47,12 +48,17 @@ def _worker_init():
     import torch
     torch.set_num_threads(1)
     import attnlab.engine  # noqa: F401  (imported once per worker, before the cap)
+    try:  # the fused quantized kernels are built/loaded on first use: do it before the cap and the clock
+        from attnlab.quant import kernels
+        kernels.available()
+    except ImportError:
+        pass
     used = int(open("/proc/self/status").read().split("VmData:")[1].split()[0]) * 1024
     resource.setrlimit(resource.RLIMIT_DATA, (used + MEMORY_HEADROOM, used + MEMORY_HEADROOM))
 
 
-def run_case(files: dict[str, bytes]) -> tuple[str, str]:
-    """Write the case's files, load them, score a fixed input -> (outcome, detail)."""
+def run_case(files: dict[str, bytes], quant: str | None = None) -> tuple[str, str]:
+    """Write the case's files, load them (with --quant's path when quant), score a fixed input -> (outcome, detail)."""
     import traceback
 
     import torch
@@ -65,7 +71,7 @@ def run_case(files: dict[str, bytes]) -> tuple[str, str]:
             (Path(tmp) / name).write_bytes(data)
         target = Path(tmp) / ("m.gguf" if "m.gguf" in files else "hf")
         try:
-            lm = LM.load(target, tokenizer=False)
+            lm = LM.load(target, tokenizer=False, quant=quant)
             ids = torch.randint(0, lm.cfg.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
             logits = lm.logits(ids)
         except ModelLoadError as e:
@@ -192,9 +198,10 @@ def fuzz(n_cases: int, seed: int, workers: int = 1) -> tuple[Counter, list]:
         while i < n_cases:
             batch = []
             for j in range(i, min(n_cases, i + 8 * workers)):
-                batch.append((j, gguf_case(base, rng) if j % 2 == 0 else hf_case(base, rng)))
+                case = gguf_case(base, rng) if j % 2 == 0 else hf_case(base, rng)
+                batch.append((j, (case, "int8" if rng.random() < 0.25 else None)))  # a quarter load quantized
             i += len(batch)
-            queue = [(j, case, pool.apply_async(run_case, (case,))) for j, case in batch]
+            queue = [(j, case, pool.apply_async(run_case, case)) for j, case in batch]
             while queue:
                 j, case, res = queue.pop(0)
                 try:
@@ -208,7 +215,7 @@ def fuzz(n_cases: int, seed: int, workers: int = 1) -> tuple[Counter, list]:
                     if outcome == "hang":  # a stuck or dead worker: start fresh, resubmit the rest of the batch
                         pool.terminate()
                         pool = ctx.Pool(workers, initializer=_worker_init)
-                        queue = [(k, c, pool.apply_async(run_case, (c,))) for k, c, _ in queue]
+                        queue = [(k, c, pool.apply_async(run_case, c)) for k, c, _ in queue]
     finally:
         pool.terminate()
     return counts, failures
