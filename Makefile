@@ -6,7 +6,7 @@ STAMP := $(VENV)/.attnlab-installed
 # 1 thread by measurement: on a busy 2-core machine 2 threads decoded 3x slower (README)
 THREADS ?= 1
 
-.PHONY: setup demo test test-all fuzz bench clean
+.PHONY: setup demo test test-all fuzz bench bench-llamacpp clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -31,7 +31,26 @@ fuzz: $(STAMP)  # FUZZ_CASES (10000), FUZZ_SEED, FUZZ_WORKERS, FUZZ_REPORT=file
 	nice -n 19 $(BIN)/python -m pytest -m fuzz -s tests/test_fuzz_models.py
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/decode_speed.py
+	$(BIN)/python benchmarks/decode_speed.py --threads 1,2 --repeats 5 --compile
+	$(BIN)/python benchmarks/streaming.py --threads 1 --quant int4:32 --block 64 --compile --llamacpp-depth 16384
+
+# llama.cpp, the speed anchor: built from the llama-cpp-python source package into the venv
+# (native CPU flags), so the benchmarks time it on the same GGUF file. Not a dependency of attnlab.
+bench-llamacpp: $(STAMP)
+	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \
+		$(BIN)/pip install --no-binary llama-cpp-python llama-cpp-python
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# The page at / in a real headless browser: Debian's chromium + chromedriver, then the `browser` tests.
+.PHONY: browser-deps browser-test serve
+browser-deps:
+	apt-get update && apt-get install -y chromium chromium-driver
+
+browser-test: $(STAMP)
+	mkdir -p docs/figures/serve
+	ATTNLAB_SCREENSHOT=docs/figures/serve/page.png $(BIN)/python -m pytest -m browser tests/serve
+
+serve: $(STAMP)
+	$(BIN)/python -m attnlab serve --policy sink --budget 1024 --threads $(THREADS)

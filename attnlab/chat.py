@@ -2,14 +2,16 @@
 
 The cache holds the rendered conversation so far (minus the reply's closing token, which
 was sampled but not fed). A new turn renders the whole conversation with the chat
-template and feeds only the text past what the cache already holds, so the history is
-never prefilled twice; with a bounded cache policy the conversation can go on forever.
+template and feeds only the text past what the cache already holds (`Session.extend`),
+so the history is never prefilled twice; with a bounded cache policy the conversation can
+go on forever.
 """
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 from attnlab.sampling import Sampler
+from attnlab.session import Session
 
 
 class ChatSession:
@@ -19,19 +21,26 @@ class ChatSession:
         self.reset()
 
     def reset(self) -> None:
-        self.cache, self.messages, self.fed = self.new_cache(), [], ""
+        self.session, self.messages = Session(self.lm, self.new_cache()), []
+
+    @property
+    def cache(self):
+        return self.session.cache
+
+    @property
+    def fed(self) -> str:
+        """The rendered text whose tokens the cache holds."""
+        return self.session.text
 
     def ask(self, user: str) -> Iterator[int]:
         """Yield the reply's token ids as they are sampled; the reply joins the history at the end."""
         self.messages.append({"role": "user", "content": user})
         text = self.lm.render_chat(self.messages)
-        if not text.startswith(self.fed):  # the template re-rendered history differently: start afresh
-            self.cache, self.fed = self.new_cache(), ""
+        if not self.session.matches(text):  # the template re-rendered history differently: start afresh
+            self.session = Session(self.lm, self.new_cache())
+        self.session.extend(text)
         reply = []
-        for token in self.lm.stream(self.lm.encode_rendered(text[len(self.fed):]), self.cache, self.sampler,
-                                    self.max_new_tokens):
+        for token in self.session.generate(self.sampler, self.max_new_tokens):
             reply.append(token)
             yield token
-        tok = self.lm.tokenizer
-        self.messages.append({"role": "assistant", "content": tok.decode(reply, skip_special_tokens=True)})
-        self.fed = text + tok.decode(reply[:-1], skip_special_tokens=False)
+        self.messages.append({"role": "assistant", "content": self.lm.tokenizer.decode(reply, skip_special_tokens=True)})

@@ -146,27 +146,19 @@ class LM:
         if self.tokenizer is None:
             raise ValueError(f"no tokenizer for {self.source}: {self.tokenizer_error}; pass token ids instead of text")
 
-    @torch.inference_mode()
     def stream(self, ids: list[int] | torch.Tensor, cache: KVCache, sampler: Sampler, max_new_tokens: int,
                chunk: int = 512, stop_at_eos: bool = True) -> Iterator[int]:
         """Yield sampled token ids one by one (batch 1) after prefilling ids into cache.
 
         The last sampled token is not fed to the cache, so a caller can continue a conversation
-        by feeding it (e.g. the EOS that closes a chat turn) with the next prompt.
+        by feeding it (e.g. the EOS that closes a chat turn) with the next prompt (see `Session`).
         """
+        from attnlab.session import Session
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        ids = _as_ids(ids)
-        logits = self.prefill(ids, cache, chunk) if ids.shape[1] else None
-        eos = self.eos_ids if stop_at_eos else set()
-        for i in range(max_new_tokens):
-            if logits is None:
-                raise ValueError("nothing to continue from: empty prompt")
-            token = int(sampler(logits)[0])
-            yield token
-            if token in eos or i == max_new_tokens - 1:
-                return
-            logits = self.model(torch.tensor([[token]]), cache=cache)[:, -1]
+        session = Session(self, cache, chunk)
+        session.feed(_as_ids(ids))
+        return session.generate(sampler, max_new_tokens, stop_at_eos)
 
     def generate(self, prompt: str | list[str], max_new_tokens: int = 64, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None, chat: bool = False,

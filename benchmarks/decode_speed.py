@@ -1,19 +1,29 @@
-"""Decode and prefill speed: attnlab's engine against transformers on the same weights.
+"""Decode and prefill speed of every weight format, against transformers and llama.cpp, in one run.
 
-Both engines run in one process, at the same thread count, on the same dequantised
-SmolLM2 weights. Runs are interleaved (ours, theirs, ours, ...) and repeated; medians are
-printed with their ratio and with the memory-bandwidth bound of batch-1 decoding:
-bytes read per token (weights + KV cache at that length) / measured bandwidth.
+All engines run in one process on the same SmolLM2 GGUF, at the same thread count. For each
+thread count and cache depth, every variant decodes `--steps` tokens per run; runs are
+interleaved (variant order rotates every repeat) and repeated; medians are printed with the
+ratio to our fp32 eager engine and the % of each variant's memory-bandwidth bound (bytes it
+must read per token: weights + KV cache at that depth, over the measured read bandwidth).
 
-    python benchmarks/decode_speed.py --threads 1 --repeats 5
+Variants: ours fp32/bf16/int8/int4:32/kmeans:4 (fused) and kmeans-naive:4 (lookup-then-matmul),
+eager and (`--compile`) compiled; transformers fp32; llama.cpp through llama-cpp-python when
+installed (`make bench-llamacpp`), flash attention on and off (the faster is the anchor).
+
+    python benchmarks/decode_speed.py --threads 1,2 --repeats 5 --compile
+    python benchmarks/decode_speed.py --variants fp32,int4:32 --lengths 128 --threads 1   # quick
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import sys
 import time
 
 import torch
+
+OURS = ["fp32", "bf16", "int8", "int4:32", "kmeans:4", "kmeans-naive:4"]
 
 
 def bandwidth_gbs(repeats: int = 5) -> float:
@@ -28,108 +38,250 @@ def bandwidth_gbs(repeats: int = 5) -> float:
     return w.numel() * 4 / statistics.median(times) / 1e9
 
 
+def weights_read(model) -> int:
+    """Bytes of weights one decode step reads: every linear layer (LM head included) and the norms."""
+    from attnlab.quant.linear import QuantLinear, linear_names
+    total = 0
+    for name in linear_names(model):
+        m = model.get_submodule(name)
+        total += m.nbytes if isinstance(m, QuantLinear) else m.weight.numel() * m.weight.element_size()
+    norms = [model.norm] + [n for layer in model.layers for n in (layer.attn_norm, layer.mlp_norm)]
+    return total + sum(n.weight.numel() * n.weight.element_size() for n in norms)
+
+
 def crop(cache, length: int) -> None:
-    """Roll an attnlab cache back to its first `length` tokens (benchmark reuse of one prefill)."""
+    """Roll an attnlab cache back to its first `length` tokens (reuse of one prefill)."""
     for layer in cache.layers:
         layer.pos[:, :, length:layer.n] = -1
         layer.n = length
     cache.seen = length
 
 
-def main() -> None:
+class Ours:
+    def __init__(self, spec: str, compile_: bool):
+        import attnlab
+        self.name = spec + (" compiled" if compile_ else "")
+        dtype = "bfloat16" if spec == "bf16" else "float32"
+        quant = None if spec in ("fp32", "bf16") else spec
+        t = time.perf_counter()
+        self.lm = attnlab.LM.load("smollm2-135m", dtype=dtype, quant=quant, compile=compile_, tokenizer=False)
+        self.load_s = time.perf_counter() - t
+        self.compile_s = None
+        self.kv_elem = self.lm.model.norm.weight.element_size()
+        self.bytes = weights_read(self.lm.model)
+        self.caches = {}
+
+    def kv_bytes(self, length):
+        c = self.lm.cfg
+        return 2 * c.n_layers * c.n_kv_heads * c.head_dim * self.kv_elem * length
+
+    @torch.inference_mode()
+    def prepare(self, ids, steps):
+        cache = self.lm.new_cache(capacity=ids.shape[1] + steps + 1)
+        self.lm.prefill(ids, cache)
+        self.caches[ids.shape[1]] = cache
+        if self.compile_s is None:  # first steps compile (twice: static, then dynamic length)
+            t = time.perf_counter()
+            self.decode(ids.shape[1], 3)
+            self.compile_s = time.perf_counter() - t
+
+    @torch.inference_mode()
+    def decode(self, length, steps):
+        cache = self.caches[length]
+        crop(cache, length)
+        tok = torch.tensor([[7]])
+        t = time.perf_counter()
+        for _ in range(steps):
+            self.lm.forward(tok, cache)
+        return steps / (time.perf_counter() - t)
+
+    def release(self, length):
+        self.caches.pop(length, None)
+
+    @torch.inference_mode()
+    def prefill(self, ids):
+        t = time.perf_counter()
+        self.lm.prefill(ids, self.lm.new_cache(capacity=ids.shape[1]), chunk=ids.shape[1])
+        return ids.shape[1] / (time.perf_counter() - t)
+
+
+class Transformers:
+    def __init__(self, path):
+        from transformers import AutoModelForCausalLM
+        self.name = "transformers fp32"
+        t = time.perf_counter()
+        self.hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+        self.load_s, self.compile_s = time.perf_counter() - t, None
+        self.bytes = sum(p.numel() * 4 for n, p in self.hf.named_parameters() if "embed" not in n) + \
+            self.hf.lm_head.weight.numel() * 4 * (not any("lm_head" in n for n, _ in self.hf.named_parameters()))
+        self.caches = {}
+
+    def kv_bytes(self, length):
+        c = self.hf.config
+        return 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4 * length
+
+    @torch.inference_mode()
+    def prepare(self, ids, steps):
+        from transformers import DynamicCache
+        cache = DynamicCache(config=self.hf.config)
+        for s in range(0, ids.shape[1], 512):
+            self.hf(ids[:, s:s + 512], past_key_values=cache, use_cache=True)
+        self.caches[ids.shape[1]] = cache
+
+    @torch.inference_mode()
+    def decode(self, length, steps):
+        cache = self.caches[length]
+        extra = cache.get_seq_length() - length
+        if extra > 0:
+            cache.crop(-extra)
+        tok = torch.tensor([[7]])
+        t = time.perf_counter()
+        for i in range(steps):
+            self.hf(tok, past_key_values=cache, use_cache=True, cache_position=torch.tensor([length + i]))
+        return steps / (time.perf_counter() - t)
+
+    def release(self, length):
+        self.caches.pop(length, None)
+
+    @torch.inference_mode()
+    def prefill(self, ids):
+        t = time.perf_counter()
+        self.hf(ids, use_cache=True, logits_to_keep=1)
+        return ids.shape[1] / (time.perf_counter() - t)
+
+
+class LlamaCpp:
+    """llama.cpp on the same GGUF file, through llama-cpp-python (f16 KV cache, its default)."""
+
+    def __init__(self, path, threads: int, flash: bool, n_ctx: int):
+        from llama_cpp import Llama
+        self.name = f"llama.cpp fa={'on' if flash else 'off'}"
+        t = time.perf_counter()
+        self.llm = Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                         n_batch=512, flash_attn=flash, verbose=False)
+        self.load_s, self.compile_s = time.perf_counter() - t, None
+        self.bytes = path.stat().st_size  # every tensor of the file is read per token (tied head included)
+        self.length = None
+        self.n_layer, self.n_kv = self.llm.metadata, None
+
+    def kv_bytes(self, length):
+        return 2 * 30 * 3 * 64 * 2 * length  # SmolLM2: 30 layers, 3 KV heads of 64, f16
+
+    def _rewind(self, length):
+        self.llm._ctx.kv_cache_seq_rm(-1, length, -1)
+        self.llm.n_tokens = length
+
+    def prepare(self, ids, steps):
+        self.llm.reset()
+        self.llm._ctx.kv_cache_clear()
+        self.llm.eval(ids[0].tolist())
+        self.length = ids.shape[1]
+
+    def decode(self, length, steps):
+        assert length == self.length
+        self._rewind(length)
+        t = time.perf_counter()
+        for _ in range(steps):
+            self.llm.eval([7])
+        return steps / (time.perf_counter() - t)
+
+    def release(self, length):
+        pass
+
+    def prefill(self, ids):
+        self.llm.reset()
+        self.llm._ctx.kv_cache_clear()
+        t = time.perf_counter()
+        self.llm.eval(ids[0].tolist())
+        return ids.shape[1] / (time.perf_counter() - t)
+
+
+def interleaved(variants, fn, repeats):
+    """{variant name: median of fn(v)} with the order rotated every repeat."""
+    res = {v.name: [] for v in variants}
+    for r in range(repeats):
+        order = variants[r % len(variants):] + variants[:r % len(variants)]
+        for v in order:
+            res[v.name].append(fn(v))
+    return {k: statistics.median(x) for k, x in res.items()}
+
+
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", default="1", help="comma list of thread counts")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--steps", type=int, default=16, help="decode steps per timed run")
     p.add_argument("--lengths", default="128,1024,4096")
     p.add_argument("--prefill", type=int, default=512, help="prompt length for the prefill timing")
-    args = p.parse_args()
-    torch.set_num_threads(args.threads)
+    p.add_argument("--variants", default=",".join(OURS), help=f"ours among {','.join(OURS)}")
+    p.add_argument("--compile", action="store_true", help="also the compiled decode step of fp32 and int4:32")
+    p.add_argument("--no-transformers", action="store_true")
+    p.add_argument("--no-llamacpp", action="store_true")
+    p.add_argument("--json", default=None, help="write every measurement here")
+    args = p.parse_args(argv)
+    threads = [int(t) for t in args.threads.split(",")]
+    lengths = [int(x) for x in args.lengths.split(",")]
 
-    import attnlab
-    from transformers import AutoModelForCausalLM, DynamicCache
-
-    lm = attnlab.LM.load("smollm2-135m", tokenizer=False)
-    hf = AutoModelForCausalLM.from_pretrained(str(lm.source.parent), gguf_file=lm.source.name,
-                                              dtype=torch.float32).eval()
-    gen = torch.Generator().manual_seed(0)
-    weight_bytes = sum(t.numel() * t.element_size() for t in lm.model.state_dict().values()
-                       if t.data_ptr() != lm.model.embed.weight.data_ptr()) + lm.model.lm_head.weight.numel() * 4
-    kv_per_token = 2 * lm.cfg.n_layers * lm.cfg.n_kv_heads * lm.cfg.head_dim * 4
+    from attnlab.model.loaders import resolve
+    path = resolve("smollm2-135m")
+    torch.set_num_threads(threads[0])
+    variants = [Ours(s, False) for s in args.variants.split(",") if s]
+    if args.compile:
+        variants += [Ours(s, True) for s in ("fp32", "int4:32") if s in args.variants.split(",")]
+    if not args.no_transformers:
+        variants.append(Transformers(path))
+    try:
+        import llama_cpp  # noqa: F401
+        have_cpp = not args.no_llamacpp
+    except ImportError:
+        have_cpp = False
+        print("llama-cpp-python not installed (make bench-llamacpp): llama.cpp not measured", file=sys.stderr)
     bw = bandwidth_gbs()
-    print(f"threads={args.threads}  repeats={args.repeats}  steps/run={args.steps}  "
-          f"measured bandwidth {bw:.1f} GB/s  weights read per token {weight_bytes / 1e6:.0f} MB")
-
-    @torch.inference_mode()
-    def ours_decode(cache, length):
-        crop(cache, length)
-        tok = torch.tensor([[7]])
-        t = time.perf_counter()
-        for _ in range(args.steps):
-            lm.forward(tok, cache)
-        return args.steps / (time.perf_counter() - t)
-
-    @torch.inference_mode()
-    def hf_decode(cache, length):
-        extra = cache.get_seq_length() - length
-        if extra > 0:
-            cache.crop(-extra)  # transformers 5: a negative count removes that many tokens
-        tok = torch.tensor([[7]])
-        t = time.perf_counter()
-        for i in range(args.steps):
-            hf(tok, past_key_values=cache, use_cache=True, cache_position=torch.tensor([length + i]))
-        return args.steps / (time.perf_counter() - t)
-
-    rows = []
-    for length in [int(x) for x in args.lengths.split(",")]:
-        ids = torch.randint(0, lm.cfg.vocab_size, (1, length), generator=gen)
-        ours_cache = lm.new_cache(capacity=length + args.steps)
-        lm.prefill(ids, ours_cache)
-        hf_cache = DynamicCache(config=hf.config)
-        with torch.inference_mode():
-            for s in range(0, length, 512):
-                hf(ids[:, s:s + 512], past_key_values=hf_cache, use_cache=True)
-        ours_decode(ours_cache, length), hf_decode(hf_cache, length)  # warm-up
-        a, b = [], []
-        for r in range(args.repeats):  # interleaved, alternating who goes first
-            if r % 2:
-                b.append(hf_decode(hf_cache, length)); a.append(ours_decode(ours_cache, length))
-            else:
-                a.append(ours_decode(ours_cache, length)); b.append(hf_decode(hf_cache, length))
-        bound = bw * 1e9 / (weight_bytes + kv_per_token * length)
-        rows.append((f"decode @ {length}", statistics.median(a), statistics.median(b), bound))
-        del ours_cache, hf_cache
-
-    ids = torch.randint(0, lm.cfg.vocab_size, (1, args.prefill), generator=gen)
-
-    @torch.inference_mode()
-    def ours_prefill():
-        t = time.perf_counter()
-        lm.prefill(ids, lm.new_cache(capacity=args.prefill), chunk=args.prefill)
-        return args.prefill / (time.perf_counter() - t)
-
-    @torch.inference_mode()
-    def hf_prefill():
-        t = time.perf_counter()
-        hf(ids, use_cache=True, logits_to_keep=1)
-        return args.prefill / (time.perf_counter() - t)
-
-    ours_prefill(), hf_prefill()
-    a, b = [], []
-    for r in range(args.repeats):
-        if r % 2:
-            b.append(hf_prefill()); a.append(ours_prefill())
-        else:
-            a.append(ours_prefill()); b.append(hf_prefill())
-    rows.append((f"prefill {args.prefill}", statistics.median(a), statistics.median(b), None))
-
-    print(f"\n| run | attnlab tok/s | transformers tok/s | ratio | bandwidth bound tok/s | attnlab % of bound |")
-    print("|---|---|---|---|---|---|")
-    for name, ours, theirs, bound in rows:
-        b = f"{bound:.1f}" if bound else "-"
-        pct = f"{100 * ours / bound:.0f}%" if bound else "-"
-        print(f"| {name} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f}x | {b} | {pct} |")
+    gen = torch.Generator().manual_seed(0)
+    results = {"bandwidth_gbs": bw, "threads": {}, "load_s": {v.name: v.load_s for v in variants}}
+    print(f"measured read bandwidth {bw:.1f} GB/s; steps/run {args.steps}; repeats {args.repeats}")
+    for t in threads:
+        torch.set_num_threads(t)
+        cpp = [LlamaCpp(path, t, fa, max(lengths) + args.steps + 8) for fa in (False, True)] if have_cpp else []
+        allv = variants + cpp
+        rows = {}
+        for length in lengths:
+            ids = torch.randint(0, 49152, (1, length), generator=gen)
+            for v in allv:
+                v.prepare(ids, args.steps)
+            med = interleaved(allv, lambda v: v.decode(length, args.steps), args.repeats)
+            for v in allv:
+                v.release(length)
+                bound = bw * 1e9 / (v.bytes + v.kv_bytes(length))
+                rows.setdefault(v.name, {})[f"decode@{length}"] = {"tok_s": med[v.name], "pct_bound": 100 * med[v.name] / bound}
+            print(f"threads {t} depth {length}: " + ", ".join(f"{k} {x:.1f}" for k, x in med.items()), file=sys.stderr)
+        ids = torch.randint(0, 49152, (1, args.prefill), generator=gen)
+        med = interleaved(allv, lambda v: v.prefill(ids), max(3, args.repeats // 2))
+        for v in allv:
+            rows[v.name][f"prefill{args.prefill}"] = {"tok_s": med[v.name]}
+        results["threads"][t] = rows
+        cols = [f"decode@{n}" for n in lengths] + [f"prefill{args.prefill}"]
+        base = rows["fp32"]
+        print(f"\n### {t} thread{'s' if t > 1 else ''}: tok/s (x our fp32 eager; % of bandwidth bound)\n")
+        print("| variant | " + " | ".join(cols) + " |")
+        print("|---|" + "---|" * len(cols))
+        for name, r in rows.items():
+            cells = []
+            for c in cols:
+                x = r[c]
+                pct = f"; {x['pct_bound']:.0f}%" if "pct_bound" in x else ""
+                cells.append(f"{x['tok_s']:.1f} ({x['tok_s'] / base[c]['tok_s']:.2f}x{pct})")
+            print(f"| {name} | " + " | ".join(cells) + " |")
+        del cpp
+    comp = {v.name: round(v.compile_s, 1) for v in variants if v.compile_s is not None and "compiled" in v.name}
+    if comp:
+        print(f"\ncompile time (first decode steps, s): {comp}")
+    print("load time (s): " + ", ".join(f"{k} {x:.1f}" for k, x in results["load_s"].items()))
+    if args.json:
+        from attnlab.io import write_json
+        write_json(args.json, results)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

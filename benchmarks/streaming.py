@@ -7,10 +7,15 @@ measurement position, then `--decode` tokens are decoded one at a time: per-toke
 - sink (budget B): latency and RSS should stay flat from the first to the last position;
 - full: grows with the stream; stops when advancing would exceed --full-limit tokens or the time cap;
 - sliding window with recomputation (re-encode the last W tokens for every new token);
-- h2o and sink_h2o relative to sink at the first position.
+- h2o and sink_h2o relative to sink at the first position;
+- llama.cpp with its full cache at --llamacpp-depth (when llama-cpp-python is installed).
+
+With --quant/--compile/--block the engine runs quantized weights, the compiled decode step and
+block eviction (evict once every BLOCK tokens), the configuration meant for long streams.
 
     python benchmarks/streaming.py --threads 2                      # the issue's sizes (long)
     python benchmarks/streaming.py --positions 1000,4000,8000 --json out.json
+    python benchmarks/streaming.py --quant int4:32 --block 64 --compile --llamacpp-depth 16384 --threads 1
 """
 from __future__ import annotations
 
@@ -85,6 +90,29 @@ def recompute_latency(lm, ids, window: int, n: int) -> float:
     return min(times)
 
 
+def llamacpp_latency(path, ids, depth: int, n: int, threads: int) -> dict:
+    """llama.cpp decoding with its full (f16) cache after `depth` tokens of the same text; best ms per token
+    over n tokens, with flash attention off and on (the faster is reported)."""
+    from llama_cpp import Llama
+
+    best = None
+    for flash in (False, True):
+        llm = Llama(model_path=str(path), n_ctx=depth + n + 8, n_threads=threads, n_threads_batch=threads,
+                    n_batch=512, flash_attn=flash, verbose=False)
+        llm.eval(ids[0, :depth].tolist())
+        times = []
+        for i in range(n):
+            t = time.perf_counter()
+            llm.eval([int(ids[0, depth + i])])
+            times.append(time.perf_counter() - t)
+        row = {"depth": depth, "ms_per_token": 1000 * min(times), "ms_median": 1000 * statistics.median(times),
+               "flash_attn": flash}
+        print(json.dumps({"policy": "llama.cpp", **row}), file=sys.stderr, flush=True)
+        best = row if best is None or row["ms_per_token"] < best["ms_per_token"] else best
+        del llm
+    return best
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--threads", type=int, default=2)
@@ -97,16 +125,24 @@ def main(argv=None) -> int:
     p.add_argument("--window", type=int, default=1024, help="W of the recomputation baseline")
     p.add_argument("--full-limit", type=int, default=20000, help="do not advance full past this many tokens")
     p.add_argument("--time-cap", type=float, default=900.0, help="seconds per policy before stopping")
+    p.add_argument("--quant", default=None, help="weight format, e.g. int4:32 (default float32)")
+    p.add_argument("--compile", action="store_true", help="compiled decode step")
+    p.add_argument("--block", type=int, default=1, help="block eviction: evict once every BLOCK tokens")
+    p.add_argument("--llamacpp-depth", type=int, default=0, help="also time llama.cpp's full cache at this depth")
     p.add_argument("--json", default=None, help="write all measurements here")
     args = p.parse_args(argv)
 
     import attnlab
-    from attnlab.kv import make_policy
+    from attnlab.kv import make_policy as _make_policy
 
-    lm = attnlab.load("smollm2-135m", threads=args.threads)
+    def make_policy(name, budget, chunk):
+        return _make_policy(name, budget, chunk=chunk, block=args.block)
+
+    lm = attnlab.load("smollm2-135m", threads=args.threads, quant=args.quant, compile=args.compile)
     positions = [int(x) for x in args.positions.split(",")]
     ids = text_ids(lm, max(positions) + args.decode * len(positions) + args.window + 64)
-    out = {"budget": args.budget, "threads": args.threads, "decode": args.decode}
+    out = {"budget": args.budget, "threads": args.threads, "decode": args.decode, "quant": args.quant,
+           "compile": args.compile, "block": args.block}
     out["sink"] = run_stream(lm, make_policy("sink", args.budget, chunk=args.chunk), ids, positions, args.decode,
                              args.chunk, args.time_cap)
     at = [args.cost_position or 2 * args.budget]
@@ -138,6 +174,12 @@ def main(argv=None) -> int:
     for name in ("h2o", "sink_h2o"):
         r = out[f"{name}_cost"][0]
         print(f"{name}: {r['ms_per_token']:.1f} ms/token = {r['ms_per_token'] / cost:.2f}x sink")
+    if args.llamacpp_depth:
+        out["llamacpp"] = llamacpp_latency(lm.source, ids, args.llamacpp_depth, args.decode, args.threads)
+        r = out["llamacpp"]
+        print(f"llama.cpp full cache at depth {r['depth']}: {r['ms_per_token']:.1f} ms/token = "
+              f"{r['ms_per_token'] / base:.1f}x sink at position {positions[0]} "
+              f"(best of {args.decode}; flash attention {'on' if r['flash_attn'] else 'off'}, the faster)")
     if args.json:
         from attnlab.io import write_json
         write_json(args.json, out)

@@ -43,6 +43,9 @@ class Recorder:
     def observe(self, kv, probs: torch.Tensor) -> None:
         self.on_probs(kv.index, probs)
 
+    def after_step(self, kv) -> None:
+        """Never evicts."""
+
 
 def run_with_probs(model, ids: torch.Tensor, on_probs) -> torch.Tensor:
     """One causal forward of ids [B, T] from position 0 through a fresh KV cache whose
@@ -54,7 +57,7 @@ def run_with_probs(model, ids: torch.Tensor, on_probs) -> torch.Tensor:
     if ids.dim() == 1:
         ids = ids[None]
     cache = KVCache(cfg.n_layers, ids.shape[0], cfg.n_kv_heads, cfg.head_dim, model.rope,
-                    model.embed.weight.dtype, ids.shape[1], policy=Recorder(on_probs))
+                    model.norm.weight.dtype, ids.shape[1], policy=Recorder(on_probs))
     with torch.no_grad():
         return model(ids, cache=cache)
 

@@ -34,6 +34,12 @@ SIZES = {
     "full": dict(layers=(5, 3, 2, 1), lrs=(1e-3,), sweep_layers=1, sweep_lrs=(3e-3, 3e-4), steps=400,
                  eval_every=20, eval_batches=5, vocab_size=2000),
 }
+# The paper's architecture (attnlab.analysis.postln) at the paper's lr; width/steps cut to fit a shared CPU.
+POSTLN_SIZES = {
+    "quick": dict(layers=(1, 2), lr=1e-4, steps=20, eval_batches=2, vocab_size=1000, dim=200),
+    "full": dict(layers=(1, 2, 3, 5), lr=1e-4, steps=1000, eval_batches=5, vocab_size=2000, dim=200),
+}
+LATE_EVALS = [100, 150, 200, 300, 400, 500, 600, 800, 1000, 1500, 2000, 3000, 4000, 5000]
 UNIFORM_35 = sum(math.log(t) for t in range(1, 36)) / 35
 
 
@@ -115,13 +121,35 @@ def _train_job(job) -> list[dict]:
     return train_one(*job)[0]
 
 
-def run_attention_entropy(out, seed: int = 0, size: str = "full", progress: bool = True) -> dict:
-    """The registry entry: train every configuration of SIZES[size] into out/runs/, then plot."""
+def run_attention_entropy(out, seed: int = 0, size: str = "full", progress: bool = True, arch: str = "llama",
+                          lr: float = 0.0, steps: int = 0, seeds: int = 1, layers: str = "") -> dict:
+    """The registry entry: train every configuration of SIZES[size] into out/runs/, then plot.
+
+    arch "postln" runs the paper's architecture instead (``run_postln``); for "llama", ``lr`` /
+    ``steps`` > 0 replace the size's learning rates (no sweep) / minibatch count."""
+    if arch not in ("llama", "postln"):
+        raise ValueError(f"unknown --arch {arch!r}; choose llama or postln")
+    if lr < 0 or steps < 0 or seeds < 1:
+        raise ValueError("--lr and --steps must be >= 0 and --seeds >= 1")
+    try:
+        depths = tuple(int(x) for x in layers.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--layers must be comma-separated integers, got {layers!r}") from None
+    if any(d < 1 for d in depths):
+        raise ValueError("--layers must be >= 1")
+    if arch == "postln":
+        return run_postln(out, seed, size, progress, lr=lr, steps=steps, seeds=seeds, depths=depths)
     from attnlab.analysis import plots
     from attnlab.io import write_json
 
     t0 = time.perf_counter()
-    out, cfg = Path(out), SIZES[size]
+    out, cfg = Path(out), dict(SIZES[size])
+    if lr:
+        cfg.update(lrs=(lr,), sweep_lrs=())
+    if depths:
+        cfg.update(layers=depths, sweep_lrs=())
+    if steps:
+        cfg.update(steps=steps, eval_every=max(20, steps // 10))
     configs = [(n, lr) for n in cfg["layers"] for lr in cfg["lrs"]]
     configs += [(cfg["sweep_layers"], lr) for lr in cfg["sweep_lrs"]]
     labels = [f"{n} layer{'s' if n > 1 else ''}, lr {lr:g}" for n, lr in configs]
@@ -171,3 +199,51 @@ def summary_lines(m: dict) -> list[str]:
                            f"{' (bounces back)' if c['bounces_back'] else ''}" for i, c in enumerate(s["entropy_val"]))
         out.append(f"{label}: val loss {s['val_loss']['start']:.2f}->{s['val_loss']['end']:.2f}; entropy {layers}")
     return out
+
+
+def _row_summaries(log: list[dict], key: str) -> list[dict]:
+    steps = [r["step"] for r in log]
+    return [curve_summary(steps, [r[key][i] for r in log]) for i in range(len(log[0][key]))]
+
+
+def run_postln(out, seed: int, size: str, progress: bool, lr: float = 0.0, steps: int = 0, seeds: int = 1,
+               depths: tuple = ()) -> dict:
+    """J3 on the paper's post-LN Transformer: depths x seeds, one process, then per-layer plots."""
+    from attnlab.analysis import plots
+    from attnlab.analysis.postln import train_postln
+    from attnlab.io import progress as bar
+    from attnlab.io import write_json
+
+    t0 = time.perf_counter()
+    out, cfg = Path(out), dict(POSTLN_SIZES[size])
+    cfg.update({k: v for k, v in (("lr", lr), ("steps", steps), ("layers", depths)) if v})
+    marks = [s for s in EARLY_EVALS + LATE_EVALS if s < cfg["steps"]]
+    runs, times = {}, {}
+    for n in cfg["layers"]:
+        for s in range(seed, seed + seeds):
+            label = f"postln {n} layer{'s' if n > 1 else ''}, lr {cfg['lr']:g}, seed {s}"
+            ts = time.perf_counter()
+            with bar(cfg["steps"], label, unit="batch") as pb:
+                pb.disable = not progress
+                runs[label] = train_postln(n, cfg["lr"], s, cfg["steps"], marks, dim=cfg["dim"], hidden_dim=cfg["dim"],
+                                           vocab_size=cfg["vocab_size"], eval_batches=cfg["eval_batches"], progress=pb)
+            times[label] = round(time.perf_counter() - ts, 1)
+            write_json(out / "partial.json", {"runs": runs, "seconds": times})  # survive an interrupted sweep
+    summary = {label: {"entropy_val": _row_summaries(log, "entropy_val"),
+                       "entropy_chunk": _row_summaries(log, "entropy_chunk"),
+                       "val_loss": {"start": log[0]["val_loss"], "end": log[-1]["val_loss"]},
+                       "seconds": times[label]} for label, log in runs.items()}
+    figures = [
+        plots.entropy_per_layer(runs, out / "entropy_val_postln.png",
+                                "J3, post-LN (paper's architecture): entropy per layer, mean over validation batches",
+                                reference=UNIFORM_35),
+        plots.entropy_per_layer(runs, out / "entropy_chunk_postln.png",
+                                "J3, post-LN: entropy per layer, fixed validation chunk", key="entropy_chunk",
+                                reference=UNIFORM_35)]
+    metrics = {"experiment": "attention-entropy", "arch": "postln", "size": size, "seed": seed, "seeds": seeds,
+               "runtime_s": round(time.perf_counter() - t0, 2), "figures": [Path(f).name for f in figures],
+               "config": {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()},
+               "uniform_entropy_35": UNIFORM_35, "cos_baseline": math.sqrt(2 / (math.pi * cfg["dim"])),
+               "summary": summary, "runs": runs}
+    write_json(out / "metrics.json", metrics)
+    return metrics

@@ -16,9 +16,11 @@ import sys
 
 from attnlab.cli.common import UserError, add_model_args, load_lm, nonneg_int, positive_int
 from attnlab.io import progress
+from attnlab.textstream import TextStream
 
 # Subsystems that bring their own subcommands through `add_parser(subparsers)`.
-SUBSYSTEMS = ["attnlab.cli.dynamics", "attnlab.cli.stream", "attnlab.cli.analysis", "attnlab.cli.quantize"]
+SUBSYSTEMS = ["attnlab.cli.dynamics", "attnlab.cli.stream", "attnlab.cli.analysis", "attnlab.cli.quantize",
+              "attnlab.cli.serve"]
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -100,24 +102,6 @@ def _add_sampling(p):
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: fresh entropy)")
 
 
-class TextStream:
-    """Incremental detokenisation: prints only text that later tokens cannot change."""
-
-    def __init__(self, tokenizer, out=None):
-        self.tok, self.out, self.ids, self.printed = tokenizer, out or sys.stdout, [], 0
-
-    def push(self, token: int) -> None:
-        self.ids.append(token)
-        text = self.tok.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return  # an incomplete multi-byte character
-        self.out.write(text[self.printed:])
-        self.out.flush()
-        self.printed = len(text)
-        if len(self.ids) > 64 and text.endswith((" ", "\n")):  # keep decoding cost bounded on long streams
-            self.ids, self.printed = [], 0
-
-
 def _policy(args, length: int | None):
     """The KV-cache policy of --policy/--budget/--positions/--n-sink (None for full)."""
     if getattr(args, "policy", "full") == "full":
@@ -148,7 +132,7 @@ def cmd_generate(args) -> int:
     ids = lm.chat_ids([{"role": "user", "content": args.prompt}]) if args.chat else lm.encode(args.prompt)
     policy = _policy(args, length=len(ids) + args.max_new_tokens)
     cache = lm.new_cache(capacity=min(len(ids) + args.max_new_tokens, 4096), policy=policy)
-    stream = TextStream(lm.tokenizer)
+    stream = TextStream(lm.tokenizer, sys.stdout)
     if not args.chat:
         sys.stdout.write(args.prompt)
     for token in lm.stream(ids, cache, sampler, args.max_new_tokens):
@@ -182,7 +166,7 @@ def cmd_chat(args) -> int:
             session.reset()
             continue
         sys.stdout.write("bot> ")
-        stream = TextStream(lm.tokenizer)
+        stream = TextStream(lm.tokenizer, sys.stdout)
         for token in session.ask(user):
             stream.push(token)
         sys.stdout.write("\n")

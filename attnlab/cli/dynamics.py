@@ -21,7 +21,8 @@ def _runner(exp: Experiment):
             torch.set_num_threads(args.threads)
         out = Path(args.out) if args.out else Path("runs") / "dynamics" / exp.name
         size = "quick" if args.quick else "full"
-        metrics = exp.run(out, seed=args.seed, size=size, progress=not args.no_progress)
+        opts = {name: getattr(args, name) for name, *_ in exp.options}
+        metrics = exp.run(out, seed=args.seed, size=size, progress=not args.no_progress, **opts)
         print(f"[{exp.name}] size={size} seed={args.seed} time={metrics.get('runtime_s', 0):.1f}s")
         for line in (exp.summary(metrics) if exp.summary else []):
             print("  " + line)
@@ -43,6 +44,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         p.add_argument("--quick", action="store_true", help="small size that finishes in seconds")
         p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
         p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+        for name, typ, default, help_ in exp.options:
+            p.add_argument("--" + name.replace("_", "-"), type=typ, default=default, help=f"{help_} (default {default})")
         p.set_defaults(func=_runner(exp))
     return parser
 

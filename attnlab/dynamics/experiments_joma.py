@@ -14,13 +14,14 @@ import torch
 from . import plots
 from .common import make_generator
 from .experiments import finish, progress_bar
-from .hierarchy import HierConfig, HierTransformer, LatentTree, cooccurrence_by_height, train_hierarchy
+from .hierarchy import (HierConfig, HierTransformer, LatentTree, cooccurrence_by_height, hierarchy_measures,
+                        train_hierarchy)
 from .joma import JointModel, TokenWeightSetup, train_joint, u_shape_stats, v_dynamics
 
-J1_SIZES = {"quick": dict(steps=2000, seeds=1), "full": dict(steps=2000, seeds=5)}
+J1_SIZES = {"quick": dict(steps=2000, seeds=3), "full": dict(steps=2000, seeds=5)}
 J2_SIZES = {"quick": dict(steps=5000), "full": dict(steps=5000)}
-J4_SIZES = {"quick": dict(dim=32, steps=150, batch=128, lr=1e-3, eval_every=50),
-            "full": dict(dim=64, steps=2000, batch=128, lr=1e-4, eval_every=100)}
+J4_SIZES = {"quick": dict(dim=32, steps=150, batch=128, lr=1e-3, eval_every=50, seeds=3),
+            "full": dict(dim=64, steps=2000, batch=128, lr=1e-4, eval_every=100, seeds=3)}
 
 
 def wta_stats(v_traj: torch.Tensor) -> dict:
@@ -64,6 +65,7 @@ def run_joma_invariant(out: Path, seed: int = 0, size: str = "full", progress: b
     metrics = {"config": {**cfg, "tokens": setup.num_tokens, "classes": setup.num_classes, "dim": 30,
                           "temperature": 0.5, "lr": 0.1},
                "nc_min_over_seeds": min(p["nc_min"] for p in per_seed),
+               "nc_min_median_over_seeds": float(torch.tensor([p["nc_min"] for p in per_seed]).median()),
                "wta_ratio_min_over_seeds": min(p["wta_class0"]["ratio"] for p in per_seed),
                "per_seed": per_seed}
     return finish(out, "joma-invariant", size, seed, metrics, figs, t0)
@@ -84,26 +86,49 @@ def run_joma_nonlinear(out: Path, seed: int = 0, size: str = "full", progress: b
     return finish(out, "joma-nonlinear", size, seed, metrics, figs, t0)
 
 
+def _mean_measures(rows: list[dict], key: str) -> list[dict]:
+    """Mean over seeds of per-layer measure dicts: rows[seed][key][layer][name]."""
+    layers = len(rows[0][key])
+    return [{n: sum(r[key][lvl][n] for r in rows) / len(rows) for n in rows[0][key][lvl]} for lvl in range(layers)]
+
+
 def run_hierarchy(out: Path, seed: int = 0, size: str = "full", progress: bool = True) -> dict:
-    """J4: 3-layer Transformer on latent-tree data; hidden/latent correlation per layer."""
+    """J4: 3-layer Transformer on latent-tree data; per-layer latent measures, trained minus untrained.
+
+    Each seed draws its own tree and model; the untrained measures are taken on that same
+    model at initialisation, and a class permutation gives the shuffled-latent control.
+    """
     t0 = time.perf_counter()
     cfg = J4_SIZES[size]
-    gen = make_generator(seed)
-    tree = LatentTree(gen)
-    torch.manual_seed(seed)  # nn.Module init uses the global generator
-    model = HierTransformer(HierConfig(vocab=tree.vocab, num_classes=tree.num_classes, dim=cfg["dim"]))
-    with progress_bar(cfg["steps"], "hierarchy", progress) as bar:
-        tr = train_hierarchy(model, tree, cfg["steps"], cfg["batch"], cfg["lr"], weight_decay=1e-4,
-                             gen=gen, eval_every=cfg["eval_every"], progress=bar)
+    per_seed, first = [], None
+    with progress_bar(cfg["steps"] * cfg["seeds"], "hierarchy", progress) as bar:
+        for s in range(seed, seed + cfg["seeds"]):
+            gen = make_generator(s)
+            tree = LatentTree(gen)
+            shuffle = torch.randperm(tree.num_classes, generator=gen)
+            torch.manual_seed(s)  # nn.Module init uses the global generator
+            model = HierTransformer(HierConfig(vocab=tree.vocab, num_classes=tree.num_classes, dim=cfg["dim"]))
+            before = hierarchy_measures(model, tree, shuffle)
+            tr = train_hierarchy(model, tree, cfg["steps"], cfg["batch"], cfg["lr"], weight_decay=1e-4,
+                                 gen=gen, eval_every=cfg["eval_every"], progress=bar)
+            after = hierarchy_measures(model, tree, shuffle)
+            gain = {tag: [{n: after[tag][lvl][n] - before[tag][lvl][n] for n in after[tag][lvl]}
+                          for lvl in range(len(after[tag]))] for tag in after}
+            per_seed.append({"seed": s, "untrained": before, "trained": after, "gain": gain,
+                             "accuracy": tr["accuracy"], "loss": [float(tr["loss"][0]), float(tr["loss"][-1])],
+                             "distinct_class_sequences": len({tuple(q.tolist()) for q in tree.sequences})})
+            if first is None:
+                first = (tr, tree)
+    tr, tree = first
     cooc = cooccurrence_by_height(tree)
-    distinct_seqs = len({tuple(s.tolist()) for s in tree.sequences})
-    init_corr, final_corr = tr["corr"][0].tolist(), tr["corr"][-1].tolist()
-    figs = [plots.j4_hierarchy(Path(out) / "j4_hierarchy.png", tr["steps"], tr["corr"], init_corr,
-                               final_corr, cooc)]
+    summary = {f"{stage}_{tag}": _mean_measures([{k: p[stage][tag]} for p in per_seed], k)
+               for stage in ("untrained", "trained", "gain") for tag in ("true", "shuffled") for k in [stage]}
+    gains_l1 = [p["gain"]["true"][1]["probe"] for p in per_seed]
+    figs = [plots.j4_hierarchy(Path(out) / "j4_hierarchy.png", tr["steps"], tr["corr"], summary, cooc)]
     metrics = {"config": {**cfg, "layers": 3, "weight_decay": 1e-4, "leaves": 99, "latents": [10, 20],
                           "classes": tree.num_classes, "seq_len": tree.seq_len},
-               "corr_init": init_corr, "corr_final": final_corr,
-               "loss": [float(tr["loss"][0]), float(tr["loss"][-1])], "accuracy": tr["accuracy"],
-               "distinct_class_sequences": distinct_seqs,
+               "summary": summary, "probe_gain_layer1_per_seed": gains_l1,
+               "corr_init": tr["corr"][0].tolist(), "corr_final": tr["corr"][-1].tolist(),
+               "accuracy": [p["accuracy"] for p in per_seed], "per_seed": per_seed,
                "cooccurrence_by_height": {str(h): {"mean": v[0], "pairs": v[1]} for h, v in cooc.items()}}
     return finish(out, "hierarchy", size, seed, metrics, figs, t0)

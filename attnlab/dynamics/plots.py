@@ -56,6 +56,18 @@ def s1_trajectories(path, steps, runs: dict) -> Path:
     return _save(fig, path)
 
 
+def s1_attention_rows(path, rows: torch.Tensor, iters, num_common: int) -> Path:
+    """Scan and Snap Fig. 4 (heatmap) analogue: attention c_l of class 0 over [common | distinct]
+    tokens at the listed iterations. rows: (len(iters), C + D)."""
+    fig, ax = plt.subplots(figsize=(4.2, 4.3))
+    ax.imshow(rows.float().numpy(), aspect="auto")
+    ax.axvline(num_common - 0.5, color="w", ls="--", lw=1)
+    ax.set_yticks(range(len(iters)), [f"iter {t}" for t in iters[:-1]] + [f"final ({iters[-1]})"])
+    ax.set_xlabel("token #")
+    ax.set_title("common tokens | distinct tokens (class 0)", fontsize=9)
+    return _save(fig, path)
+
+
 def s2_sweep(path, entropy: torch.Tensor, std: torch.Tensor, queries, lr_z, ratios) -> Path:
     """Scan and Snap Fig. 6 analogue. entropy, std: (Q, len(lr_z), len(ratios))."""
     nq = len(queries)
@@ -179,22 +191,29 @@ def j2_entropy(path, mu, v_traj, ent_nonlinear, ent_linear) -> Path:
     return _save(fig, path)
 
 
-def j4_hierarchy(path, steps, corr, init_corr, final_corr, cooc: dict) -> Path:
-    """JoMA Table 1 analogue: per-layer correlation over training, table, co-occurrence vs height."""
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.4), gridspec_kw={"width_ratios": [1.4, 1, 1.1]})
+def j4_hierarchy(path, steps, corr, summary: dict, cooc: dict) -> Path:
+    """JoMA Table 1 analogue: max-unit correlation over training (seed 0), probe table (mean over
+    seeds, untrained / trained / shuffled-latent control), co-occurrence vs ancestor height."""
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.4), gridspec_kw={"width_ratios": [1.3, 1.3, 1.0]})
     ax = axes[0]
     for lvl in range(corr.shape[1]):
         ax.plot(steps, corr[:, lvl], label=f"layer {lvl} vs level-{lvl} latents")
     ax.set_ylim(0, 1.02)
     ax.set_xlabel("step")
-    ax.set_ylabel("max-unit correlation (mean over latents)")
+    ax.set_ylabel("max-unit correlation (seed 0)")
     ax.legend(fontsize=8)
     ax = axes[1]
     ax.axis("off")
-    rows = [[f"layer {i}", f"{init_corr[i]:.3f}", f"{final_corr[i]:.3f}"] for i in range(len(final_corr))]
-    tbl = ax.table(cellText=rows, colLabels=["", "init", "trained"], loc="center", cellLoc="center")
+    rows = []
+    for lvl in range(len(summary["trained_true"])):
+        u, t = summary["untrained_true"][lvl], summary["trained_true"][lvl]
+        us, ts = summary["untrained_shuffled"][lvl], summary["trained_shuffled"][lvl]
+        rows.append([f"layer {lvl}", f"{u['probe']:.3f}", f"{t['probe']:.3f}", f"{t['probe'] - u['probe']:+.3f}",
+                     f"{ts['probe'] - us['probe']:+.3f}"])
+    tbl = ax.table(cellText=rows, colLabels=["probe", "untrained", "trained", "gain", "gain, shuffled"],
+                   loc="center", cellLoc="center")
     tbl.scale(1, 1.6)
-    ax.set_title("hidden unit / latent correlation")
+    ax.set_title("class-held-out probe of level-l latents (mean over seeds)", fontsize=9)
     ax = axes[2]
     hs = sorted(cooc)
     ax.plot(hs, [cooc[h][0] for h in hs], "o-")
@@ -203,4 +222,20 @@ def j4_hierarchy(path, steps, corr, init_corr, final_corr, cooc: dict) -> Path:
     ax.set_xlabel("height of lowest common ancestor")
     ax.set_ylabel("P(b in seq | a in seq)")
     ax.set_title("leaf co-occurrence vs ancestor height")
+    return _save(fig, path)
+
+
+def orthogonality(path, steps, curves: dict, baseline: float, dim: int) -> Path:
+    """|cos| of relevant pairs (solid) vs random pairs (dashed) over training, with sqrt(2/(pi d))."""
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for ax, (rel, rnd, title) in zip(axes, (("emb_cooc_abs_cos", "emb_random_abs_cos", "token embeddings"),
+                                            ("qk_attended_abs_cos", "qk_random_abs_cos", "query vs key"))):
+        ax.plot(steps, curves[rel], "o-", ms=3, label="co-occurring pairs" if "emb" in rel else "most-attended key")
+        ax.plot(steps, curves[rnd], "s--", ms=3, label="random pairs" if "emb" in rel else "random earlier key")
+        ax.axhline(baseline, color="gray", ls=":", label=rf"$\sqrt{{2/(\pi d)}}$ = {baseline:.4f}")
+        ax.set_xscale("symlog", linthresh=10)
+        ax.set_xlabel("minibatch")
+        ax.set_ylabel("mean |cos|")
+        ax.set_title(f"{title}, d = {dim}", fontsize=9)
+        ax.legend(fontsize=7)
     return _save(fig, path)

@@ -18,8 +18,10 @@ from .experiments_joma import run_hierarchy, run_joma_invariant, run_joma_nonlin
 class Experiment:
     name: str
     help: str
-    run: Callable  # (out: Path, seed: int, size: str, progress: bool) -> dict
+    run: Callable  # (out: Path, seed: int, size: str, progress: bool, **options) -> dict
     summary: Callable[[dict], list[str]] | None = None  # metrics -> printable lines
+    # extra CLI flags: (name, type, default, help); passed to run as keyword arguments
+    options: tuple = ()
 
 
 EXPERIMENTS: dict[str, Experiment] = {}
@@ -52,7 +54,11 @@ def _s3(m):
     e, f = m["theorem3_log_error"], m["theorem4_fit"]
     return [f"Theorem 3 |ln measured - ln predicted|: median {e['median']:.3f}, p90 {e['p90']:.3f}",
             f"Theorem 4: split at step {f['split_step']:.0f}, scan rmse {f['scan']['rmse']:.4f}, snap rmse {f['snap']['rmse']:.4f}"
-            f" (single-curve rmse: scan {f['scan_only_rmse']:.4f}, snap {f['snap_only_rmse']:.4f})"]
+            f" (single-curve rmse: scan {f['scan_only_rmse']:.4f}, snap {f['snap_only_rmse']:.4f})",
+            f"late phase t >= {m['late_fits']['start']:.0f}: AIC(ln ln) - AIC(ln) = {m['late_fits']['aic_lnln_minus_ln']:.1f}; "
+            f"held-out rmse ln {m['late_fits']['ln']['heldout_rmse']:.4f}, ln ln {m['late_fits']['lnln']['heldout_rmse']:.4f}",
+            f"dB/d ln t: early {m['growth_slope']['early']:.4f}, late {m['growth_slope']['late']:.4f}, "
+            f"ratio {m['growth_slope']['late_over_early']:.3f} (ln ln t predicts ~{m['growth_slope']['lnln_prediction']:.2f}, ln t 1)"]
 
 
 def _j1(m):
@@ -69,14 +75,22 @@ def _j2(m):
 
 
 def _j4(m):
-    c = m["cooccurrence_by_height"]
-    return [f"correlation layer 0 / layer 1: init {m['corr_init'][0]:.3f} / {m['corr_init'][1]:.3f}, "
-            f"trained {m['corr_final'][0]:.3f} / {m['corr_final'][1]:.3f}; accuracy {m['accuracy']:.3f}",
-            "co-occurrence by LCA height: " + ", ".join(f"{h}: {v['mean']:.2f}" for h, v in c.items())]
+    c, S = m["cooccurrence_by_height"], m["summary"]
+    out = []
+    for lvl in range(len(S["trained_true"])):
+        u, t, g, gs = S["untrained_true"][lvl], S["trained_true"][lvl], S["gain_true"][lvl], S["gain_shuffled"][lvl]
+        out.append(f"layer {lvl}: probe {u['probe']:.3f} -> {t['probe']:.3f} (gain {g['probe']:+.3f}, shuffled {gs['probe']:+.3f}); "
+                   f"mean |corr| {u['mean_corr']:.3f} -> {t['mean_corr']:.3f}; max corr {u['max_corr']:.3f} -> {t['max_corr']:.3f}")
+    out.append(f"layer-1 probe gain per seed: {', '.join(f'{x:+.3f}' for x in m['probe_gain_layer1_per_seed'])}; "
+               f"accuracy {', '.join(f'{a:.2f}' for a in m['accuracy'])}")
+    out.append("co-occurrence by LCA height: " + ", ".join(f"{h}: {v['mean']:.2f}" for h, v in c.items()))
+    return out
 
 
 for _exp in (
-    Experiment("scan-snap", "S1: z of common vs distinct tokens, entropy snap (Scan and Snap Fig. 4)", run_scan_snap, _s1),
+    Experiment("scan-snap", "S1: z of common vs distinct tokens, entropy snap (Scan and Snap Fig. 4)", run_scan_snap, _s1,
+               options=(("next_per_query", int, 1, "next tokens per query (1 = paper Fig. 4, 2 = the 2 x 2 variant)"),
+                        ("iters", int, 0, "iterations (0 = the size's default: 100, as in Fig. 4)"))),
     Experiment("scan-snap-sweep", "S2: distinct-token entropy over eta_Z x eta_Y/eta_Z (Fig. 6)", run_scan_snap_sweep, _s2),
     Experiment("scan-snap-theorems", "S3: Theorem 3 relative gain and Theorem 4 scan/snap phases", run_scan_snap_theorems, _s3),
     Experiment("joma-invariant", "J1: JoMA invariant NC(z, z_hat) and linear winner-take-all (Figs. 2-3)", run_joma_invariant, _j1),
@@ -84,4 +98,4 @@ for _exp in (
     Experiment("hierarchy", "J4: latent-tree data, per-layer hidden/latent correlation (Table 1)", run_hierarchy, _j4),
 ):
     register(_exp)
-from . import attention_entropy  # noqa: E402,F401  (J3, registers itself)
+from . import attention_entropy, orthogonality  # noqa: E402,F401  (J3, orthogonality: register themselves)

@@ -86,3 +86,52 @@ def fit_two_phases(steps: torch.Tensor, B: torch.Tensor, taus=None) -> dict:
             "scan": {"a": s1[0], "tau": s1[1], "b": s1[2], "rmse": s1[3]},
             "snap": {"a": s2[0], "tau": s2[1], "b": s2[2], "rmse": s2[3]},
             "scan_only_rmse": whole_scan[3], "snap_only_rmse": whole_snap[3]}
+
+
+def _fit_curve(curve, t, y, taus):
+    """Best a * curve(t, 1, tau, 0) + b over the tau grid: (a, tau, b)."""
+    out = None
+    for tau in taus:
+        a, b, rmse = _fit_linear(curve(t, 1.0, tau, 0.0), y)
+        if out is None or rmse < out[3]:
+            out = (a, tau, b, rmse)
+    return out[:3]
+
+
+def compare_late_fits(steps: torch.Tensor, B: torch.Tensor, start: float, train_frac: float = 0.25,
+                      taus=None) -> dict:
+    """ln t against ln ln t on the late phase t >= ``start``, by AIC and by extrapolation.
+
+    Both curves have three parameters (a, tau, b). AIC = n ln(RSS / n) + 2k on the whole late
+    window (lower is better; residuals of a recorded trajectory are correlated, so read the
+    difference as a ranking, not a likelihood ratio). Held-out: fit on start <= t <= train_frac
+    * t_max, report the RMSE on the later points (extrapolation in time, where the two laws part).
+    """
+    t, y = steps.double(), B.double()
+    taus = taus if taus is not None else torch.logspace(-1, 4, 51).tolist()
+    late = t >= start
+    fit_part = late & (t <= train_frac * t.max())
+    held = t > train_frac * t.max()
+    if int(fit_part.sum()) < 5 or int(held.sum()) < 5:
+        raise ValueError("too few recorded steps for the late-phase comparison")
+    out = {"start": float(start), "train_until": float(train_frac * t.max())}
+    for name, curve in (("ln", scan_curve), ("lnln", snap_curve)):
+        a, tau, b = _fit_curve(curve, t[late], y[late], taus)
+        rss = float(((curve(t[late], a, tau, b) - y[late]) ** 2).sum())
+        n = int(late.sum())
+        a2, tau2, b2 = _fit_curve(curve, t[fit_part], y[fit_part], taus)
+        held_rmse = float(((curve(t[held], a2, tau2, b2) - y[held]) ** 2).mean().sqrt())
+        out[name] = {"a": a, "tau": tau, "b": b, "rmse": math.sqrt(rss / n),
+                     "aic": n * math.log(max(rss, 1e-300) / n) + 6, "heldout_rmse": held_rmse}
+    out["aic_lnln_minus_ln"] = out["lnln"]["aic"] - out["ln"]["aic"]
+    return out
+
+
+def log_time_slope(steps: torch.Tensor, B: torch.Tensor, lo: float, hi: float) -> float:
+    """Least-squares slope dB / d ln t over lo <= t <= hi (a ln t law gives a constant slope,
+    ln ln t a slope falling like 1 / ln t)."""
+    t = steps.double()
+    sel = (t >= lo) & (t <= hi)
+    if int(sel.sum()) < 3:
+        raise ValueError(f"fewer than 3 recorded steps in [{lo}, {hi}]")
+    return _fit_linear(t[sel].log(), B.double()[sel])[0]

@@ -156,3 +156,12 @@ def from_gguf_q8_0(blocks, shape: tuple[int, int]) -> Packed:
         part = quantize_int8((q[s:s + step].float() * d[s:s + step]).view(-1, K))
         out_q[s:s + step], out_s[s:s + step] = part.q, part.scale
     return Packed("int8", (N, K), q=out_q, scale=out_s)
+
+
+def round_activations(x: torch.Tensor) -> torch.Tensor:
+    """What the integer kernels (int8, int4) multiply instead of x [M, K]: x rounded to int8 with one
+    scale per 32 values (llama.cpp's Q8 activations), returned dequantised. For tests and docs."""
+    b = x.float().reshape(-1, BLOCK)
+    amax = b.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    return ((b * inv).round() * (amax / 127)).view(x.shape)

@@ -1,9 +1,9 @@
 """A linear layer whose weight stays quantized, and the swap that puts it into a network.
 
 At batch 1 the layer multiplies straight from the codes (a fused kernel, see
-`attnlab.quant.kernels`); from `FUSED_MAX_ROWS` rows on (prefill, perplexity) it
-dequantises the weight once and runs a float matmul, which is compute-bound
-anyway. `fused=False` keeps the talk's cautionary baseline: look the weights up,
+`attnlab.quant.kernels`: int8 activations, k-means centroids rounded to int8);
+from `FUSED_MAX_ROWS` rows on (prefill, perplexity) it dequantises the weight
+once and runs a float matmul, which is compute-bound anyway. `fused=False` keeps the talk's cautionary baseline: look the weights up,
 then matmul, at every call.
 """
 from __future__ import annotations
@@ -83,6 +83,10 @@ class QuantLinear(nn.Module):
         self.out_features, self.in_features = packed.shape
         for name, t in packed.tensors().items():
             self.register_buffer(name, t.contiguous())
+        if packed.kind == "kmeans":  # the kernel's operands: each codebook rounded to int8 (not saved)
+            scale = self.codebook.abs().amax(-1).clamp_min(1e-12) / 127
+            self.register_buffer("lut", (self.codebook / scale[..., None]).round().to(torch.int8), persistent=False)
+            self.register_buffer("lut_scale", scale, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
 
     @property
@@ -108,7 +112,7 @@ class QuantLinear(nn.Module):
             elif self.kind == "int4":
                 y = kernels.q4_mm(x2, self.qs, self.scale, self.min, self.group)
             else:
-                y = kernels.lut4_mm(x2, self.qs, self.codebook, self.group)
+                y = kernels.lut4_mm(x2, self.qs, self.lut, self.lut_scale, self.group)
             if self.bias is not None:
                 y = y + self.bias
         else:

@@ -50,6 +50,20 @@ def test_s1_entropy_drops_then_freezes(s1):
         assert e["late_change"] < 0.25 * e["drop"]  # second half barely moves: snapped
 
 
+def test_s1_matches_paper_fig4_numbers(s1):
+    """Fig. 4 setting (M = 34): loss curve on the authors' logged one, final entropy pinned.
+
+    Anchors measured with `attnlab dynamics scan-snap` (10 seeds: final entropy 1.914-1.959
+    for eta_Y = eta_Z, 2.060-2.094 for eta_Y = 10 eta_Z; 2 quick seeds sit inside)."""
+    assert s1["vocab_size"] == 34
+    slow, fast = s1["runs"]["ratio_1"], s1["runs"]["ratio_10"]
+    for t in ("2", "4", "6", "8", "10"):  # the authors' log: 2.368, 0.7335, 0.1608, 0.0444, 0.0130
+        paper, ours = s1["paper_fig4_loss"][t], slow["loss_at"][t]
+        assert abs(ours - paper) < 0.15 * paper + 0.002, (t, ours, paper)
+    assert all(1.90 <= h <= 1.97 for h in slow["final_entropy_per_seed"])
+    assert all(2.05 <= h <= 2.11 for h in fast["final_entropy_per_seed"])
+
+
 def test_s1_larger_decoder_lr_snaps_earlier_and_less_sparse(s1):
     slow, fast = s1["runs"]["ratio_1"], s1["runs"]["ratio_10"]
     assert fast["z_speed"]["peak_step"] < slow["z_speed"]["peak_step"]
@@ -65,11 +79,29 @@ def test_s2_sweep_trends(tmp_path):
     assert (by_z[:, 1:] < by_z[:, :-1]).all(), "final entropy must fall as eta_Z grows"
     # ratios (1, 2, 5, 10): from ratio 2 on, a faster decoder leaves attention less sparse
     assert (by_r[:, 2] > by_r[:, 1]).all() and (by_r[:, 3] > by_r[:, 1]).all()
+    # single cells (queries, eta_Z, eta_Y/eta_Z) pinned to the measured quick sweep: mean (std over 4 seeds)
+    mean, std = torch.as_tensor(m["final_entropy_mean"]), torch.as_tensor(m["final_entropy_std"])
+    cells = {(0, 0, 3): (2.092, 0.010), (1, 0, 0): (2.011, 0.006), (1, 2, 3): (1.948, 0.008), (1, 3, 0): (1.732, 0.031)}
+    for (q, z, r), (mu, sd) in cells.items():
+        assert abs(float(mean[q, z, r]) - mu) < 0.02 + 2 * sd, ((q, z, r), float(mean[q, z, r]))
+        assert float(std[q, z, r]) < 3 * sd + 0.01
 
 
-def test_s3_theorems(tmp_path):
-    m = run_scan_snap_theorems(tmp_path, seed=0, size="quick", progress=False)
-    assert m["theorem3_log_error"]["median"] < 0.1
-    fit = m["theorem4_fit"]
-    assert fit["snap"]["a"] > 0 and m["B_final"] > 0
-    assert (tmp_path / "s3_theorems.png").stat().st_size > 0
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    return run_scan_snap_theorems(tmp_path_factory.mktemp("s3"), seed=0, size="quick", progress=False)
+
+
+def test_s3_theorem3_relative_gain(s3):
+    assert s3["theorem3_log_error"]["median"] < 0.1
+
+
+def test_s3_growth_slows_down(s3):
+    """Quick size (10x learning rates, 2000 steps): B(t) pinned, and the growth rate dB/d ln t over
+    [200, 2000] is about half that over [20, 200] (measured 0.52; a ln t law gives 1).
+    The full 1e5-step run at the base rates (late/early 0.58) is in docs/theory.md."""
+    B = s3["B_at"]
+    assert 0.14 < B["10"] < 0.22 and 0.28 < B["2000"] < 0.36, B
+    g = s3["growth_slope"]
+    assert 0.3 < g["late_over_early"] < 0.75, g
+    assert s3["late_fits"]["aic_lnln_minus_ln"] < 0

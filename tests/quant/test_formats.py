@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from attnlab.quant import QuantLinear, QuantSpec, kernels
-from attnlab.quant.formats import pack4, quantize_int4, quantize_int8, quantize_kmeans, unpack4
+from attnlab.quant.formats import pack4, quantize_int4, quantize_int8, quantize_kmeans, round_activations, unpack4
+from attnlab.quant.linear import FUSED_MAX_ROWS
 
 SPECS = ["int8", "int4:32", "int4:64", "int4:128", "kmeans:4", "kmeans:3", "kmeans:4:64", "kmeans-naive:4"]
 
@@ -46,15 +47,40 @@ def test_kmeans_assigns_the_nearest_centroid_and_beats_uniform(w, bits):
         assert (p.dequantize() - w).norm() < (uniform.dequantize() - w).norm()
 
 
+def _integer_reference(layer, x, bias):
+    """The integer kernels' arithmetic in float: int8-rounded activations times the codes' part of
+    the weight, plus the exact activations times the int4 minimum (kept in float by the kernel)."""
+    p = layer.packed
+    if p.kind == "int8":
+        return torch.nn.functional.linear(round_activations(x), p.dequantize(), bias)
+    if p.kind == "kmeans":  # centroids as the kernel holds them: int8 times a scale per codebook
+        codes = unpack4(p.qs).long().view(*p.shape[:1], -1, p.group)
+        book = layer.lut.float() * layer.lut_scale[..., None]
+        return torch.nn.functional.linear(round_activations(x), torch.gather(book, 2, codes).view(p.shape), bias)
+    codes = unpack4(p.qs).float().view(*p.shape[:1], -1, p.group)
+    scaled = (codes * p.scale[..., None]).view(p.shape)
+    mins = p.min[..., None].expand(-1, -1, p.group).reshape(p.shape)
+    return torch.nn.functional.linear(round_activations(x), scaled, bias) + torch.nn.functional.linear(x, mins)
+
+
 @pytest.mark.parametrize("spec", SPECS)
 @pytest.mark.parametrize("rows", [1, 3, 16])
 def test_layer_equals_dequantised_matmul(w, spec, rows):
+    """Every path against dequantise-then-float-matmul: exact with float activations (the naive
+    path, and every format from FUSED_MAX_ROWS rows on), within activation (and centroid)
+    rounding for the integer kernels, whose own arithmetic is checked against a float emulation."""
     s = QuantSpec.parse(spec)
     bias = torch.randn(96)
     layer = QuantLinear(s.quantize(w), bias, fused=s.fused)
     x = torch.randn(2, rows, 256)
     ref = torch.nn.functional.linear(x, layer.dequantize(), bias)
-    torch.testing.assert_close(layer(x), ref, atol=2e-5, rtol=1e-5)
+    got = layer(x)
+    integer = s.fused and 2 * rows <= FUSED_MAX_ROWS and kernels.available()
+    if integer:
+        torch.testing.assert_close(got, _integer_reference(layer, x, bias), atol=1e-4, rtol=1e-5)
+        assert (got - ref).norm() / (ref - bias).norm() < 3e-2  # int8 activations: about 1% on random data
+    else:
+        torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-5)
 
 
 def test_fused_kernels_are_built():

@@ -1,0 +1,150 @@
+"""Conversations the server holds: one `Session` (KV cache) each, found again by rendered prefix.
+
+Why: the OpenAI API resends the whole history every turn. A request whose rendered prompt
+starts with the text a held cache already contains continues that cache and feeds only the
+rest, so turn N costs what turn 1 costs. Idle sessions are evicted least recently used when
+there are more than `max_sessions` or their KV buffers exceed `max_bytes`; a session serving
+a request is never evicted nor handed to a second request (that one starts a fresh cache).
+"""
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from attnlab.session import Session
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """How a conversation's cache is built; sessions are only reused under the same spec."""
+    policy: str = "full"
+    budget: int = 1024
+    n_sink: int = 4
+    positions: str = "cache"
+
+    def describe(self) -> dict:
+        return {"policy": self.policy, "budget": None if self.policy == "full" else self.budget,
+                "n_sink": self.n_sink, "positions": self.positions}
+
+
+@dataclass
+class Held:
+    """A stored conversation: its Session plus bookkeeping for the store and /v1/sessions."""
+    id: str
+    spec: CacheSpec
+    policy: object            # Policy or None (full)
+    session: Session
+    busy: bool = False
+    turns: int = 0
+    created: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.time)
+
+    def nbytes(self) -> int:
+        return self.session.cache.nbytes()
+
+    def summary(self) -> dict:
+        cache = self.session.cache
+        return {"id": self.id, **self.spec.describe(), "turns": self.turns, "tokens_seen": cache.seen,
+                "slots_kept": len(cache), "bytes": self.nbytes(), "busy": self.busy,
+                "created": int(self.created), "last_used": int(self.last_used)}
+
+    def cache_view(self) -> dict:
+        """Which absolute positions each layer holds (union over KV heads, `heads`: how many hold each one)
+        and how the policy classes them.
+
+        sinks: positions < n_sink; recent: the trailing n_recent positions of the layer; anything
+        else kept is a heavy hitter (kept for its score). For `full` every position is recent.
+        """
+        cache = self.session.cache
+        n = len(cache)
+        layers, heads = [], []
+        for layer in cache.layers:
+            pos, count = layer.pos[:, :, :n].flatten().unique(return_counts=True)
+            keep = pos >= 0
+            layers.append(pos[keep].tolist())
+            heads.append(count[keep].tolist())
+        if self.policy is None:
+            n_sink, n_recent = 0, cache.seen
+        else:
+            budget = self.policy.tokens
+            n_sink, n_recent = self.policy.n_sink(budget), self.policy.n_recent(budget)
+        return {"id": self.id, **self.spec.describe(), "tokens_seen": cache.seen, "slots_kept": n,
+                "kv_heads": cache.layers[0].pos.shape[1], "n_sink": n_sink, "n_recent": n_recent,
+                "layers": layers, "heads": heads}
+
+
+class SessionStore:
+    """Thread-safe LRU store of conversations, bounded by count and by KV bytes."""
+
+    def __init__(self, lm, max_sessions: int = 16, max_bytes: int = 1 << 30, chunk: int = 128):
+        self.lm, self.max_sessions, self.max_bytes, self.chunk = lm, max_sessions, max_bytes, chunk
+        self.sessions: OrderedDict[str, Held] = OrderedDict()  # least recently used first
+        self.lock = threading.Lock()
+        self.evicted = 0
+
+    def policy(self, spec: CacheSpec):
+        """The Policy object of a spec (None for full); raises ValueError on a bad spec."""
+        from attnlab.kv.policies import make_policy
+        if spec.policy == "full":
+            return None
+        return make_policy(spec.policy, spec.budget, positions=spec.positions, n_sink=spec.n_sink,
+                           chunk=self.chunk)
+
+    def acquire(self, text: str, spec: CacheSpec) -> tuple[Held, bool]:
+        """The idle session of this spec whose text is the longest prefix of `text`, or a new one.
+
+        Returns (held, reused); the session is marked busy until `release`.
+        """
+        with self.lock:
+            best = None
+            for held in self.sessions.values():
+                if not held.busy and held.spec == spec and held.session.matches(text):
+                    if best is None or len(held.session.text) > len(best.session.text):
+                        best = held
+            if best is not None:
+                best.busy = True
+                self.sessions.move_to_end(best.id)
+                return best, True
+        policy = self.policy(spec)
+        if policy is None:  # grows on demand, never past what the model was trained on
+            cache = self.lm.new_cache(capacity=256, max_capacity=self.lm.cfg.context_length)
+        else:
+            cache = self.lm.new_cache(policy=policy)
+        held = Held(uuid.uuid4().hex[:12], spec, policy, Session(self.lm, cache, self.chunk), busy=True)
+        with self.lock:
+            self.sessions[held.id] = held
+        return held, False
+
+    def release(self, held: Held, keep: bool = True) -> None:
+        """Hand a session back (keep=False drops it, e.g. after a failed request), then evict LRU."""
+        with self.lock:
+            held.busy, held.last_used = False, time.time()
+            if not keep:
+                self.sessions.pop(held.id, None)
+            elif held.id in self.sessions:
+                self.sessions.move_to_end(held.id)
+            self._evict()
+
+    def _evict(self) -> None:
+        def over() -> bool:
+            return (len(self.sessions) > self.max_sessions
+                    or sum(h.nbytes() for h in self.sessions.values()) > self.max_bytes)
+        for sid in list(self.sessions):
+            if not over():
+                break
+            if not self.sessions[sid].busy:
+                del self.sessions[sid]
+                self.evicted += 1
+
+    def get(self, sid: str) -> Held | None:
+        with self.lock:
+            return self.sessions.get(sid)
+
+    def summary(self) -> dict:
+        with self.lock:
+            items = [h.summary() for h in reversed(self.sessions.values())]  # most recent first
+        return {"object": "list", "data": items, "max_sessions": self.max_sessions, "max_bytes": self.max_bytes,
+                "total_bytes": sum(i["bytes"] for i in items), "evicted": self.evicted}

@@ -1,0 +1,86 @@
+"""One conversation on one KV cache: feed tokens, sample the next, repeat.
+
+Why it exists: `LM.stream`, `ChatSession` and the HTTP server all run the same loop
+(prefill a prompt, sample, feed the sample back) and the server must pause it between
+tokens to interleave clients. `Session` is that loop as an object whose state (cache,
+next-token logits, the rendered text the cache holds) outlives one request.
+
+Invariant: after yielding token t, `generate` has fed every earlier reply token but not t;
+the caller continues the conversation by feeding t (e.g. the EOS that closes a chat turn)
+with its next prompt. `text` is the rendered text whose tokens the cache holds, so a new
+turn that re-renders the whole history can feed only what lies past it (`extend`).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from attnlab.sampling import Sampler
+
+
+class Session:
+    def __init__(self, lm, cache=None, chunk: int = 512):
+        self.lm, self.chunk = lm, chunk
+        self.cache = cache if cache is not None else lm.new_cache()
+        self.logits: torch.Tensor | None = None  # [vocab] next-token logits after everything fed
+        self.text = ""                            # rendered text held by the cache (chat use)
+        self.fed = 0                              # tokens fed so far
+
+    @torch.inference_mode()
+    def feed(self, ids) -> None:
+        """Append token ids (list or [T] / [1, T] tensor) to the cache; prompts go in chunks of `chunk`."""
+        ids = torch.as_tensor(ids, dtype=torch.long)
+        ids = ids[None] if ids.dim() == 1 else ids
+        if ids.dim() != 2 or ids.shape[0] != 1:
+            raise ValueError(f"a session feeds one row of token ids, got shape {tuple(ids.shape)}")
+        if ids.shape[1] == 0:
+            return
+        if ids.shape[1] == 1:
+            self.logits = self.lm.model(ids, cache=self.cache)[0, -1]
+        else:
+            self.logits = self.lm.prefill(ids, self.cache, self.chunk)[0]
+        self.fed += ids.shape[1]
+
+    def matches(self, text: str) -> bool:
+        """Whether `text` (a rendered prompt) continues what this cache holds."""
+        return text.startswith(self.text)
+
+    def new_ids(self, text: str) -> list[int]:
+        """Token ids of the part of the rendered `text` past what the cache holds."""
+        if not self.matches(text):
+            raise ValueError("the prompt does not continue this session")
+        return self.lm.encode_rendered(text[len(self.text):]) if len(text) > len(self.text) else []
+
+    def extend(self, text: str, ids: list[int] | None = None) -> int:
+        """Feed the part of the rendered `text` past `self.text` (ids: its `new_ids`, if known); returns the count."""
+        ids = self.new_ids(text) if ids is None else ids
+        self.feed(ids)
+        self.text = text
+        return len(ids)
+
+    def sample(self, sampler: Sampler) -> int:
+        if self.logits is None:
+            raise ValueError("nothing to continue from: empty prompt")
+        return int(sampler(self.logits[None])[0])
+
+    def generate(self, sampler: Sampler, max_new_tokens: int, stop_at_eos: bool = True) -> Iterator[int]:
+        """Yield up to max_new_tokens sampled ids, stopping after an EOS; the last one is not fed.
+
+        When the generator ends or is closed early, `text` gains the reply tokens that were fed.
+        """
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        eos = self.lm.eos_ids if stop_at_eos else set()
+        reply: list[int] = []
+        try:
+            for i in range(max_new_tokens):
+                token = self.sample(sampler)
+                reply.append(token)
+                yield token
+                if token in eos or i == max_new_tokens - 1:
+                    return
+                self.feed([token])
+        finally:
+            if len(reply) > 1 and self.lm.tokenizer is not None:
+                self.text += self.lm.tokenizer.decode(reply[:-1], skip_special_tokens=False)

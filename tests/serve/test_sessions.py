@@ -1,0 +1,48 @@
+"""The session store: prefix matching, busy sessions never shared, LRU eviction by count and by bytes."""
+from __future__ import annotations
+
+import pytest
+
+from attnlab.serve.sessions import CacheSpec, SessionStore
+
+SINK = CacheSpec("sink", 8, 4, "cache")
+
+
+def test_longest_idle_prefix_wins_and_busy_sessions_are_not_shared(tiny):
+    store = SessionStore(tiny, max_sessions=8, chunk=4)
+    a, reused = store.acquire("<a>", SINK)
+    assert not reused
+    a.session.text = "<a>"
+    store.release(a)
+    b, reused = store.acquire("<z>", SINK)
+    assert not reused and b is not a
+    b.session.text = "<a><b>"  # as if it had held the conversation <a> and then <b>
+    store.release(b)
+    got, reused = store.acquire("<a><b><c>", SINK)
+    assert reused and got is b                       # longest prefix
+    other, reused = store.acquire("<a><b><c>", SINK)
+    assert other is a and reused                     # b is busy: the next best idle one
+    third, reused = store.acquire("<a><b><c>", SINK)
+    assert not reused                                # everything matching is busy: a fresh cache
+    assert store.acquire("<a>", CacheSpec("window", 8))[1] is False  # another policy never matches
+
+
+def test_lru_eviction_by_count_and_bytes(tiny):
+    store = SessionStore(tiny, max_sessions=2, chunk=4)
+    held = []
+    for i in range(3):
+        h, _ = store.acquire(f"<{i}>", SINK)
+        h.session.text = f"<{i}>"
+        store.release(h)
+        held.append(h)
+    assert list(store.sessions) == [held[1].id, held[2].id] and store.evicted == 1
+    one = held[1].nbytes()
+    store.max_bytes = one + one // 2
+    store.release(store.acquire("<1>", SINK)[0])     # touch <1>: now <2> is least recently used
+    assert list(store.sessions) == [held[1].id] and store.evicted == 2
+
+
+def test_bad_policy_spec_is_a_value_error(tiny):
+    store = SessionStore(tiny)
+    with pytest.raises(ValueError, match="must exceed n_sink"):
+        store.acquire("x", CacheSpec("sink", 4, 4))
