@@ -3,9 +3,10 @@ PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.attnlab-installed
-THREADS ?= 2
+# 1 thread by measurement: on a busy 2-core machine 2 threads decoded 3x slower (README)
+THREADS ?= 1
 
-.PHONY: setup demo test test-all bench bench-llamacpp clean
+.PHONY: setup demo test test-all fuzz bench bench-llamacpp clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,6 +26,9 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -m ''
+
+fuzz: $(STAMP)  # FUZZ_CASES (10000), FUZZ_SEED, FUZZ_WORKERS, FUZZ_REPORT=file
+	nice -n 19 $(BIN)/python -m pytest -m fuzz -s tests/test_fuzz_models.py
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/decode_speed.py --threads 1,2 --repeats 5 --compile

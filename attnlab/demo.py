@@ -19,11 +19,11 @@ POLICIES = ["full", "window", "sink", "h2o", "sink_h2o"]
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m attnlab.demo")
-    p.add_argument("--threads", type=positive_int, default=2)
+    p.add_argument("--threads", type=positive_int, default=1, help="torch threads (1: see the README's measurement)")
     p.add_argument("--tokens", type=positive_int, default=256, help="tokens per stream")
     p.add_argument("--streams", type=positive_int, default=8, help="parallel passages of the test plays")
     p.add_argument("--budget", type=positive_int, default=64, help="KV budget (tokens per layer and KV head)")
-    p.add_argument("--plot", default="runs/demo/nll_by_position.png")
+    p.add_argument("--plot", default="runs/demo/nll_by_position.png", help="NLL-by-position figure")
     args = p.parse_args(argv)
 
     import torch
@@ -54,7 +54,9 @@ def main(argv: list[str] | None = None) -> int:
                      "kv_bytes": r["kv_bytes"], "tok_s": r["nll"].numel() / r["seconds"],
                      "nll_tokens": r["nll"].tolist(), **summarize(r["nll"])})
     full = runs[0]["ppl"]
-    print(f"\n{'policy':<10} {'budget':>7} {'ppl':>8} {'vs full':>8} {'KV MiB':>8} {'tok/s':>7}")
+    print("\nperplexity of the same tokens under each cache (lower is better); vs full: ppl / full's ppl "
+          "(1.000x = nothing lost); KV MiB: cache memory; tok/s: scoring speed")
+    print(f"{'policy':<10} {'budget':>7} {'ppl':>8} {'vs full':>8} {'KV MiB':>8} {'tok/s':>7}")
     for r in runs:
         print(f"{r['policy']:<10} {r['budget']:>7} {r['ppl']:>8.2f} {r['ppl'] / full:>7.3f}x "
               f"{r['kv_bytes'] / 2**20:>8.2f} {r['tok_s']:>7.1f}")

@@ -109,6 +109,9 @@ class LM:
         ids = _as_ids(ids)
         if chunk < 1:
             raise ValueError(f"chunk must be >= 1, got {chunk}")
+        policy = cache.policy
+        if policy is not None and getattr(policy, "capacity", None):
+            chunk = min(chunk, policy.chunk)  # a bounded cache has room for only policy.chunk new tokens per step
         outs = []
         for start in range(0, ids.shape[1], chunk):
             part = ids[:, start:start + chunk]

@@ -10,7 +10,9 @@ import json
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 
 from tqdm import tqdm
@@ -41,7 +43,23 @@ def write_json(path: str | os.PathLike, data) -> Path:
     return write_text(path, json.dumps(data, indent=2) + "\n")
 
 
+def _interactive() -> bool:
+    return sys.stderr.isatty() or bool(os.environ.get("ATTNLAB_PROGRESS"))
+
+
 def progress(total: int, desc: str, unit: str = "tok"):
     """A tqdm bar on stderr that stays quiet when stderr is not a terminal and ATTNLAB_PROGRESS is unset."""
-    disable = not (sys.stderr.isatty() or os.environ.get("ATTNLAB_PROGRESS"))
-    return tqdm(total=total, desc=desc, unit=unit, disable=disable, leave=False, dynamic_ncols=True)
+    return tqdm(total=total, desc=desc, unit=unit, disable=not _interactive(), leave=False, dynamic_ncols=True)
+
+
+@contextmanager
+def status(message: str):
+    """`message ...` on stderr while a slow step (a model load) runs, then its seconds; shown where bars are."""
+    show, start = _interactive(), time.perf_counter()
+    if show:
+        print(f"{message} ...", end="", file=sys.stderr, flush=True)
+    try:
+        yield
+    finally:
+        if show:
+            print(f" {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)

@@ -1,6 +1,8 @@
 """Next-token sampling: greedy, temperature, top-k, top-p (nucleus), seeded."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -8,14 +10,18 @@ class Sampler:
     """Turns logits [B, V] into token ids [B]. temperature 0 means greedy (argmax)."""
 
     def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None):
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if not (math.isfinite(temperature) and temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
         if top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {top_k}")
-        if not 0.0 < top_p <= 1.0:
+        if not 0.0 < top_p <= 1.0:  # NaN fails too
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
-        self.generator = torch.Generator().manual_seed(seed if seed is not None else torch.seed())
+        self.generator = torch.Generator()
+        if seed is None:
+            self.generator.seed()  # fresh entropy for this sampler only; torch.seed() would reseed the global RNG
+        else:
+            self.generator.manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         if self.temperature == 0:

@@ -23,6 +23,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from attnlab.stats import entropy
+from attnlab.stats import spearman as rank_correlation
+
 EPS = 1e-8
 TOP_FRACTIONS = (0.05, 0.20)
 
@@ -68,7 +71,7 @@ def attention_maps(model, ids: torch.Tensor) -> list[torch.Tensor]:
 
 def row_entropy(probs: torch.Tensor) -> torch.Tensor:
     """probs [..., T, L] -> entropy of each query row [..., T] in nats (log(a + 1e-8), as JoMA)."""
-    return -(probs * (probs + EPS).log()).sum(-1)
+    return entropy(probs, -1, EPS)
 
 
 def head_stats(probs: torch.Tensor, sinks: tuple[int, ...] = (1, 4), min_query: int = 16) -> dict:
@@ -103,11 +106,8 @@ def head_stats(probs: torch.Tensor, sinks: tuple[int, ...] = (1, 4), min_query: 
 
 
 def spearman(x: torch.Tensor, y: torch.Tensor) -> float:
-    """Rank correlation of two 1-D tensors (average ranks not needed: ties broken by order)."""
-    rx = x.argsort().argsort().double()
-    ry = y.argsort().argsort().double()
-    rx, ry = rx - rx.mean(), ry - ry.mean()
-    return float((rx * ry).sum() / (rx.norm() * ry.norm()).clamp_min(1e-12))
+    """Rank correlation of two 1-D tensors, as a float (attnlab.stats.spearman)."""
+    return float(rank_correlation(x, y))
 
 
 @dataclass

@@ -1,13 +1,17 @@
 """The `attnlab` command line: info, generate, chat, ppl, plus the subcommands of each subsystem.
 
-User mistakes (missing files, bad options, empty text) end with one line on stderr and
-exit code 2; `--debug` shows the traceback instead.
+User mistakes (missing or hostile files, bad options, bad text, unwritable paths) end
+with one line on stderr and exit code 2; `--debug` shows the traceback instead. Ctrl-C
+exits 130 (saying how to resume when the command is resumable); a closed output pipe
+(`attnlab info | head`) ends quietly. Options and texts are checked before the model load.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
 import json
+import math
+import os
 import sys
 
 from attnlab.cli.common import UserError, add_model_args, load_lm, nonneg_int, positive_int
@@ -19,23 +23,66 @@ SUBSYSTEMS = ["attnlab.cli.dynamics", "attnlab.cli.stream", "attnlab.cli.analysi
               "attnlab.cli.serve", "attnlab.cli.passkey", "attnlab.cli.extend"]
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows "(default: X)" unless the help already explains its default or there is none to show."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default is None or action.default is False or action.default is argparse.SUPPRESS:
+            return text
+        return super()._get_help_string(action)
+
+
 class Parser(argparse.ArgumentParser):
+    """One-line usage errors; every option's help shows its default."""
+
+    def __init__(self, *a, **kw):
+        kw.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*a, **kw)
+
     def error(self, message):  # one line instead of usage + error
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+def utf8(text: str, what: str) -> str:
+    """Command-line text arrives with undecodable bytes smuggled in as surrogates: refuse it here."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UserError(f"{what} is not valid UTF-8") from None
+    return text
+
+
+def check_tokens_fit(tokens: int, text: str, what: str) -> None:
+    """Before tokenising: a token covers at least one character (plus a BOS), so an absurd count fails early."""
+    if tokens > len(text) + 1:
+        raise UserError(f"{what} asks for {tokens} tokens; the text has only {len(text)} characters")
 
 
 # ---------------------------------------------------------------- commands
 
 def cmd_info(args) -> int:
-    lm = load_lm(args, tokenizer=False)
-    c = lm.cfg
-    rows = [("source", str(lm.source)), ("architecture", c.arch), ("parameters", f"{c.n_params / 1e6:.1f}M"),
+    """Architecture summary from the file's metadata only: no weights are read (milliseconds, not seconds)."""
+    from attnlab.engine import DTYPES, set_threads
+    from attnlab.model.metadata import read_config
+
+    set_threads(args.threads)
+    c, source = read_config(args.model)
+    element = DTYPES[args.dtype].itemsize
+    rows = [("source", str(source)), ("architecture", c.arch), ("parameters", f"{c.n_params / 1e6:.1f}M"),
             ("layers", c.n_layers), ("hidden size", c.dim), ("MLP size", c.hidden_dim),
             ("attention heads", f"{c.n_heads} query / {c.n_kv_heads} key-value (GQA group {c.n_heads // c.n_kv_heads})"),
             ("head dim", c.head_dim), ("vocabulary", c.vocab_size), ("context length", c.context_length),
             ("RoPE base", c.rope_base), ("RoPE scaling", c.rope_scaling or "none"), ("q/k/v bias", c.qkv_bias),
-            ("tied embeddings", c.tie_embeddings), ("dtype", str(lm.dtype).replace("torch.", "")),
-            ("KV cache per token", f"{2 * c.n_layers * c.n_kv_heads * c.head_dim * lm.model.embed.weight.element_size()} bytes")]
+            ("tied embeddings", c.tie_embeddings), ("dtype", args.dtype),
+            ("KV cache per token", f"{2 * c.n_layers * c.n_kv_heads * c.head_dim * element} bytes")]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
@@ -48,11 +95,11 @@ def _sampler(args):
 
 
 def _add_sampling(p):
-    p.add_argument("--max-new-tokens", type=nonneg_int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=nonneg_int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=nonneg_int, default=128, help="tokens to generate at most")
+    p.add_argument("--temperature", type=finite_float, default=0.0, help="sampling temperature; 0 = greedy")
+    p.add_argument("--top-k", type=nonneg_int, default=0, help="sample among the k most likely tokens (0 = all)")
+    p.add_argument("--top-p", type=finite_float, default=1.0, help="nucleus sampling mass, in (0, 1]")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: fresh entropy)")
 
 
 def _policy(args, length: int | None):
@@ -74,16 +121,21 @@ def _add_policy(p):
 
 
 def cmd_generate(args) -> int:
-    lm = load_lm(args)
     if not args.prompt:
         raise UserError("empty prompt: pass --prompt TEXT")
+    utf8(args.prompt, "--prompt")
+    sampler = _sampler(args)  # options checked before the model load
+    if getattr(args, "policy", "full") != "full":  # names and budget syntax; a fraction is resolved later
+        from attnlab.cli.stream import build_policy
+        build_policy(args.policy, args.budget, args.positions, args.n_sink, None)
+    lm = load_lm(args)
     ids = lm.chat_ids([{"role": "user", "content": args.prompt}]) if args.chat else lm.encode(args.prompt)
     policy = _policy(args, length=len(ids) + args.max_new_tokens)
     cache = lm.new_cache(capacity=min(len(ids) + args.max_new_tokens, 4096), policy=policy)
     stream = TextStream(lm.tokenizer, sys.stdout)
     if not args.chat:
         sys.stdout.write(args.prompt)
-    for token in lm.stream(ids, cache, _sampler(args), args.max_new_tokens):
+    for token in lm.stream(ids, cache, sampler, args.max_new_tokens):
         stream.push(token)
     sys.stdout.write("\n")
     return 0
@@ -93,15 +145,21 @@ def cmd_chat(args) -> int:
     """A multi-turn REPL; the KV cache carries the conversation, each turn feeds only its new tokens."""
     from attnlab.chat import ChatSession
 
+    policy, sampler = _policy(args, length=None), _sampler(args)
     lm = load_lm(args)
-    policy = _policy(args, length=None)
-    session = ChatSession(lm, _sampler(args), args.max_new_tokens, cache_factory=lambda: lm.new_cache(policy=policy))
+    session = ChatSession(lm, sampler, args.max_new_tokens, cache_factory=lambda: lm.new_cache(policy=policy))
+    interactive = sys.stdin.isatty()
     print("attnlab chat: empty line or Ctrl-D to quit, /reset to start over", file=sys.stderr)
     while True:
         try:
-            user = input("you> ").strip()
+            line = input("you> " if interactive else "")
         except EOFError:
             break
+        except UnicodeDecodeError:
+            raise UserError("chat input is not valid UTF-8") from None
+        user = utf8(line, "chat input").strip()
+        if not interactive and user:
+            print(f"you> {user}")  # piped input: keep the transcript readable
         if not user:
             break
         if user == "/reset":
@@ -122,9 +180,13 @@ def cmd_ppl(args) -> int:
     if args.tokens is not None and args.tokens < 2:
         raise UserError(f"--tokens must be at least 2, got {args.tokens}")
     text = corpus(args.text)
+    if args.tokens is not None:
+        check_tokens_fit(args.tokens, text, "--tokens")
     lm = load_lm(args)
     ids = lm.encode(text)
     if args.tokens is not None:
+        if args.tokens > len(ids):
+            raise UserError(f"--tokens {args.tokens}: text {args.text!r} has only {len(ids)} tokens")
         ids = ids[:args.tokens]
     if len(ids) < 2:
         raise UserError(f"text {args.text!r} has fewer than 2 tokens")
@@ -153,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="generate text, streamed to stdout")
     add_model_args(p)
-    p.add_argument("--prompt", required=True)
+    p.add_argument("--prompt", required=True, help="text to continue (or the user message with --chat)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     _add_sampling(p)
     _add_policy(p)
@@ -168,8 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("ppl", help="perplexity on a text")
     add_model_args(p)
     p.add_argument("--text", default="shakespeare:test", help="shakespeare[:split|:play] or a file path")
-    p.add_argument("--tokens", type=int, default=None, help="score only the first N tokens")
-    p.add_argument("--window", type=positive_int, default=None, help="tokens per evaluation window")
+    p.add_argument("--tokens", type=int, default=None, help="score only the first N tokens (default: all)")
+    p.add_argument("--window", type=positive_int, default=None,
+                   help="tokens per evaluation window (default: the context length, at most 2048)")
     p.add_argument("--chunk", type=positive_int, default=512, help="prefill chunk size")
     p.add_argument("--json", action="store_true", help="print a JSON result")
     p.set_defaults(func=cmd_ppl)
@@ -177,6 +240,19 @@ def build_parser() -> argparse.ArgumentParser:
     for name in SUBSYSTEMS:
         importlib.import_module(name).add_parser(sub)
     return parser
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return text if text else type(e).__name__
+
+
+def _quiet_stdout() -> None:
+    """After a closed pipe: point stdout at /dev/null so the exit-time flush cannot fail again."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # stdout is not a real file (tests capture it)
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -187,13 +263,18 @@ def main(argv: list[str] | None = None) -> int:
     from attnlab.model.loaders import ModelLoadError
 
     try:
-        return int(args.func(args) or 0)
-    except (UserError, ModelLoadError, CorpusError, CacheFullError, ValueError, FileNotFoundError) as e:
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows up here, not in the interpreter's exit
+        return code
+    except KeyboardInterrupt:
+        hint = getattr(args, "resume_hint", None)
+        print("attnlab: interrupted" + (f"; {hint}" if hint else ""), file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `attnlab info | head`: the reader has what it wanted
+        _quiet_stdout()
+        return 141
+    except (UserError, ModelLoadError, CorpusError, CacheFullError, ValueError, OSError) as e:
         if args.debug:
             raise
-        print(f"attnlab: error: {e}", file=sys.stderr)
+        print(f"attnlab: error: {_one_line(e)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        return 130
-
-

@@ -117,6 +117,14 @@ def cmd_train(args) -> int:
     if args.tie_embeddings:
         kwargs["tie_embeddings"] = True
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file; train writes a run folder there")
+    dim, heads = kwargs.get("dim", TrainConfig.dim), kwargs.get("n_heads", TrainConfig.n_heads)
+    kv = kwargs.get("n_kv_heads", TrainConfig.n_kv_heads) or heads
+    if heads < 1 or dim % heads or (dim // heads) % 2:
+        raise UserError(f"--dim {dim} must split into --heads {heads} heads of an even size (RoPE rotates pairs)")
+    if kv < 1 or heads % kv:
+        raise UserError(f"--heads {heads} must be a multiple of --kv-heads {kv}")
     if args.resume and (out / "latest.json").exists():
         saved = json.loads((out / json.loads((out / "latest.json").read_text())["checkpoint"] / "state.json").read_text())
         base = TrainConfig(**saved["train_config"])
@@ -168,4 +176,4 @@ def add_parser(subparsers) -> None:
     p.add_argument("--out", required=True, help="run folder (checkpoints, metrics.jsonl)")
     p.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint")
     p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads")
-    p.set_defaults(func=cmd_train)
+    p.set_defaults(func=cmd_train, resume_hint="rerun with --resume to continue from the last checkpoint")

@@ -27,10 +27,11 @@ def nonneg_int(text: str) -> int:
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """MODEL positional (default: the embedded SmolLM2) plus dtype and thread options."""
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL, metavar="MODEL",
-                   help=f"embedded name, .gguf file or Hugging Face folder (default: {DEFAULT_MODEL})")
+                   help="embedded name, .gguf file or Hugging Face folder")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and activations")
     p.add_argument("--rope", default=None, metavar="NAME:F", help="RoPE scaling override: linear|ntk|dynamic|yarn|llama3:F, none")
-    p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads")
+    p.add_argument("--threads", type=positive_int, default=1,
+                   help="torch intra-op threads (1 by measurement: a busy machine slows 2+ threads down 3x or more)")
     p.add_argument("--quant", type=quant_spec, default=None, metavar="SPEC",
                    help="quantized weights: int8, int4[:GROUP] (default group 32), kmeans[:BITS[:GROUP]], "
                         "kmeans-naive[:BITS] (lookup-then-matmul baseline); default: float weights")
@@ -48,5 +49,7 @@ def quant_spec(text: str):
 
 def load_lm(args, tokenizer: bool = True):
     from attnlab.engine import LM
-    return LM.load(args.model, dtype=args.dtype, threads=args.threads, tokenizer=tokenizer, rope=args.rope,
-                   quant=getattr(args, "quant", None), compile=getattr(args, "compile", False))
+    from attnlab.io import status
+    with status(f"loading {args.model}"):  # 10-20 s for SmolLM2: say so
+        return LM.load(args.model, dtype=args.dtype, threads=args.threads, tokenizer=tokenizer, rope=args.rope,
+                       quant=getattr(args, "quant", None), compile=getattr(args, "compile", False))

@@ -82,7 +82,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("quantize", help="write a quantized checkpoint (safetensors + config)",
                        description="Quantize a model's linear layers (LM head in int8) and save them.")
     add_model_args(p)
-    p.add_argument("--method", required=True, choices=["int8", "int4", "kmeans", "kmeans-naive"])
+    p.add_argument("--method", required=True, choices=["int8", "int4", "kmeans", "kmeans-naive"],
+                   help="quantization method (see --quant on the model commands)")
     p.add_argument("--bits", type=int, default=None, help="k-means bits (2-4, default 4)")
     p.add_argument("--group", type=int, default=None,
                    help="weights per scale (int4, default 32) or per codebook (kmeans, default: a row)")

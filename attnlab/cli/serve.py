@@ -39,8 +39,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with bounded-cache conversations and a cache view")
     add_model_args(p)
     add_policy_args(p, budget_default="1024", policy_default="sink")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     p.add_argument("--name", default=None, help="model id clients ask for (default: the model file's name)")
     p.add_argument("--max-sessions", type=positive_int, default=16, help="conversations held; LRU beyond")
     p.add_argument("--max-cache-mib", type=positive_int, default=1024, help="KV bytes of all held conversations; LRU beyond")
@@ -49,5 +49,6 @@ def add_parser(sub) -> None:
     p.add_argument("--max-active", type=positive_int, default=8, help="requests generating at once (interleaved)")
     p.add_argument("--queue-timeout", type=float, default=60.0, help="seconds a request waits for a slot, then 503")
     p.add_argument("--chunk", type=positive_int, default=128, help="prefill chunk (bounded caches hold budget + chunk)")
-    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
+                   help="server log verbosity")
     p.set_defaults(func=cmd_serve)

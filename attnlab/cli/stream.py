@@ -2,16 +2,20 @@
 
 Every (policy, budget) run scores the same tokens, token by token, and is saved
 as `<out>/<key>.json` (summary + per-token NLL); a run interrupted midway resumes
-from `<out>/<key>.ckpt.pt`, a finished one is read back instead of rerun.
+from `<out>/<key>.ckpt.pt`, a finished one is read back instead of rerun. The key
+ends in a hash of everything that changes the numbers (model file identity, dtype,
+quantization, text name and content, every policy field, positions, chunk, tokens,
+streams, offset), so a rerun with anything changed recomputes instead of reusing.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
 import json
-import sys
 from pathlib import Path
 
-from attnlab.cli.common import UserError, add_model_args, load_lm, positive_int
+from attnlab.cli.common import UserError, add_model_args, load_lm, nonneg_int, positive_int
 from attnlab.io import progress, write_json
 
 DEFAULT_POLICIES = "full,window,sink,h2o,sink_h2o"
@@ -37,7 +41,7 @@ def add_policy_args(p: argparse.ArgumentParser, budget_default: str | None = "25
                    help="KV budget per layer and KV head: tokens (256) or a fraction of the stream (0.2, 20%%)")
     p.add_argument("--positions", default=positions_default, choices=["cache", "original"],
                    help="cache: keys stored before RoPE, rotated at their slot (StreamingLLM); original: absolute")
-    p.add_argument("--n-sink", type=int, default=4, help="attention-sink tokens kept by sink and sink_h2o")
+    p.add_argument("--n-sink", type=nonneg_int, default=4, help="attention-sink tokens kept by sink and sink_h2o")
     p.add_argument("--block", type=positive_int, default=1,
                    help="block eviction: evict once every BLOCK tokens (cache holds up to budget + BLOCK - 1); "
                         "1 = exact per-token eviction")
@@ -61,6 +65,26 @@ def _slug(text: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in text).strip("_")[:60]
 
 
+def run_identity(args, text: str) -> dict:
+    """What every run of this invocation shares and its numbers depend on (the policy is added per run)."""
+    from attnlab.model.loaders import resolve
+    src = resolve(args.model)
+    files = [src] if src.is_file() else sorted(p for p in src.iterdir() if p.suffix in (".json", ".safetensors"))
+    return {"model": str(src.absolute()), "model_files": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files],
+            "dtype": args.dtype, "quant": str(args.quant) if getattr(args, "quant", None) else None, "text": args.text,
+            "text_sha256": hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest(),
+            "tokens": args.tokens, "streams": args.streams, "offset": args.offset, "chunk": args.chunk}
+
+
+def run_key(identity: dict, name: str, policy, mode: str) -> tuple[str, dict]:
+    """-> (file stem: readable part + hash of everything, the full identity of this run)."""
+    ident = {**identity, "policy": name, "policy_fields": dataclasses.asdict(policy), "mode": mode}
+    digest = hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    readable = _slug(f"{name}-{policy.budget if name != 'full' else 'all'}-{policy.positions}-"
+                     f"{identity['tokens']}x{identity['streams']}")
+    return f"{readable}-{digest}", ident
+
+
 def cmd_stream(args) -> int:
     import torch
 
@@ -80,6 +104,8 @@ def cmd_stream(args) -> int:
             plan.append((name, build_policy(name, b, args.positions, args.n_sink, args.tokens, chunk=args.chunk,
                                             block=args.block)))
     text = corpus(args.text)
+    from attnlab.cli import check_tokens_fit
+    check_tokens_fit(args.offset + args.tokens * args.streams, text, "--offset + --tokens x --streams")
     lm = load_lm(args)
     ids = lm.encode(text)
     need = args.tokens * args.streams
@@ -89,19 +115,26 @@ def cmd_stream(args) -> int:
     ids = torch.tensor(ids[args.offset:args.offset + need])
     ids = ids.view(args.streams, args.tokens)
     out = Path(args.out) if args.out else Path("runs") / "stream" / _slug(f"{Path(str(args.model)).name}-{args.text}")
+    identity = run_identity(args, text)
     results, runs = [], []
     for name, policy in plan:
         mode = "prefill" if name == "full" and not args.full_decode else "decode" if args.chunk == 1 else "chunk"
-        key = _slug(f"{name}-{policy.budget if name != 'full' else 'all'}-{args.positions}-"
-                    f"{args.tokens}x{args.streams}-o{args.offset}" + (f"-c{args.chunk}" if mode == "chunk" else "")
-                    + (f"-b{args.block}" if args.block > 1 else "") + (f"-q{args.quant}" if args.quant else ""))
-        path = out / f"{key}.json"
-        if path.exists() and not args.force:
-            run = json.loads(path.read_text())
-        else:
+        key, ident = run_key(identity, name, policy, mode)
+        path, ckpt = out / f"{key}.json", out / f"{key}.ckpt.pt"
+        run = None
+        if args.force:
+            ckpt.unlink(missing_ok=True)
+        elif path.exists():
+            try:
+                run = json.loads(path.read_text())
+            except (OSError, ValueError) as e:
+                raise UserError(f"result file {path} is unreadable ({e}); rerun with --force to recompute") from None
+            if run.get("identity") != json.loads(json.dumps(ident)):
+                run = None  # a hash collision or a hand-edited file: recompute
+        if run is None:
             with progress(args.streams * (args.tokens - 1), f"{name} {policy.budget}") as bar:
                 r = stream_nll(lm, ids, policy, mode=mode, chunk=args.chunk if mode == "chunk" else 256,
-                               progress=bar.update, checkpoint=out / f"{key}.ckpt.pt", save_every=args.save_every)
+                               progress=bar.update, checkpoint=ckpt, save_every=args.save_every)
             s = summarize(r["nll"])
             budget = args.tokens if name == "full" else policy.tokens
             run = {"policy": name, "budget": budget, "budget_fraction": budget / args.tokens,
@@ -110,9 +143,10 @@ def cmd_stream(args) -> int:
                    "offset": args.offset, "ppl": s["ppl"], "nll": s["nll"], "kv_bytes": r["kv_bytes"],
                    "peak_tokens": r["peak_tokens"], "seconds": r["seconds"],
                    "tokens_per_s": r["nll"].numel() / r["seconds"], "mode": mode, "chunk": args.chunk, "model": str(args.model),
-                   "text": args.text, "nll_tokens": [[round(v, 5) for v in row] for row in r["nll"].tolist()]}
+                   "text": args.text, "identity": ident,
+                   "nll_tokens": [[round(v, 5) for v in row] for row in r["nll"].tolist()]}
             write_json(path, run)
-            (out / f"{key}.ckpt.pt").unlink(missing_ok=True)
+            ckpt.unlink(missing_ok=True)
         runs.append(run)
         results.append({k: run[k] for k in ("policy", "budget", "positions", "tokens", "ppl", "kv_bytes",
                                              "tokens_per_s", "mode", "budget_fraction")})
@@ -127,7 +161,8 @@ def cmd_stream(args) -> int:
         print(json.dumps({"results": results}))
         return 0
     full = next((r for r in results if r["policy"] == "full"), None)
-    print(f"{args.streams} x {args.tokens} tokens of {args.text}, positions {args.positions}")
+    print(f"{args.streams} x {args.tokens} tokens of {args.text}, positions {args.positions}; ppl: perplexity "
+          f"(lower is better), vs full: ppl / full's ppl, KV MiB: cache memory")
     print(f"{'policy':<10} {'budget':>7} {'ppl':>9} {'vs full':>8} {'KV MiB':>8} {'tok/s':>7}")
     for r in results:
         rel = f"{r['ppl'] / full['ppl']:.3f}x" if full else "-"
@@ -137,7 +172,7 @@ def cmd_stream(args) -> int:
         from attnlab.eval.streaming import paired
         ref = torch.tensor(next(r for r in runs if r["policy"] == "full")["nll_tokens"])
         cut = min(args.paired, ref.shape[1])
-        print(f"\npaired per-token NLL against full (mean difference +- standard error over 256-token blocks):")
+        print("\npaired per-token NLL against full (mean difference +- standard error over 256-token blocks):")
         for r in runs:
             if r["policy"] == "full":
                 continue
@@ -162,22 +197,23 @@ def add_parser(sub) -> None:
     add_model_args(p)
     p.add_argument("--text", default="shakespeare:test", help="shakespeare[:split|:play] or a file path")
     add_policy_args(p, policy_default=DEFAULT_POLICIES)
-    p.add_argument("--tokens", type=positive_int, default=20480, help="tokens per stream")
+    p.add_argument("--tokens", type=positive_int, default=2048,
+                   help="tokens per stream (token-by-token scoring: a few minutes per policy on SmolLM2)")
     p.add_argument("--streams", type=positive_int, default=1,
                    help="parallel passages (consecutive slices of the text, one cache row each)")
-    p.add_argument("--offset", type=int, default=0, help="first token of the text to use")
+    p.add_argument("--offset", type=nonneg_int, default=0, help="first token of the text to use")
     p.add_argument("--out", default=None, help="run folder (default runs/stream/MODEL-TEXT)")
     p.add_argument("--plot", default=None, help="write the NLL-by-position figure here")
     p.add_argument("--sweep-plot", default=None, help="write the perplexity-by-budget figure here")
-    p.add_argument("--paired", type=int, default=0, metavar="POS",
+    p.add_argument("--paired", type=nonneg_int, default=0, metavar="POS",
                    help="also compare every policy with full token by token, before and after position POS")
-    p.add_argument("--bins", type=int, default=0, help="also print perplexity per bin of this many tokens")
+    p.add_argument("--bins", type=nonneg_int, default=0, help="also print perplexity per bin of this many tokens (0 = off)")
     p.add_argument("--full-decode", action="store_true",
                    help="score full token by token (default: chunked prefill, same logits, much faster)")
     p.add_argument("--chunk", type=positive_int, default=1,
                    help="tokens per step for evicting policies (1 = token by token, exact streaming; N > 1 evicts "
                         "between chunks of N, faster, an approximation)")
     p.add_argument("--save-every", type=positive_int, default=1024, help="checkpoint every N tokens")
-    p.add_argument("--force", action="store_true", help="rerun finished runs")
+    p.add_argument("--force", action="store_true", help="rerun finished runs and discard checkpoints")
     p.add_argument("--json", action="store_true", help="print {'results': [...]} as JSON")
-    p.set_defaults(func=cmd_stream)
+    p.set_defaults(func=cmd_stream, resume_hint="rerun the same command to resume from the last checkpoint")

@@ -8,45 +8,20 @@ keeping those few functions here avoids five slightly different copies.
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-
-def entropy(p: torch.Tensor, dim: int = -1, eps: float = 1e-12) -> torch.Tensor:
-    """Shannon entropy (nats) of probability vectors along ``dim``.
-
-    p: (..., n, ...) non-negative, summing to 1 along ``dim`` -> (...) with ``dim`` removed.
-    """
-    return -(p * (p + eps).log()).sum(dim)
+from attnlab.io import write_json
+from attnlab.stats import centred_cosine, entropy, spearman  # noqa: F401  (re-exported)
 
 
 def normalised_entropy_of_weights(w: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Entropy of ``w / w.sum(dim)``: w: (..., n) non-negative -> (...)."""
     return entropy(w / w.sum(dim, keepdim=True), dim)
-
-
-def centred_cosine(a: torch.Tensor, b: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Normalised correlation NC(a, b): cosine after removing each vector's mean.
-
-    a, b: (..., n) -> (...). A global additive constant in either vector does not matter,
-    which is why the JoMA invariant is checked with it.
-    """
-    a = a - a.mean(dim, keepdim=True)
-    b = b - b.mean(dim, keepdim=True)
-    return (a * b).sum(dim) / (a.norm(dim=dim) * b.norm(dim=dim)).clamp_min(1e-12)
-
-
-def spearman(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Rank correlation along the last axis: x, y: (..., n) -> (...). Ties broken by order."""
-    rx = x.argsort(-1).argsort(-1).to(torch.float64)
-    ry = y.argsort(-1).argsort(-1).to(torch.float64)
-    return centred_cosine(rx, ry)
 
 
 def make_generator(seed: int) -> torch.Generator:
@@ -72,18 +47,5 @@ def to_jsonable(obj: Any) -> Any:
 
 
 def write_json_atomic(path: str | os.PathLike, data: Any) -> Path:
-    """Write ``data`` as JSON to ``path`` via a temporary file and ``os.replace``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(to_jsonable(data), fh, indent=2)
-            fh.write("\n")
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; results are meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
+    """``data`` (tensors and non-finite floats made plain) as JSON, written atomically, mode 0644."""
+    return write_json(path, to_jsonable(data))

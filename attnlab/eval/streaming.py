@@ -15,24 +15,15 @@ decoding with full attention (tested) at a fraction of the time.
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 from attnlab.eval.perplexity import token_nll
+from attnlab.io import write_atomic
 from attnlab.kv.cache import cache_state, load_cache_state
 from attnlab.kv.policies import Full, Policy
-
-
-def _atomic_torch_save(obj, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
 
 
 @torch.inference_mode()
@@ -66,10 +57,16 @@ def stream_nll(lm, ids: torch.Tensor, policy: Policy, mode: str = "decode", chun
     t, seconds, peak = 0, 0.0, 0
     ckpt = Path(checkpoint) if checkpoint else None
     if ckpt is not None and ckpt.exists():
-        state = torch.load(ckpt, weights_only=True)  # plain tensors and numbers: no unpickling of code
-        t, seconds, peak = state["t"], state["seconds"], state["peak_tokens"]
-        nll[:, :t] = state["nll"]
-        load_cache_state(cache, state["cache"])
+        try:
+            state = torch.load(ckpt, weights_only=True)  # plain tensors and numbers: no unpickling of code
+            t, seconds, peak = int(state["t"]), float(state["seconds"]), int(state["peak_tokens"])
+            if not 0 < t < N - 1:
+                raise ValueError(f"position {t} outside this run's {N - 1} tokens")
+            nll[:, :t] = state["nll"]
+            load_cache_state(cache, state["cache"])
+        except Exception as e:  # torch.load and the state raise many types on a damaged file
+            raise ValueError(f"checkpoint {ckpt} is corrupt or from another run ({type(e).__name__}: "
+                             f"{' '.join(str(e).split())[:200]}); delete it (stream --force) to start over") from None
         if progress is not None:
             progress(S * t)
     last_save, start = t, time.perf_counter() - seconds
@@ -82,8 +79,9 @@ def stream_nll(lm, ids: torch.Tensor, policy: Policy, mode: str = "decode", chun
         if progress is not None:
             progress(S * T)
         if ckpt is not None and mode != "prefill" and t - last_save >= save_every and t < N - 1:
-            _atomic_torch_save({"t": t, "nll": nll[:, :t].clone(), "seconds": time.perf_counter() - start,
-                                "peak_tokens": peak, "cache": cache_state(cache)}, ckpt)
+            state = {"t": t, "nll": nll[:, :t].clone(), "seconds": time.perf_counter() - start,
+                     "peak_tokens": peak, "cache": cache_state(cache)}
+            write_atomic(ckpt, lambda tmp: torch.save(state, tmp))
             last_save = t
     seconds = time.perf_counter() - start
     return {"nll": nll, "seconds": seconds, "kv_bytes": cache.nbytes(), "peak_tokens": peak}

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from attnlab.model import validate
 from attnlab.model.llama import ModelConfig, Transformer
 from attnlab.rope import NEEDS_ORIGINAL, interleave_rows, parse_rope, scaling_type
 
@@ -75,9 +76,7 @@ def read_gguf(path: Path, packed_types: tuple[str, ...] = ()):
 
     from attnlab.quant import formats
 
-    with open(path, "rb") as f:
-        if f.read(4) != b"GGUF":
-            raise ModelLoadError(f"not a GGUF file: {path}")
+    validate.check_gguf(path, validate.scan_gguf(path))  # before the reader builds what the header claims
     try:
         reader = gguf.GGUFReader(str(path))
         meta = {k: field.contents() for k, field in reader.fields.items()
@@ -207,15 +206,16 @@ def read_hf_folder(path: Path):
         raise ModelLoadError(f"{path} is not a Hugging Face checkpoint folder: no config.json")
     try:
         hf = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelLoadError(f"config.json in {path} is not valid JSON: {e}") from None
-    model_type = hf.get("model_type")
+    model_type = hf.get("model_type") if isinstance(hf, dict) else None
     if model_type not in HF_ARCHS:
         raise ModelLoadError(f"unsupported architecture {model_type!r} in {path}; supported: {', '.join(HF_ARCHS)}")
     files = sorted(path.glob("*.safetensors"))
     if not files:
         hint = " (pickled .bin weights are not loaded: convert them to safetensors)" if list(path.glob("*.bin")) else ""
         raise ModelLoadError(f"no *.safetensors weights in {path}{hint}")
+    validate.check_hf(path, hf, files)  # types, ranges and tensor shapes before any data is read
     tensors = {}
     for f in files:
         try:
@@ -325,7 +325,10 @@ def load_model(spec: str | Path, dtype: torch.dtype = torch.float32, quant=None,
         cfg, tensors = read_gguf(path, keep)
     if rope is not None:
         cfg.rope_scaling = parse_rope(rope, _trained_length(cfg))
-    return build(cfg, tensors, dtype, quant), cfg, path
+    validate.check_weights(path, tensors)
+    model = build(cfg, tensors, dtype, quant)
+    validate.check_model(path, model)
+    return model, cfg, path
 
 
 def _trained_length(cfg: ModelConfig) -> int:

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from attnlab.io import write_json, write_text
 from attnlab.model.llama import ModelConfig, Transformer
 from attnlab.train.tokenizers import make_tokenizer, tokenizer_from_dict
 
@@ -120,14 +121,6 @@ def _write_dir_atomic(final: Path, write: Callable[[Path], None]) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-
-
-def _write_json(path: Path, data) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
 
 
 def load_checkpoint(path: str | Path):
@@ -285,10 +278,7 @@ class Trainer:
             return
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         keep = [r for r in rows if r["step"] <= self.step] if self.step else []
-        fd, tmp = tempfile.mkstemp(dir=self.out, prefix=".metrics.", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in keep)
-        os.replace(tmp, path)
+        write_text(path, "".join(json.dumps(r) + "\n" for r in keep))
         if not keep:
             path.unlink()
 
@@ -323,7 +313,7 @@ class Trainer:
             (tmp / "state.json").write_text(json.dumps(state) + "\n")
 
         _write_dir_atomic(self.out / name, write)
-        _write_json(self.out / "latest.json", {"checkpoint": name, "step": self.step})
+        write_json(self.out / "latest.json", {"checkpoint": name, "step": self.step})
         ckpts = sorted((self.out / "checkpoints").glob("step-*"))
         for old in ckpts[:-self.cfg.keep_checkpoints] if self.cfg.keep_checkpoints > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
