@@ -75,6 +75,10 @@ def cmd_info(args) -> int:
 
     set_threads(args.threads)
     c, source = read_config(args.model)
+    if args.rope is not None:  # what a load with --rope would run
+        from attnlab.model.loaders import _trained_length
+        from attnlab.rope import parse_rope
+        c.rope_scaling = parse_rope(args.rope, _trained_length(c))
     element = DTYPES[args.dtype].itemsize
     rows = [("source", str(source)), ("architecture", c.arch), ("parameters", f"{c.n_params / 1e6:.1f}M"),
             ("layers", c.n_layers), ("hidden size", c.dim), ("MLP size", c.hidden_dim),

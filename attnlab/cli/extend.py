@@ -28,17 +28,18 @@ def cmd_extend(args) -> int:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("extend", help="extend a model's context: RoPE scaling + fine-tune (resumable)")
-    p.add_argument("model", nargs="?", default=DEFAULT_MODEL, metavar="MODEL")
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL, metavar="MODEL",
+                   help="embedded name, .gguf file or Hugging Face folder (default: %(default)s)")
     p.add_argument("--factor", type=float, required=True, help="context multiplier (e.g. 2, 4)")
     p.add_argument("--method", default="pi", choices=["pi", "ntk", "yarn", "none"],
                    help="pi = Position Interpolation; none = fine-tune without scaling (the control)")
     p.add_argument("--steps", type=nonneg_int, default=50, help="fine-tuning steps (0: only rescale and save)")
     p.add_argument("--context", type=positive_int, default=2048, help="training sequence length")
     p.add_argument("--text", default="shakespeare:train", help="training text: shakespeare[:split|:play] or a file")
-    p.add_argument("--batch", type=positive_int, default=1)
-    p.add_argument("--lr", type=float, default=2e-5)
-    p.add_argument("--warmup", type=nonneg_int, default=5)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch", type=positive_int, default=1, help="sequences per step (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=2e-5, help="peak learning rate (default: %(default)s)")
+    p.add_argument("--warmup", type=nonneg_int, default=5, help="linear warm-up steps (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="data-order seed (default: %(default)s)")
     p.add_argument("--out", required=True, help="run folder; becomes a loadable checkpoint")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
     p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads")

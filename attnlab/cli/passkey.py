@@ -61,7 +61,7 @@ def add_parser(sub) -> None:
     p.add_argument("--lengths", default="2048,4096,8192", help="prompt lengths in tokens, comma list")
     p.add_argument("--depths", default="0.1,0.5,0.9", help="needle depths in [0, 1], comma list")
     p.add_argument("--trials", type=positive_int, default=3, help="random keys per (length, depth)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the keys and filler (default: %(default)s)")
     add_policy_args(p, budget_default="1024")
     p.add_argument("--chunk", type=positive_int, default=512, help="prefill chunk (a policy evicts between chunks)")
     p.add_argument("--out", default=None, help="also write the JSON result here")

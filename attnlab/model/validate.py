@@ -130,6 +130,8 @@ def _check_rope_scaling(path, scaling, head_dim: int) -> None:
     if not isinstance(scaling, dict):
         raise error(path, f"rope_scaling must be an object, got {type(scaling).__name__}")
     from attnlab.rope import inv_frequencies
+    if not scaling.get("original_max_position_embeddings"):  # the loader fills it from the context length
+        scaling = {**scaling, "original_max_position_embeddings": 2048}
     try:
         inv = inv_frequencies(head_dim, 10000.0, scaling)
     except (ValueError, TypeError, KeyError, ZeroDivisionError) as e:
