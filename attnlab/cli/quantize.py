@@ -69,7 +69,7 @@ def cmd_quant_eval(args) -> int:
 def add_parser(sub) -> None:
     p = sub.add_parser("quant-eval", help="perplexity and size of every weight format on a text")
     add_model_args(p)
-    p.add_argument("--formats", default="fp32,bf16,int8,int4:32,int4:64,int4:128,kmeans:4,kmeans:3",
+    p.add_argument("--formats", default="fp32,bf16,int8,int8:32,int4:32,int4:64,kmeans:4,kmeans:3",
                    help="comma list of fp32, bf16 and --quant specs (default: %(default)s)")
     p.add_argument("--text", default="shakespeare:test", help="text to score (default: %(default)s)")
     p.add_argument("--tokens", type=int, default=8192, help="tokens scored per format (default: %(default)s)")

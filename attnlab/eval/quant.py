@@ -17,7 +17,6 @@ from pathlib import Path
 from attnlab.eval.perplexity import perplexity
 from attnlab.io import write_json
 
-DEFAULT_SPECS = ["fp32", "bf16", "int8", "int4:32", "int4:64", "int4:128", "kmeans:4", "kmeans:3"]
 
 
 def bits_per_weight(model) -> float:
@@ -75,8 +74,9 @@ def plot(rows: list[dict], path, title: str) -> str:
         ax.scatter(r["bits_per_weight"], r["ppl"], s=36)
         ax.annotate(r["format"], (r["bits_per_weight"], r["ppl"]), textcoords="offset points", xytext=(5, 4), fontsize=8)
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
     ax.set_xlabel("stored bits per weight (linear layers; log scale)")
-    ax.set_ylabel("perplexity (lower is better)")
+    ax.set_ylabel("perplexity (log scale; lower is better)")
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     fig.tight_layout()
