@@ -162,7 +162,6 @@ class LlamaCpp:
         self.load_s, self.compile_s = time.perf_counter() - t, None
         self.bytes = path.stat().st_size  # every tensor of the file is read per token (tied head included)
         self.length = None
-        self.n_layer, self.n_kv = self.llm.metadata, None
 
     def kv_bytes(self, length):
         return 2 * 30 * 3 * 64 * 2 * length  # SmolLM2: 30 layers, 3 KV heads of 64, f16
