@@ -116,7 +116,8 @@ class LayerKV:
         flat = (idx + torch.arange(B * H).view(B, H, 1) * C).reshape(-1)
         kept = self.k.view(B * H * C, D).index_select(0, flat).view(B, H, m, D)
         if self.positions == "cache":  # a key moved from slot idx to slot j: rotate it on by j - idx <= 0
-            kept = rope_apply(kept, self.rope.tables(idx - torch.arange(m)).conj())
+            turn = self.rope.tables(idx - torch.arange(m)).conj() / self.rope.attention_factor  # unit rotations
+            kept = rope_apply(kept, turn)
         self.k[:, :, :m] = kept
         self.v[:, :, :m] = self.v.view(B * H * C, D).index_select(0, flat).view(B, H, m, D)
         self.pos[:, :, :m] = torch.gather(self.pos[:, :, :self.n], 2, idx)

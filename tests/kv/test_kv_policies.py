@@ -168,3 +168,14 @@ def test_block_eviction_equals_masked_reference(lm, ids, name, positions):
     assert cache.layers[0].capacity == BUDGET + 4 + CHUNK
     per_token, *_ = run(lm, ids, policy(name, positions), STEPS)
     assert not torch.allclose(per_token, logits)  # block eviction keeps more: a different model of the stream
+
+
+def test_cache_positions_rerotation_keeps_yarn_magnitude(ids):
+    """YaRN's tables carry its attention factor; moving a key on eviction must only rotate it."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=64, context_length=128,
+                      rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32})
+    yarn = LM(Transformer(cfg).eval())
+    assert yarn.model.rope.attention_factor > 1
+    logits, evicted, _, _ = run(yarn, ids, policy("sink", "cache", block=3), STEPS)
+    torch.testing.assert_close(logits, cache_reference(yarn, ids, evicted, STEPS), atol=1e-5, rtol=1e-4)
