@@ -142,10 +142,6 @@ class QuantEmbedding(nn.Module):
             raise ValueError("QuantEmbedding reads an int8 head")
         self.head = [head]  # a plain list: the head's buffers belong to the head, not saved twice
 
-    @property
-    def weight(self) -> torch.Tensor:  # shape/dtype queries only (engine.dtype, parameter counts)
-        return self.head[0].scale
-
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.head[0]
         return (h.q[ids].float().unflatten(-1, (-1, h.group)) * h.scale[ids][..., None]).flatten(-2)
