@@ -197,10 +197,8 @@ def _hf_scaling(hf: dict, path) -> dict | None:
     return s
 
 
-def read_hf_folder(path: Path):
-    """-> (ModelConfig, {hf_name: tensor}) from config.json + *.safetensors (sharded or not)."""
-    from safetensors.torch import load_file
-
+def read_hf_header(path: Path) -> tuple[dict, list[Path]]:
+    """config.json (parsed, architecture checked) and the safetensors files of a folder; no weights read."""
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise ModelLoadError(f"{path} is not a Hugging Face checkpoint folder: no config.json")
@@ -215,6 +213,15 @@ def read_hf_folder(path: Path):
     if not files:
         hint = " (pickled .bin weights are not loaded: convert them to safetensors)" if list(path.glob("*.bin")) else ""
         raise ModelLoadError(f"no *.safetensors weights in {path}{hint}")
+    return hf, files
+
+
+def read_hf_folder(path: Path):
+    """-> (ModelConfig, {hf_name: tensor}) from config.json + *.safetensors (sharded or not)."""
+    from safetensors.torch import load_file
+
+    hf, files = read_hf_header(path)
+    model_type = hf["model_type"]
     validate.check_hf(path, hf, files)  # types, ranges and tensor shapes before any data is read
     tensors = {}
     for f in files:

@@ -7,7 +7,6 @@ both routes give the same ModelConfig.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from attnlab.model import validate
@@ -16,21 +15,11 @@ from attnlab.model.llama import ModelConfig
 
 def read_config(spec: str | Path) -> tuple[ModelConfig, Path]:
     """-> (ModelConfig, source path), checked like a full load up to (not including) the weights."""
-    from attnlab.model.loaders import HF_ARCHS, ModelLoadError, resolve
+    from attnlab.model.loaders import read_hf_header, resolve
     path = resolve(spec)
     if path.is_dir():
-        try:
-            hf = json.loads((path / "config.json").read_text())
-        except FileNotFoundError:
-            raise ModelLoadError(f"{path} is not a Hugging Face checkpoint folder: no config.json") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ModelLoadError(f"config.json in {path} is not valid JSON: {e}") from None
-        arch = hf.get("model_type") if isinstance(hf, dict) else None
-        if arch not in HF_ARCHS:
-            raise ModelLoadError(f"unsupported architecture {arch!r} in {path}; supported: {', '.join(HF_ARCHS)}")
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise ModelLoadError(f"no *.safetensors weights in {path}")
+        hf, files = read_hf_header(path)
+        arch = hf["model_type"]
         d = validate.check_hf(path, hf, files)
         eos = hf.get("eos_token_id")
         params = hf.get("rope_parameters") or {}
