@@ -14,6 +14,9 @@
 //   lut4: w = lut[g][code] * lut_scale[g]     (k-means codebooks, rounded to int8)
 //   q8:   w = int8 * scale[g]                 (g = group of `group` weights: a row, or 32 as Q8_0)
 // Rows are split across torch's intra-op threads.
+//
+// The *_rows ops serve Deja Vu's sparse MLP: only the rows idx of a weight are read, each once
+// (no gathered copy); the dot products share their per-row code with the matrix ops.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -68,47 +71,145 @@ void check_params(std::initializer_list<torch::Tensor> ts) {
     TORCH_CHECK(t.is_contiguous() && t.scalar_type() != torch::kDouble, "scales must be contiguous");
 }
 
+
+// The activations as the integer kernels multiply them: x [M, K] rounded to int8 per 32 values
+// (q, d), and for q4's min term the exact float sums per weight group (g, [M, K/group]).
+struct QActs {
+  std::vector<int8_t> q;
+  std::vector<float> d, g;
+  QActs(const float* x, int64_t M, int64_t K, int64_t group = 0) : q(M * K), d(M * K / 32) {
+    if (group == 0) {
+      quantize_rows(x, M, K, q.data(), d.data());
+      return;
+    }
+    const int64_t per = group / 32;
+    std::vector<float> sums(M * K / 32);
+    g.assign(M * K / group, 0.f);
+    quantize_rows(x, M, K, q.data(), d.data(), sums.data());
+    for (int64_t i = 0; i < M * K / 32; ++i) g[i / per] += sums[i];
+  }
+};
+
+// One q4 row times one rounded activation row: sum over groups of s * (codes . xq) * d + m * sum(x).
+inline float dot_q4(const uint8_t* q, const float* sr, const float* mr, const int8_t* xr, const float* dr,
+                    const float* gs, int64_t G, int64_t per) {
+  __m256 acc = _mm256_setzero_ps();
+  float mins = 0.f;
+  for (int64_t g = 0; g < G; ++g) {
+    const float sg = sr[g];
+    for (int64_t b = g * per; b < (g + 1) * per; ++b) {
+      __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + b * 32));
+      acc = _mm256_fmadd_ps(dot_u8i8(unpack32(q + b * 16), xv), _mm256_set1_ps(sg * dr[b]), acc);
+    }
+    mins += mr[g] * gs[g];
+  }
+  return hsum(acc) + mins;
+}
+
+// One q8 row times one rounded activation row.
+inline float dot_q8(const int8_t* w, const float* sr, const int8_t* xr, const float* dr, int64_t G, int64_t per) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const float sg = sr[g];
+    for (int64_t b = g * per; b < (g + 1) * per; ++b) {
+      __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * 32));
+      __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + b * 32));
+      // |w| (unsigned) times x carrying w's sign: maddubs needs one unsigned operand
+      __m256 d = dot_u8i8(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
+      acc = _mm256_fmadd_ps(d, _mm256_set1_ps(dr[b] * sg), acc);
+    }
+  }
+  return hsum(acc);
+}
+
+inline float dot_f32(const float* w, const float* x, int64_t K) {  // K a multiple of 32
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t c = 0; c < K; c += 32)
+    for (int i = 0; i < 4; ++i)
+      acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(w + c + 8 * i), _mm256_loadu_ps(x + c + 8 * i), acc[i]);
+  return hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+}
+
+// o[0..32) += a * (8 int32 lanes of v, 4 times): the tail of every axpy block
+inline void fma_block(float* o, const __m256i v[4], __m256 a) {
+  for (int i = 0; i < 4; ++i)
+    _mm256_storeu_ps(o + 8 * i, _mm256_fmadd_ps(_mm256_cvtepi32_ps(v[i]), a, _mm256_loadu_ps(o + 8 * i)));
+}
+
+// ---- the rows ops' shared checks and loops ----
+
+void check_rows(const torch::Tensor& v, int64_t n, const char* name) {
+  TORCH_CHECK(v.scalar_type() == torch::kFloat && v.is_contiguous() && v.dim() == 1 && v.size(0) == n,
+              name, " must be a contiguous float32 vector of size ", n);
+}
+
+const int64_t* check_idx(const torch::Tensor& idx, int64_t N) {
+  TORCH_CHECK(idx.scalar_type() == torch::kLong && idx.is_contiguous() && idx.dim() == 1,
+              "idx must be a contiguous int64 vector");
+  const int64_t* I = idx.data_ptr<int64_t>();
+  for (int64_t j = 0; j < idx.numel(); ++j)
+    TORCH_CHECK(I[j] >= 0 && I[j] < N, "idx ", I[j], " out of range for ", N, " rows");
+  return I;
+}
+
+int64_t check_groups(const torch::Tensor& w, torch::ScalarType t, int64_t K, int64_t group,
+                     std::initializer_list<torch::Tensor> params) {
+  TORCH_CHECK(w.scalar_type() == t && w.is_contiguous() && w.dim() == 2, "weights must be contiguous ", t, " [N, *]");
+  TORCH_CHECK(K % 32 == 0 && group % 32 == 0 && group > 0 && K % group == 0,
+              "K and group must be multiples of 32, group dividing K");
+  for (const auto& p : params)
+    TORCH_CHECK(p.scalar_type() == torch::kFloat && p.is_contiguous() && p.numel() == w.size(0) * (K / group),
+                "scales must be contiguous float32 [N, K/group]");
+  return K / group;
+}
+
+// y[j] = row(idx[j]): the selected rows' dot products, split across threads by j
+template <class Dot>
+torch::Tensor rows_mv(const torch::Tensor& x, const int64_t* I, int64_t k, Dot dot) {
+  auto out = torch::empty({k}, x.options());
+  float* O = out.data_ptr<float>();
+  at::parallel_for(0, k, 16, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) O[j] = dot(I[j]);
+  });
+  return out;
+}
+
+// out [K] = sum_j a[j] * row(idx[j]): each thread owns a slice of 32-column blocks and streams that
+// slice of every selected row once; add(o, r, b, a) does block b of row r into o (32 floats).
+template <class Add>
+torch::Tensor rows_axpy(const torch::Tensor& a, const int64_t* I, int64_t K, Add add) {
+  auto out = torch::zeros({K}, a.options());
+  float* O = out.data_ptr<float>();
+  const float* A = a.data_ptr<float>();
+  const int64_t k = a.numel();
+  at::parallel_for(0, K / 32, 4, [&](int64_t b0, int64_t b1) {
+    for (int64_t j = 0; j < k; ++j)
+      for (int64_t b = b0; b < b1; ++b) add(O + b * 32, I[j], b, A[j]);
+  });
+  return out;
+}
+
 }  // namespace
 
 // x [M, K] fp32; qs [N, K/2] uint8; scale, min [N, K/group] fp32 -> [M, N]
 torch::Tensor q4_mm(torch::Tensor x, torch::Tensor qs, torch::Tensor scale, torch::Tensor min, int64_t group) {
-  const int64_t N = qs.size(0), K = qs.size(1) * 2, M = x.size(0), G = K / group, B = K / 32, per = group / 32;
+  const int64_t N = qs.size(0), K = qs.size(1) * 2, M = x.size(0), G = K / group, per = group / 32;
   check(x, qs, K);
   TORCH_CHECK(group % 32 == 0 && K % group == 0, "group must be a multiple of 32 dividing K");
   check_params({scale, min});
   TORCH_CHECK(scale.numel() == N * G && min.numel() == N * G, "scale/min must be [N, K/group]");
   auto out = torch::empty({M, N}, x.options());
   // the min term: sum_j (c_j s + m) x_j = s sum c_j x_j + m sum x_j, with exact float sums of x
-  std::vector<int8_t> xq(M * K);
-  std::vector<float> xd(M * B), xb(M * B), xg(M * G, 0.f);
-  quantize_rows(x.data_ptr<float>(), M, K, xq.data(), xd.data(), xb.data());
-  for (int64_t i = 0; i < M * B; ++i) xg[i / per] += xb[i];
+  const QActs xa(x.data_ptr<float>(), M, K, group);
   const uint8_t* Q = qs.data_ptr<uint8_t>();
   const float* S = scale.data_ptr<float>();
   const float* MN = min.data_ptr<float>();
   float* O = out.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const uint8_t* q = Q + r * K / 2;
-      const float* sr = S + r * G;
-      const float* mr = MN + r * G;
-      for (int64_t m = 0; m < M; ++m) {
-        const int8_t* xr = xq.data() + m * K;
-        const float* dr = xd.data() + m * B;
-        const float* gs = xg.data() + m * G;
-        __m256 acc = _mm256_setzero_ps();
-        float mins = 0.f;
-        for (int64_t g = 0; g < G; ++g) {
-          const float sg = sr[g];
-          for (int64_t b = g * per; b < (g + 1) * per; ++b) {
-            __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + b * 32));
-            acc = _mm256_fmadd_ps(dot_u8i8(unpack32(q + b * 16), xv), _mm256_set1_ps(sg * dr[b]), acc);
-          }
-          mins += mr[g] * gs[g];
-        }
-        O[m * N + r] = hsum(acc) + mins;
-      }
-    }
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t m = 0; m < M; ++m)
+        O[m * N + r] = dot_q4(Q + r * K / 2, S + r * G, MN + r * G, xa.q.data() + m * K, xa.d.data() + m * K / 32,
+                              xa.g.data() + m * G, G, per);
   });
   return out;
 }
@@ -122,9 +223,7 @@ torch::Tensor lut4_mm(torch::Tensor x, torch::Tensor qs, torch::Tensor lut, torc
   TORCH_CHECK(group % 32 == 0 && K % group == 0 && lut.size(-1) == 16 && lut.scalar_type() == torch::kChar,
               "bad lut4 shapes");
   auto out = torch::empty({M, N}, x.options());
-  std::vector<int8_t> xq(M * K);
-  std::vector<float> xd(M * B);
-  quantize_rows(x.data_ptr<float>(), M, K, xq.data(), xd.data());
+  const QActs xa(x.data_ptr<float>(), M, K);
   const uint8_t* Q = qs.data_ptr<uint8_t>();
   const int8_t* L = lut.data_ptr<int8_t>();
   const float* LS = lut_scale.data_ptr<float>();
@@ -134,8 +233,8 @@ torch::Tensor lut4_mm(torch::Tensor x, torch::Tensor qs, torch::Tensor lut, torc
     for (int64_t r = r0; r < r1; ++r) {
       const uint8_t* q = Q + r * K / 2;
       for (int64_t m = 0; m < M; ++m) {
-        const int8_t* xr = xq.data() + m * K;
-        const float* dr = xd.data() + m * B;
+        const int8_t* xr = xa.q.data() + m * K;
+        const float* dr = xa.d.data() + m * B;
         __m256 acc = _mm256_setzero_ps();
         for (int64_t g = 0; g < G; ++g) {
           const __m256i table = _mm256_broadcastsi128_si256(
@@ -157,37 +256,108 @@ torch::Tensor lut4_mm(torch::Tensor x, torch::Tensor qs, torch::Tensor lut, torc
 
 // x [M, K] fp32; q [N, K] int8; scale [N, K/group] fp32 -> [M, N]
 torch::Tensor q8_mm(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int64_t group) {
-  const int64_t N = q.size(0), K = q.size(1), M = x.size(0), B = K / 32, G = K / group, per = group / 32;
+  const int64_t N = q.size(0), K = q.size(1), M = x.size(0), G = K / group, per = group / 32;
   check(x, q, K);
   TORCH_CHECK(K % 32 == 0 && group % 32 == 0 && K % group == 0, "K and group must be multiples of 32");
   auto out = torch::empty({M, N}, x.options());
-  std::vector<int8_t> xq(M * K);
-  std::vector<float> xd(M * B);
-  quantize_rows(x.data_ptr<float>(), M, K, xq.data(), xd.data());
+  const QActs xa(x.data_ptr<float>(), M, K);
   const int8_t* Q = q.data_ptr<int8_t>();
   const float* S = scale.data_ptr<float>();
   float* O = out.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const int8_t* w = Q + r * K;
-      for (int64_t m = 0; m < M; ++m) {
-        const int8_t* xr = xq.data() + m * K;
-        const float* dr = xd.data() + m * B;
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t g = 0; g < G; ++g) {
-          const float sg = S[r * G + g];
-          for (int64_t b = g * per; b < (g + 1) * per; ++b) {
-            __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * 32));
-            __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + b * 32));
-            // |w| (unsigned) times x carrying w's sign: maddubs needs one unsigned operand
-            __m256 d = dot_u8i8(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
-            acc = _mm256_fmadd_ps(d, _mm256_set1_ps(dr[b] * sg), acc);
-          }
-        }
-        O[m * N + r] = hsum(acc);
-      }
-    }
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t m = 0; m < M; ++m)
+        O[m * N + r] = dot_q8(Q + r * K, S + r * G, xa.q.data() + m * K, xa.d.data() + m * K / 32, G, per);
   });
+  return out;
+}
+
+// ---- Row-sparse ops (Deja Vu's sparse MLP at batch 1): only the rows idx [k] of a weight [N, K] are
+// read, each once, straight from its storage; no gathered copy. *_rows_mv(x [K], ..., idx) -> [k]
+// equals *_mm(x[None], ...)[0, idx] bit for bit; *_rows_axpy(a [k], ..., idx) -> [K] = sum_j a_j w[idx_j]
+// (duplicates add up), each row dequantised in registers. ----
+
+torch::Tensor f32_rows_mv(torch::Tensor x, torch::Tensor w, torch::Tensor idx) {
+  const int64_t K = w.size(1);
+  check_groups(w, torch::kFloat, K, K, {});
+  check_rows(x, K, "x");
+  const float* W = w.data_ptr<float>();
+  const float* X = x.data_ptr<float>();
+  return rows_mv(x, check_idx(idx, w.size(0)), idx.numel(), [&](int64_t r) { return dot_f32(W + r * K, X, K); });
+}
+
+torch::Tensor q8_rows_mv(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int64_t group, torch::Tensor idx) {
+  const int64_t K = q.size(1), G = check_groups(q, torch::kChar, K, group, {scale}), per = group / 32;
+  check_rows(x, K, "x");
+  const QActs xa(x.data_ptr<float>(), 1, K);
+  const int8_t* Q = q.data_ptr<int8_t>();
+  const float* S = scale.data_ptr<float>();
+  return rows_mv(x, check_idx(idx, q.size(0)), idx.numel(),
+                 [&](int64_t r) { return dot_q8(Q + r * K, S + r * G, xa.q.data(), xa.d.data(), G, per); });
+}
+
+torch::Tensor q4_rows_mv(torch::Tensor x, torch::Tensor qs, torch::Tensor scale, torch::Tensor min, int64_t group,
+                         torch::Tensor idx) {
+  const int64_t K = qs.size(1) * 2, G = check_groups(qs, torch::kByte, K, group, {scale, min}), per = group / 32;
+  check_rows(x, K, "x");
+  const QActs xa(x.data_ptr<float>(), 1, K, group);
+  const uint8_t* Q = qs.data_ptr<uint8_t>();
+  const float* S = scale.data_ptr<float>();
+  const float* MN = min.data_ptr<float>();
+  return rows_mv(x, check_idx(idx, qs.size(0)), idx.numel(), [&](int64_t r) {
+    return dot_q4(Q + r * K / 2, S + r * G, MN + r * G, xa.q.data(), xa.d.data(), xa.g.data(), G, per);
+  });
+}
+
+torch::Tensor f32_rows_axpy(torch::Tensor a, torch::Tensor w, torch::Tensor idx) {
+  const int64_t K = w.size(1);
+  check_groups(w, torch::kFloat, K, K, {});
+  check_rows(a, idx.numel(), "a");
+  const float* W = w.data_ptr<float>();
+  return rows_axpy(a, check_idx(idx, w.size(0)), K, [&](float* o, int64_t r, int64_t b, float aj) {
+    const float* row = W + r * K + b * 32;
+    const __m256 av = _mm256_set1_ps(aj);
+    for (int i = 0; i < 4; ++i)
+      _mm256_storeu_ps(o + 8 * i, _mm256_fmadd_ps(_mm256_loadu_ps(row + 8 * i), av, _mm256_loadu_ps(o + 8 * i)));
+  });
+}
+
+torch::Tensor q8_rows_axpy(torch::Tensor a, torch::Tensor q, torch::Tensor scale, int64_t group, torch::Tensor idx) {
+  const int64_t K = q.size(1), G = check_groups(q, torch::kChar, K, group, {scale}), per = group / 32;
+  check_rows(a, idx.numel(), "a");
+  const int8_t* Q = q.data_ptr<int8_t>();
+  const float* S = scale.data_ptr<float>();
+  return rows_axpy(a, check_idx(idx, q.size(0)), K, [&](float* o, int64_t r, int64_t b, float aj) {
+    const int8_t* row = Q + r * K + b * 32;
+    __m256i v[4];
+    for (int i = 0; i < 4; ++i)
+      v[i] = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * i)));
+    fma_block(o, v, _mm256_set1_ps(aj * S[r * G + b / per]));
+  });
+}
+
+// w = code * s + m: the codes' part goes through the block, the min's part a_j m is one float per
+// block (a group's blocks share it), added to the block's 32 columns at the end.
+torch::Tensor q4_rows_axpy(torch::Tensor a, torch::Tensor qs, torch::Tensor scale, torch::Tensor min, int64_t group,
+                           torch::Tensor idx) {
+  const int64_t K = qs.size(1) * 2, G = check_groups(qs, torch::kByte, K, group, {scale, min}), per = group / 32;
+  check_rows(a, idx.numel(), "a");
+  const uint8_t* Q = qs.data_ptr<uint8_t>();
+  const float* S = scale.data_ptr<float>();
+  const float* MN = min.data_ptr<float>();
+  std::vector<float> mins(K / 32, 0.f);  // per block; threads own disjoint blocks
+  auto out = rows_axpy(a, check_idx(idx, qs.size(0)), K, [&](float* o, int64_t r, int64_t b, float aj) {
+    const __m128i m = _mm_set1_epi8(0x0F);
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(Q + r * K / 2 + b * 16));
+    const __m128i lo = _mm_and_si128(c, m), hi = _mm_and_si128(_mm_srli_epi16(c, 4), m);
+    const __m256i v[4] = {_mm256_cvtepu8_epi32(lo), _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)),
+                          _mm256_cvtepu8_epi32(hi), _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))};
+    fma_block(o, v, _mm256_set1_ps(aj * S[r * G + b / per]));
+    mins[b] += aj * MN[r * G + b / per];
+  });
+  float* O = out.data_ptr<float>();
+  for (int64_t b = 0; b < K / 32; ++b)
+    for (int i = 0; i < 32; ++i) O[b * 32 + i] += mins[b];
   return out;
 }
 
@@ -195,12 +365,24 @@ TORCH_LIBRARY(attnlab, m) {
   m.def("q4_mm(Tensor x, Tensor qs, Tensor scale, Tensor min, int group) -> Tensor");
   m.def("lut4_mm(Tensor x, Tensor qs, Tensor lut, Tensor lut_scale, int group) -> Tensor");
   m.def("q8_mm(Tensor x, Tensor q, Tensor scale, int group) -> Tensor");
+  m.def("f32_rows_mv(Tensor x, Tensor w, Tensor idx) -> Tensor");
+  m.def("q8_rows_mv(Tensor x, Tensor q, Tensor scale, int group, Tensor idx) -> Tensor");
+  m.def("q4_rows_mv(Tensor x, Tensor qs, Tensor scale, Tensor min, int group, Tensor idx) -> Tensor");
+  m.def("f32_rows_axpy(Tensor a, Tensor w, Tensor idx) -> Tensor");
+  m.def("q8_rows_axpy(Tensor a, Tensor q, Tensor scale, int group, Tensor idx) -> Tensor");
+  m.def("q4_rows_axpy(Tensor a, Tensor qs, Tensor scale, Tensor min, int group, Tensor idx) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(attnlab, CPU, m) {
   m.impl("q4_mm", &q4_mm);
   m.impl("lut4_mm", &lut4_mm);
   m.impl("q8_mm", &q8_mm);
+  m.impl("f32_rows_mv", &f32_rows_mv);
+  m.impl("q8_rows_mv", &q8_rows_mv);
+  m.impl("q4_rows_mv", &q4_rows_mv);
+  m.impl("f32_rows_axpy", &f32_rows_axpy);
+  m.impl("q8_rows_axpy", &q8_rows_axpy);
+  m.impl("q4_rows_axpy", &q4_rows_axpy);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}

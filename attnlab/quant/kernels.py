@@ -55,11 +55,21 @@ def _build() -> bool:
 
 
 def _register_fakes() -> None:
-    """Shapes for torch.compile: the ops are opaque to it but their outputs are [M, N] float32."""
+    """Shapes for torch.compile: the ops are opaque to it but their outputs are [M, N] float32
+    (matrix ops), [k] (rows_mv: one value per index) or [K] (rows_axpy: one weighted sum of rows)."""
     def fake(x, qs, *rest):
         return x.new_empty(x.shape[0], qs.shape[0])
+
+    def fake_mv(x, w, *rest):
+        return x.new_empty(rest[-1].shape[0])
+
+    def fake_axpy(a, w, *rest):
+        return a.new_empty(w.shape[1] * (2 if w.dtype == torch.uint8 else 1))
     for name in ("q4_mm", "lut4_mm", "q8_mm"):
         torch.library.register_fake(f"attnlab::{name}")(fake)
+    for name in ("f32", "q8", "q4"):
+        torch.library.register_fake(f"attnlab::{name}_rows_mv")(fake_mv)
+        torch.library.register_fake(f"attnlab::{name}_rows_axpy")(fake_axpy)
 
 
 def q4_mm(x, qs, scale, min_, group):
@@ -72,3 +82,29 @@ def lut4_mm(x, qs, lut, lut_scale, group):
 
 def q8_mm(x, q, scale, group):
     return torch.ops.attnlab.q8_mm(x, q, scale, group)
+
+
+# Row-sparse ops (Deja Vu's sparse MLP): idx [k] int64 selects rows of a weight [N, K] (q4: codes
+# [N, K/2]); *_rows_mv(x [K]) -> [k] = (w[idx] @ x), *_rows_axpy(a [k]) -> [K] = sum_j a_j w[idx_j].
+def f32_rows_mv(x, w, idx):
+    return torch.ops.attnlab.f32_rows_mv(x, w, idx)
+
+
+def q8_rows_mv(x, q, scale, group, idx):
+    return torch.ops.attnlab.q8_rows_mv(x, q, scale, group, idx)
+
+
+def q4_rows_mv(x, qs, scale, min_, group, idx):
+    return torch.ops.attnlab.q4_rows_mv(x, qs, scale, min_, group, idx)
+
+
+def f32_rows_axpy(a, w, idx):
+    return torch.ops.attnlab.f32_rows_axpy(a, w, idx)
+
+
+def q8_rows_axpy(a, q, scale, group, idx):
+    return torch.ops.attnlab.q8_rows_axpy(a, q, scale, group, idx)
+
+
+def q4_rows_axpy(a, qs, scale, min_, group, idx):
+    return torch.ops.attnlab.q4_rows_axpy(a, qs, scale, min_, group, idx)
