@@ -1,0 +1,88 @@
+"""Row-sparse matvecs for Deja Vu's sparse MLP at batch 1: read only the active neurons' rows, each once.
+
+Decoding one token is memory-bound, so skipping inactive neurons pays only in bytes not read.
+Gathering the active rows (`index_select`) and then multiplying reads them twice and writes them
+once, which loses to the dense matvec at moderate sparsity; these functions stream each selected
+row straight from the weight's storage (fp32, int8 and int4 through the fused kernels of
+`attnlab.quant.kernels`, dequantised in registers). Hold gate/up as they are (one neuron = one row)
+and the down projection transposed, [N neurons, K model dim], so a neuron is one contiguous row in
+both. Bias is ignored (SwiGLU MLPs have none). Without the kernels, or for bf16 and k-means
+weights, a torch fallback gives the numbers of dequantise-then-matmul.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attnlab.quant import kernels
+from attnlab.quant.linear import QuantLinear
+
+
+def _args(weight, v: torch.Tensor, idx: torch.Tensor, name: str):
+    """v (x: [K], a: [k]) and idx as the kernels take them, or a one-line error."""
+    if not isinstance(weight, (nn.Linear, QuantLinear)):
+        raise TypeError(f"rows ops take an nn.Linear or a QuantLinear, got {type(weight).__name__}")
+    n = weight.in_features if name == "x" else idx.shape[0] if idx.dim() == 1 else -1
+    if v.dim() != 1 or v.shape[0] != n:
+        raise ValueError(f"{name} must be a vector of size {n}, got shape {tuple(v.shape)}")
+    if idx.dim() != 1 or idx.dtype.is_floating_point:
+        raise ValueError(f"idx must be a 1-D integer tensor, got {idx.dtype} {tuple(idx.shape)}")
+    return v.float().contiguous(), idx.long().contiguous()
+
+
+def _kernel(weight) -> str | None:
+    """Which fused op family serves this weight: 'f32', 'q8', 'q4' or None (torch fallback)."""
+    if not kernels.available():
+        return None
+    if isinstance(weight, nn.Linear):
+        w = weight.weight
+        return "f32" if w.dtype == torch.float32 and w.is_contiguous() else None
+    if weight.fused and weight.kind in ("int8", "int4"):
+        return "q8" if weight.kind == "int8" else "q4"
+    return None
+
+
+def _rows(weight, idx: torch.Tensor) -> torch.Tensor:
+    """The selected rows as float32 [k, K] (the fallback's gathered copy)."""
+    if isinstance(weight, nn.Linear):
+        return weight.weight.detach().index_select(0, idx).float()
+    p = weight.packed
+    return replace(p.map_rows(lambda t: t.index_select(0, idx)), shape=(idx.numel(), p.shape[1])).dequantize()
+
+
+def _operands(weight, kind: str) -> tuple:
+    if kind == "f32":
+        return (weight.weight,)
+    if kind == "q8":
+        return weight.q, weight.scale, weight.group
+    return weight.qs, weight.scale, weight.min, weight.group
+
+
+def rows_matvec(weight: nn.Linear | QuantLinear, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """x [K] float, idx [k] int -> [k] float32: weight[idx] @ x, each selected row read once (gate/up).
+
+    Under the integer kernels (int8, int4) x is rounded to int8 per 32 values, exactly as in the
+    layer's own batch-1 forward, so the result equals `weight(x[None])[0, idx]` bit for bit.
+    An index outside [0, N) raises."""
+    x, idx = _args(weight, x, idx, "x")
+    kind = _kernel(weight)
+    if kind is None:
+        return _rows(weight, idx) @ x
+    return getattr(kernels, f"{kind}_rows_mv")(x, *_operands(weight, kind), idx)
+
+
+def rows_combine(weight: nn.Linear | QuantLinear, a: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """a [k] float, idx [k] int -> [K] float32: sum_j a[j] * weight[idx[j]] (down projection with weight =
+    W2 transposed). Each selected row is read once; repeated indices add up; empty idx gives zeros."""
+    a, idx = _args(weight, a, idx, "a")
+    kind = _kernel(weight)
+    if kind is not None:
+        return getattr(kernels, f"{kind}_rows_axpy")(a, *_operands(weight, kind), idx)
+    if isinstance(weight, nn.Linear) and weight.weight.dtype == torch.float32:
+        # a weighted bag of rows: torch streams each row once, no gathered copy
+        start = torch.zeros(1, dtype=torch.long)
+        return F.embedding_bag(idx, weight.weight.detach(), start, per_sample_weights=a, mode="sum")[0]
+    return a @ _rows(weight, idx)
