@@ -1,10 +1,10 @@
 """Per-layer, per-head statistics of attention over a real text.
 
-Attention probabilities come from the engine's own forward pass: a `Recorder` is a
-cache "policy" that never evicts (``capacity = None``) but asks for the
-probabilities (``needs_probs = True``), so `Attention.forward` hands it every
-layer's [B, Hq, T, L] map. Statistics are reduced layer by layer as the maps arrive,
-so a 30-layer model over 1-2K tokens never holds all maps at once.
+Attention probabilities come from the engine's own forward pass: a `Recorder` is an
+observer of the pass (see `attnlab.model.llama.Pass`) that asks for the
+probabilities, so `Attention.forward` hands it every layer's [B, Hq, T, L] map.
+Statistics are reduced layer by layer as the maps arrive, so a 30-layer model over
+1-2K tokens never holds all maps at once.
 
 Definitions (query t sees keys 0..t; a[t, j] its attention on key j):
 - sink mass k:      mean over queries t >= k of sum_{j<k} a[t, j]
@@ -32,34 +32,26 @@ TOP_FRACTIONS = (0.05, 0.20)
 
 @dataclass
 class Recorder:
-    """A non-evicting cache policy that receives every layer's attention probabilities.
+    """An observer of the forward pass that receives every layer's attention probabilities.
 
     on_probs(layer, probs) is called with probs [B, Hq, T, L] (float32) per layer.
     """
     on_probs: Callable[[int, torch.Tensor], None]
-    capacity: None = None
     needs_probs: bool = True
 
-    def observe(self, kv, probs: torch.Tensor) -> None:
-        self.on_probs(kv.index, probs)
-
-    def after_step(self, kv) -> None:
-        """Never evicts."""
+    def record(self, i: int, name: str, t: torch.Tensor) -> None:
+        if name == "probs":
+            self.on_probs(i, t)
 
 
 def run_with_probs(model, ids: torch.Tensor, on_probs) -> torch.Tensor:
-    """One causal forward of ids [B, T] from position 0 through a fresh KV cache whose
-    recorder gets each layer's probs [B, Hq, T, T]. Returns logits [B, T, vocab]."""
-    from attnlab.kv.cache import KVCache
-
-    cfg = model.cfg
+    """One causal forward of ids [B, T] from position 0 whose recorder gets each layer's
+    probs [B, Hq, T, T]. Returns logits [B, T, vocab]."""
     ids = torch.as_tensor(ids, dtype=torch.long)
     if ids.dim() == 1:
         ids = ids[None]
-    cache = KVCache(cfg.n_layers, ids.shape[0], cfg.n_kv_heads, cfg.head_dim, model.rope,
-                    model.norm.weight.dtype, ids.shape[1], policy=Recorder(on_probs))
     with torch.no_grad():
-        return model(ids, cache=cache)
+        return model(ids, observers=[Recorder(on_probs)])
 
 
 def attention_maps(model, ids: torch.Tensor) -> list[torch.Tensor]:

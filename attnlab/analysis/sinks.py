@@ -22,8 +22,6 @@ import math
 import torch
 
 from attnlab.eval.perplexity import token_nll
-from attnlab.model.llama import attend
-from attnlab.rope import apply as rope_apply
 
 CASES = ("full", "keep", "drop", "replace")
 
@@ -37,22 +35,9 @@ def band_mask(T: int, window: int, sinks: int) -> torch.Tensor:
 
 @torch.no_grad()
 def forward_masked(model, ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """The network's forward with an arbitrary key mask. ids [B, T]; mask [T, T] bool (True =
-    attend) or None for causal. Returns logits [B, T, vocab]. Same modules as `Transformer`."""
-    B, T = ids.shape
-    x = model.embed(ids)
-    rot = model.rope.rotation(torch.arange(T).expand(B, -1))
-    m = "causal" if mask is None else mask[None, None]
-    for layer in model.layers:
-        a = layer.attn
-        q, k, v = a.wqkv(layer.attn_norm(x)).split([a.q_size, a.kv_size, a.kv_size], dim=-1)
-        q = rope_apply(q.view(B, T, a.n_heads, a.head_dim).transpose(1, 2), rot)
-        k = rope_apply(k.view(B, T, a.n_kv, a.head_dim).transpose(1, 2), rot)
-        v = v.view(B, T, a.n_kv, a.head_dim).transpose(1, 2)
-        out, _ = attend(q, k, v, m)
-        x = x + a.wo(out.transpose(1, 2).reshape(B, T, a.q_size))
-        x = x + layer.mlp(layer.mlp_norm(x))
-    return model.lm_head(model.norm(x)).float()
+    """The network's own forward under an arbitrary key mask. ids [B, T]; mask [T, T] bool
+    (True = attend) or None for causal. Returns logits [B, T, vocab]."""
+    return model(ids, mask=mask)
 
 
 def sink_experiment(model, ids, sinks: int = 4, window: int = 256, replace_id: int = 198,

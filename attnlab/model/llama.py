@@ -5,14 +5,16 @@ or untied head. The q/k/v and gate/up projections are fused into one matmul
 each: at batch 1 decoding is memory-bound, and fewer, larger reads are faster.
 RoPE rotates adjacent pairs of q/k dimensions (one complex multiply, see
 `attnlab.rope.apply`); loaders interleave Hugging Face's half-split q/k rows to match.
-Attention goes through a `LayerKV` when one is given, so the cache (and any
-eviction policy on it) sees every step; a policy that needs the attention
-probabilities (H2O) gets them from the same pass.
+Everything a pass carries beside the activations (RoPE tables, the cache and its
+policy, an analysis mask, observers, a sparsity plan) travels in one `Pass`
+object, so KV policies, recorders and Deja Vu sparsity plug into this one forward
+instead of re-implementing the layer loop.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -103,6 +105,39 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, need_probs: 
     return out, probs.reshape(B, Hq, T, L)
 
 
+@dataclass
+class Pass:
+    """What one forward pass carries through the layers (built by `Transformer.forward`).
+
+    rot: RoPE tables of the chunk's positions. step/kvs/policy: the cache's view of this chunk
+    (None without a cache). mask: an explicit key mask [T, L] bool for a cache-less pass
+    (analysis, e.g. StreamingLLM's banded masks); None = causal. observers: objects with
+    `record(layer, name, tensor)` (and optionally `needs_probs = True`), called at the named
+    points below. sparsity: a plan deciding per layer which MLP neurons and heads run
+    (see `attnlab.sparsity.plan`).
+
+    Recorded names: "attn_in" [B, T, dim] (normed attention input), "probs" [B, Hq, T, L]
+    (only if some observer needs_probs), "heads" [B, Hq, T, D] (per-head outputs before wo),
+    "mlp_in" [B, T, dim] (normed MLP input), "mlp_act" [B, T, hidden] (silu(gate) * up).
+    """
+    rot: torch.Tensor
+    step: Any = None
+    kvs: list | None = None
+    policy: Any = None
+    mask: torch.Tensor | None = None
+    observers: tuple = ()
+    sparsity: Any = None
+
+    def __post_init__(self):
+        self.observers = tuple(self.observers)
+        self.policy_probs = self.policy is not None and self.policy.needs_probs
+        self.needs_probs = self.policy_probs or any(getattr(o, "needs_probs", False) for o in self.observers)
+
+    def record(self, i: int, name: str, t: torch.Tensor) -> None:
+        for o in self.observers:
+            o.record(i, name, t)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -112,17 +147,26 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(cfg.dim, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.wo = nn.Linear(self.q_size, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rot: torch.Tensor, kv=None, step=None, policy=None) -> torch.Tensor:
-        """x: [B, T, dim]; rot: RoPE tables of the chunk's positions; kv: this layer's LayerKV or None."""
+    def forward(self, x: torch.Tensor, ctx: Pass, i: int = 0) -> torch.Tensor:
+        """x: [B, T, dim] (normed); ctx: this pass (RoPE tables, cache, observers, sparsity); i: layer index."""
         B, T, _ = x.shape
+        ctx.record(i, "attn_in", x)
         qkv = self.wqkv(x).view(B, T, self.n_heads + 2 * self.n_kv, self.head_dim).transpose(1, 2)
         qk, v = qkv.split([self.n_heads + self.n_kv, self.n_kv], dim=1)  # [B, H, T, D] views
-        q, k = rope_apply(qk, rot).split([self.n_heads, self.n_kv], dim=1)  # q and k in one pass
-        k, v, mask = (k, v, "causal") if kv is None else kv.update(k, v, step)
-        need = policy is not None and policy.needs_probs
-        out, probs = attend(q, k, v, mask, need_probs=need, window=self.cfg.sliding_window)
-        if need:
-            policy.observe(kv, probs)
+        q, k = rope_apply(qk, ctx.rot).split([self.n_heads, self.n_kv], dim=1)  # q and k in one pass
+        kv = ctx.kvs[i] if ctx.kvs is not None else None
+        if kv is None:
+            mask = "causal" if ctx.mask is None else ctx.mask[None, None]
+        else:
+            k, v, mask = kv.update(k, v, ctx.step)
+        out, probs = attend(q, k, v, mask, need_probs=ctx.needs_probs, window=self.cfg.sliding_window)
+        if ctx.needs_probs:
+            if ctx.policy_probs:
+                ctx.policy.observe(kv, probs)
+            ctx.record(i, "probs", probs)
+        if ctx.sparsity is not None:
+            out = ctx.sparsity.heads(i, x, out)
+        ctx.record(i, "heads", out)
         return self.wo(out.transpose(1, 2).reshape(B, T, self.q_size))
 
 
@@ -133,9 +177,20 @@ class FeedForward(nn.Module):
         self.w13 = nn.Linear(cfg.dim, 2 * cfg.hidden_dim, bias=False)  # gate rows, then up rows
         self.w2 = nn.Linear(cfg.hidden_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: Pass | None = None, i: int = 0) -> torch.Tensor:
+        if ctx is not None:
+            ctx.record(i, "mlp_in", x)
+            if ctx.sparsity is not None:
+                return ctx.sparsity.mlp(i, self, x, ctx)
+        act = self.activation(x)
+        if ctx is not None:
+            ctx.record(i, "mlp_act", act)
+        return self.w2(act)
+
+    def activation(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up: [..., hidden], what the down projection mixes (Deja Vu's neurons)."""
         gate, up = self.w13(x).split(self.hidden, dim=-1)
-        return self.w2(F.silu(gate) * up)
+        return F.silu(gate) * up
 
 
 class Block(nn.Module):
@@ -146,9 +201,9 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = FeedForward(cfg)
 
-    def forward(self, x, rot, kv=None, step=None, policy=None):
-        x = x + self.attn(self.attn_norm(x), rot, kv, step, policy)
-        return x + self.mlp(self.mlp_norm(x))
+    def forward(self, x: torch.Tensor, ctx: Pass, i: int = 0) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), ctx, i)
+        return x + self.mlp(self.mlp_norm(x), ctx, i)
 
 
 class Transformer(nn.Module):
@@ -163,32 +218,41 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed.weight
         self.rope = Rope(cfg.head_dim, cfg.rope_base, cfg.rope_scaling)  # tables built lazily, on demand
 
+    sparsity = None  # a Deja Vu plan applied to every pass (see attnlab.sparsity); None = dense
+
     def forward(self, ids: torch.Tensor, pos: torch.Tensor | None = None, cache=None,
-                last_only: bool = False) -> torch.Tensor:
+                last_only: bool = False, mask: torch.Tensor | None = None, observers=()) -> torch.Tensor:
         """ids: [B, T] -> logits [B, T, vocab] (or [B, 1, vocab] if last_only).
 
-        Without a cache this is one full causal forward from position 0. With a KVCache the
-        chunk is appended to it (positions continue from what the cache has seen); the cache's
-        bookkeeping (positions, eviction) runs around `run`, so `run` is tensor work only and
-        a single-token step can go through its compiled form (see `compile_decode`).
+        Without a cache this is one full causal forward from position 0 (or under `mask`, a
+        [T, T] bool key mask). With a KVCache the chunk is appended to it (positions continue
+        from what the cache has seen); the cache's bookkeeping (positions, eviction) runs
+        around `run`, so `run` is tensor work only and a single-token step can go through its
+        compiled form (see `compile_decode`). observers: see `Pass`.
         """
         if cache is None:
             pos = torch.arange(ids.shape[1]).expand(ids.shape[0], -1) if pos is None else pos
-            return self.run(ids, self.rope.rotation(pos), None, None, None, last_only)
+            return self.run(ids, Pass(self.rope.rotation(pos), mask=mask, observers=observers,
+                                      sparsity=self.sparsity), last_only)
+        if mask is not None:
+            raise ValueError("an explicit mask is for cache-less passes; a cache derives its own")
         T = ids.shape[1]
         policy = cache.policy
-        fast = self.compiled is not None and T == 1 and not (policy is not None and policy.needs_probs)
+        fast = (self.compiled is not None and T == 1 and not observers
+                and not (policy is not None and policy.needs_probs)
+                and getattr(self.sparsity, "compilable", self.sparsity is None))
         step = cache.begin(T, self.rope, real=fast)
         fast = fast and not step.padded
-        logits = (self.compiled if fast else self.run)(ids, step.rot, step, cache.layers, policy, last_only)
+        ctx = Pass(step.rot, step, cache.layers, policy, observers=observers, sparsity=self.sparsity)
+        logits = (self.compiled if fast else self.run)(ids, ctx, last_only)
         cache.advance(T)
         return logits
 
-    def run(self, ids, rot, step, kvs, policy, last_only: bool = False) -> torch.Tensor:
-        """The layers and the head: ids [B, T], rot (RoPE tables), the step and per-layer caches (or None)."""
+    def run(self, ids: torch.Tensor, ctx: Pass, last_only: bool = False) -> torch.Tensor:
+        """The layers and the head: ids [B, T] through the pass `ctx`."""
         x = self.embed(ids)
         for i, layer in enumerate(self.layers):
-            x = layer(x, rot, kvs[i] if kvs is not None else None, step, policy)
+            x = layer(x, ctx, i)
         if last_only:
             x = x[:, -1:]
         return self.lm_head(self.norm(x)).float()
