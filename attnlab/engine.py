@@ -36,17 +36,26 @@ class LM:
 
     @classmethod
     def load(cls, spec: str | Path = DEFAULT_MODEL, dtype: str = "float32", threads: int | None = None,
-             tokenizer: bool = True, quant=None, compile: bool = False, rope: str | None = None) -> "LM":
+             tokenizer: bool = True, quant=None, compile: bool = False, rope: str | None = None,
+             sparsity: str | None = None) -> "LM":
         """quant: 'int8', 'int4:32', 'kmeans:4', ... (see attnlab.quant.QuantSpec); compile: compile the
         single-token decode step with torch.compile (tens of seconds on first use; eager otherwise);
-        rope: a context-extension override, e.g. "yarn:4" or "linear:2" (see `attnlab.rope.parse_rope`)."""
+        rope: a context-extension override, e.g. "yarn:4" or "linear:2" (see `attnlab.rope.parse_rope`);
+        sparsity: Deja Vu contextual sparsity, 'PATH[:MLP[:HEADS]]' with predictors from
+        `attnlab dejavu train`, 'threshold@PATH:0.5' or 'oracle:0.5' (see `attnlab.sparsity.plan.parse`)."""
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; choose from float32, bfloat16")
         if quant is not None:
             from attnlab.quant import QuantSpec
             quant = QuantSpec.parse(quant)  # a bad spec fails before the slow load
+        if sparsity is not None:
+            from attnlab.sparsity.plan import parse as parse_sparsity
+            parse_sparsity(sparsity)  # a bad spec fails before the slow load
         set_threads(threads)
         model, _, path = load_model(spec, DTYPES[dtype], quant, rope=rope)
+        if sparsity is not None:
+            from attnlab.sparsity.plan import plan_from_spec
+            plan_from_spec(sparsity, model)
         if compile:
             model.compile_decode()
         tok, why = None, "tokenizer not loaded"

@@ -49,14 +49,6 @@ def weights_read(model) -> int:
     return total + sum(n.weight.numel() * n.weight.element_size() for n in norms)
 
 
-def crop(cache, length: int) -> None:
-    """Roll an attnlab cache back to its first `length` tokens (reuse of one prefill)."""
-    for layer in cache.layers:
-        layer.pos[:, :, length:layer.n] = -1
-        layer.n = length
-    cache.seen = length
-
-
 class Ours:
     def __init__(self, spec: str, compile_: bool):
         import attnlab
@@ -88,7 +80,7 @@ class Ours:
     @torch.inference_mode()
     def decode(self, length, steps):
         cache = self.caches[length]
-        crop(cache, length)
+        cache.truncate(length)
         tok = torch.tensor([[7]])
         t = time.perf_counter()
         for _ in range(steps):

@@ -14,13 +14,14 @@ import math
 import os
 import sys
 
-from attnlab.cli.common import UserError, add_model_args, load_lm, nonneg_int, positive_int
+from attnlab.cli.common import UserError, add_model_args, add_sparsity_arg, load_lm, nonneg_int, positive_int
 from attnlab.io import progress
 from attnlab.textstream import TextStream
 
 # Subsystems that bring their own subcommands through `add_parser(subparsers)`.
 SUBSYSTEMS = ["attnlab.cli.dynamics", "attnlab.cli.stream", "attnlab.cli.analysis", "attnlab.cli.quantize",
-              "attnlab.cli.serve", "attnlab.cli.passkey", "attnlab.cli.extend"]
+              "attnlab.cli.serve", "attnlab.cli.passkey", "attnlab.cli.extend",
+              "attnlab.cli.dejavu"]
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -223,12 +224,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     _add_sampling(p)
     _add_policy(p)
+    add_sparsity_arg(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("chat", help="interactive multi-turn chat keeping the KV cache between turns")
     add_model_args(p)
     _add_sampling(p)
     _add_policy(p)
+    add_sparsity_arg(p)
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("ppl", help="perplexity on a text")
@@ -239,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per evaluation window (default: the context length, at most 2048)")
     p.add_argument("--chunk", type=positive_int, default=512, help="prefill chunk size")
     p.add_argument("--json", action="store_true", help="print a JSON result")
+    add_sparsity_arg(p)
     p.set_defaults(func=cmd_ppl)
 
     for name in SUBSYSTEMS:

@@ -39,6 +39,21 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="compile the single-token decode step (torch.compile; tens of seconds on first use)")
 
 
+def add_sparsity_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sparsity", type=sparsity_spec, default=None, metavar="SPEC",
+                   help="Deja Vu contextual sparsity: PATH[:MLP[:HEADS]] (predictors from `attnlab dejavu train`, "
+                        "MLP/HEADS = fraction skipped, default 0.5), threshold@PATH[:MLP] or oracle[:MLP[:HEADS]]")
+
+
+def sparsity_spec(text: str) -> str:
+    from attnlab.sparsity.plan import parse
+    try:
+        parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def quant_spec(text: str):
     from attnlab.quant import QuantSpec
     try:
@@ -52,4 +67,5 @@ def load_lm(args, tokenizer: bool = True):
     from attnlab.io import status
     with status(f"loading {args.model}"):  # 10-20 s for SmolLM2: say so
         return LM.load(args.model, dtype=args.dtype, threads=args.threads, tokenizer=tokenizer, rope=args.rope,
-                       quant=getattr(args, "quant", None), compile=getattr(args, "compile", False))
+                       quant=getattr(args, "quant", None), compile=getattr(args, "compile", False),
+                       sparsity=getattr(args, "sparsity", None))

@@ -15,7 +15,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from attnlab.cli.common import UserError, add_model_args, load_lm, nonneg_int, positive_int
+from attnlab.cli.common import UserError, add_model_args, add_sparsity_arg, load_lm, nonneg_int, positive_int
 from attnlab.io import progress, write_json
 
 DEFAULT_POLICIES = "full,window,sink,h2o,sink_h2o"
@@ -195,6 +195,7 @@ def cmd_stream(args) -> int:
 def add_parser(sub) -> None:
     p = sub.add_parser("stream", help="streaming perplexity of KV-cache policies (StreamingLLM, H2O, ...)")
     add_model_args(p)
+    add_sparsity_arg(p)
     p.add_argument("--text", default="shakespeare:test", help="shakespeare[:split|:play] or a file path")
     add_policy_args(p, policy_default=DEFAULT_POLICIES)
     p.add_argument("--tokens", type=positive_int, default=2048,

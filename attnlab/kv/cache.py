@@ -168,6 +168,16 @@ class KVCache:
                 self.policy.after_step(layer)
         self.seen += T
 
+    def truncate(self, length: int) -> None:
+        """Roll back to the first `length` tokens (reuse one prefill for several continuations).
+        Only for a cache that never evicted nor padded: its slot j holds token j."""
+        if not all(layer.natural for layer in self.layers) or not 0 <= length <= len(self):
+            raise ValueError(f"cannot truncate this cache to {length} tokens (evicted, padded or too short)")
+        for layer in self.layers:
+            layer.pos[:, :, length:layer.n] = -1
+            layer.n = length
+        self.seen = length
+
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)
 

@@ -1,0 +1,207 @@
+"""`attnlab dejavu collect|train|eval|bench`: Deja Vu contextual sparsity on a real model.
+
+    attnlab dejavu collect --out runs/dejavu          # activity on the training plays + concentration plot
+    attnlab dejavu train --out runs/dejavu            # predictors (+ --lookahead) and gate thresholds
+    attnlab dejavu eval --out runs/dejavu             # perplexity vs sparsity on the test plays, recall
+    attnlab dejavu bench --out runs/dejavu            # decode tok/s dense vs sparse, interleaved
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from attnlab.cli.common import UserError, add_model_args, load_lm, positive_int
+from attnlab.sparsity.evaluate import SPARSITIES
+
+
+def _ids(lm, text: str, tokens: int, what: str) -> list[int]:
+    from attnlab.data import corpus
+    ids = lm.encode(corpus(text))
+    if len(ids) < tokens:
+        raise UserError(f"{what}: {text!r} has only {len(ids)} tokens, {tokens} asked")
+    return ids[:tokens]
+
+
+def _floats(text: str, what: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"{what} must be a comma list of numbers, got {text!r}") from None
+
+
+def _activity(out: Path, name: str):
+    from safetensors.torch import load_file
+    path = out / f"{name}.safetensors"
+    if not path.exists():
+        raise UserError(f"no {path}: run `attnlab dejavu collect --out {out}` first")
+    return load_file(str(path))
+
+
+def _predictors(out: Path) -> dict:
+    from attnlab.sparsity.predictors import Predictors
+    found = {}
+    for name, file in (("predictor", "predictors.safetensors"), ("lookahead", "predictors-lookahead.safetensors")):
+        if (out / file).exists():
+            found[name] = Predictors.load(out / file)
+    if not found:
+        raise UserError(f"no predictors in {out}: run `attnlab dejavu train --out {out}` first")
+    return found
+
+
+def cmd_collect(args) -> int:
+    from safetensors.torch import save_file
+
+    from attnlab.io import progress, write_atomic, write_json
+    from attnlab.sparsity.collect import collect, concentration
+    from attnlab.sparsity.evaluate import plot_concentration
+
+    out = Path(args.out)
+    lm = load_lm(args)
+    for name, text, n in (("activity", args.text, args.tokens), ("heldout", args.heldout, args.heldout_tokens)):
+        ids = _ids(lm, text, n, f"--{'text' if name == 'activity' else 'heldout'}")
+        with progress(len(ids), f"collect {name}") as bar:
+            data = collect(lm, ids, progress=bar.update)
+        write_atomic(out / f"{name}.safetensors",
+                     lambda tmp: save_file(data, tmp, metadata={"model": str(args.model), "text": text}))
+        print(f"wrote {out / f'{name}.safetensors'} ({len(ids)} tokens of {text})")
+    stats = concentration(lm, _ids(lm, args.text, min(args.tokens, 1024), "--text"))
+    write_json(out / "concentration.json", stats)
+    fig = plot_concentration(stats, out / "concentration.png",
+                             f"How concentrated {Path(str(args.model)).name} is ({stats['tokens']} tokens of {args.text})")
+    for r in stats["layers"]:
+        print(f"layer {r['layer']:>2}: MLP output error keeping top 30% neurons {r['mlp'][0.3]:.3f}, "
+              f"top 50% {r['mlp'][0.5]:.3f}")
+    print(f"wrote {out / 'concentration.json'} and {fig}")
+    return 0
+
+
+def cmd_train(args) -> int:
+    from attnlab.io import progress
+    from attnlab.sparsity.predictors import train
+
+    out = Path(args.out)
+    data = _activity(out, "activity")
+    lm = load_lm(args, tokenizer=False)
+    for ahead in ((False, True) if args.lookahead else (False,)):
+        with progress(lm.cfg.n_layers, "train" + (" look-ahead" if ahead else ""), unit="layer") as bar:
+            pred = train(lm, data, rank=args.rank, lookahead=ahead, label_keep=args.label_keep, epochs=args.epochs,
+                         seed=args.seed, progress=bar.update)
+        path = out / ("predictors-lookahead.safetensors" if ahead else "predictors.safetensors")
+        pred.save(path)
+        print(f"wrote {path} (rank {args.rank}, {pred.nbytes / 2**10:.0f} KiB read per layer and token)")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from attnlab.io import progress, write_json
+    from attnlab.sparsity.evaluate import plot, predictor_quality, summary_line, sweep
+
+    out = Path(args.out)
+    preds = _predictors(out)
+    held = _activity(out, "heldout")
+    lm = load_lm(args)
+    ids = _ids(lm, args.text, args.tokens, "--text")
+    sparsities, heads = _floats(args.sparsities, "--sparsities"), [int(h) for h in _floats(args.heads, "--heads")]
+    if any(not 0 < s < 1 for s in sparsities):
+        raise UserError(f"--sparsities must be in (0, 1), got {args.sparsities}")
+    quality = predictor_quality(lm, preds, held)
+    write_json(out / "quality.json", quality)
+    n = 1 + len(sparsities) * (2 + len(preds)) + len(heads) * (1 + len(preds))
+    with progress(n, "dejavu eval", unit="run") as bar:
+        rows = sweep(lm, preds, ids, out, sparsities=sparsities, head_keep=heads, window=args.window,
+                     progress=bar.update,
+                     key={"model": str(args.model), "quant": str(args.quant), "text": args.text})
+    fig = plot(rows, quality, out / "ppl_vs_sparsity.png",
+               f"{Path(str(args.model)).name}{' ' + str(args.quant) if args.quant else ''} on {args.text}, "
+               f"{len(ids) - 1} tokens")
+    print(f"{'method':<10} {'MLP':>5} {'heads':>6} {'ppl':>9}")
+    for r in rows:
+        print(f"{r['method']:<10} {r['sparsity']:>5.0%} {r['head_sparsity']:>6.0%} {r['ppl']:>9.3f}")
+    for line in summary_line(rows):
+        print(line)
+    for name, rec in quality["recall"].items():
+        print(f"{name} recall at {quality['sparsity']:.0%}: mean {sum(rec) / len(rec):.3f}, "
+              f"min {min(rec):.3f} (layer {rec.index(min(rec))})")
+    ts = quality["threshold_sparsity"]
+    print(f"threshold calibrated for {quality['sparsity']:.0%}: held-out {sum(ts) / len(ts):.1%} "
+          f"(layers {min(ts):.1%}-{max(ts):.1%})")
+    print(f"wrote {out / 'eval.json'}, {out / 'quality.json'} and {fig}")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from attnlab.io import progress, write_json
+    from attnlab.sparsity.plan import Plan
+    from attnlab.sparsity.speed import decode_speed
+
+    out = Path(args.out)
+    preds = _predictors(out)
+    pred = preds.get("predictor") or next(iter(preds.values()))
+    lm = load_lm(args)
+    ids = _ids(lm, args.text, args.depth + args.steps, "--text")
+    plans = {"dense": None}
+    for s in _floats(args.sparsities, "--sparsities"):
+        plans[f"predictor {s:.0%}"] = Plan("predictor", s, 0.0, pred)
+        if args.threshold:
+            plans[f"threshold {s:.0%}"] = Plan("threshold", s, 0.0, pred)
+    with progress((args.repeats + 1) * len(plans), "dejavu bench", unit="run") as bar:
+        rows = decode_speed(lm, plans, ids, depth=args.depth, steps=args.steps, repeats=args.repeats,
+                            progress=bar.update)
+    import torch
+    meta = {"model": str(args.model), "quant": str(args.quant) if args.quant else "fp32",
+            "threads": torch.get_num_threads(), "depth": args.depth, "steps": args.steps, "repeats": args.repeats}
+    name = f"bench-{meta['quant'].replace(':', '_')}.json"
+    write_json(out / name, {**meta, "rows": rows})
+    print(f"decode tok/s, batch 1, {meta['threads']} thread(s), {meta['quant']}, depth {args.depth}, "
+          f"median of {args.repeats} interleaved runs of {args.steps} tokens")
+    print(f"{'variant':<16} {'tok/s':>7} {'speedup':>8} {'MLP MiB/token':>14}")
+    for r in rows:
+        print(f"{r['variant']:<16} {r['tok_s']:>7.1f} {r.get('speedup', 1):>7.2f}x {r['mlp_mib_per_token']:>14.1f}")
+    print(f"wrote {out / name}")
+    print(json.dumps({**meta, "rows": rows}) if args.json else "", end="\n" if args.json else "")
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("dejavu", help="Deja Vu contextual sparsity: collect, train, eval, bench")
+    dv = p.add_subparsers(dest="dejavu_command", required=True, parser_class=type(p))
+
+    def common(q, text="shakespeare:train", tokens=4096):
+        add_model_args(q)
+        q.add_argument("--out", default="runs/dejavu", help="folder for activity, predictors and results (default: %(default)s)")
+        q.add_argument("--text", default=text, help="text (default: %(default)s)")
+        if tokens:
+            q.add_argument("--tokens", type=positive_int, default=tokens, help="tokens (default: %(default)s)")
+
+    q = dv.add_parser("collect", help="per-token neuron and head activity of the dense model, and how concentrated it is")
+    common(q)
+    q.add_argument("--heldout", default="shakespeare:validation", help="held-out text for recall (default: %(default)s)")
+    q.add_argument("--heldout-tokens", type=positive_int, default=1024, help="(default: %(default)s)")
+    q.set_defaults(func=cmd_collect)
+
+    q = dv.add_parser("train", help="low-rank neuron and head predictors per layer, and the gate thresholds")
+    common(q)
+    q.add_argument("--rank", type=positive_int, default=64, help="predictor rank (default: %(default)s)")
+    q.add_argument("--label-keep", type=float, default=0.3, help="oracle share labelled active (default: %(default)s)")
+    q.add_argument("--epochs", type=positive_int, default=8, help="(default: %(default)s)")
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--lookahead", action="store_true", help="also the look-ahead predictors (layer l-1's input)")
+    q.set_defaults(func=cmd_train)
+
+    q = dv.add_parser("eval", help="perplexity against MLP and head sparsity; predictor recall per layer")
+    common(q, text="shakespeare:test", tokens=2048)
+    q.add_argument("--window", type=positive_int, default=1024, help="evaluation window (default: %(default)s)")
+    q.add_argument("--sparsities", default=",".join(str(s) for s in SPARSITIES[1:]),
+                   help="MLP sparsities (default: %(default)s)")
+    q.add_argument("--heads", default="8,6,4", help="query heads kept in the head-sparsity runs (default: %(default)s)")
+    q.set_defaults(func=cmd_eval)
+
+    q = dv.add_parser("bench", help="batch-1 decode tok/s, dense vs sparse, interleaved runs")
+    common(q, text="shakespeare:test", tokens=0)
+    q.add_argument("--sparsities", default="0.3,0.5,0.7,0.9", help="MLP sparsities (default: %(default)s)")
+    q.add_argument("--threshold", action="store_true", help="also the gate-threshold method")
+    q.add_argument("--depth", type=positive_int, default=128, help="cache depth (default: %(default)s)")
+    q.add_argument("--steps", type=positive_int, default=32, help="tokens per run (default: %(default)s)")
+    q.add_argument("--repeats", type=positive_int, default=5, help="(default: %(default)s)")
+    q.add_argument("--json", action="store_true", help="also print the result as JSON")
+    q.set_defaults(func=cmd_bench)

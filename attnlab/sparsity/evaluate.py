@@ -1,0 +1,178 @@
+"""What Deja Vu sparsity costs in quality on held-out text, and how good the predictors are.
+
+Perplexity runs through chunked prefill, i.e. the plan's masked execution, which computes
+exactly what the sparse decode step computes (tests/sparsity check the two against each
+other). Rows are written after every evaluation, so an interrupted sweep resumes.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from attnlab.eval.perplexity import perplexity
+from attnlab.io import write_json
+from attnlab.sparsity.plan import Plan
+from attnlab.sparsity.predictors import Predictors, recall
+
+SPARSITIES = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+
+
+def sweep(lm, predictors: dict[str, Predictors], ids, out: Path, sparsities=SPARSITIES,
+          head_keep=(8, 6, 4), window: int = 1024, key: dict | None = None, progress=None) -> list[dict]:
+    """Perplexity of ids under every method and MLP sparsity, then under head sparsity (MLP dense).
+
+    predictors: {"predictor": P, "lookahead": P2, ...} (the threshold method uses the first one's
+    calibration). Returns rows {"method", "sparsity", "head_sparsity", "ppl", "nll", "tokens"}.
+    """
+    path = Path(out) / "eval.json"
+    key = dict(key or {}, tokens=len(ids), window=window)
+    old = json.loads(path.read_text()) if path.exists() else {}
+    done = {_row_id(r): r for r in old.get("rows", [])} if old.get("key") == key else {}
+    first = next(iter(predictors.values())) if predictors else None
+    jobs = [("dense", None, 0.0, 0.0)]
+    for s in sparsities:
+        if s == 0:
+            continue
+        jobs.append(("oracle", None, s, 0.0))
+        if first is not None:
+            jobs.append(("threshold", first, s, 0.0))
+        jobs += [(name, p, s, 0.0) for name, p in predictors.items()]
+    H = lm.cfg.n_heads
+    for k in head_keep:
+        if 0 < k < H:
+            hs = (H - k) / H
+            jobs.append(("oracle", None, 0.0, hs))
+            jobs += [(name, p, 0.0, hs) for name, p in predictors.items()]
+    rows = []
+    for method, pred, s, hs in jobs:
+        rid = (method, round(s, 4), round(hs, 4))
+        if rid in done:
+            rows.append(done[rid])
+        else:
+            lm.model.sparsity = None
+            if method != "dense":
+                Plan("threshold" if method == "threshold" else "oracle" if method == "oracle" else "predictor",
+                     s, hs, pred, sparse_exec=False).bind(lm.model)
+            try:
+                r = perplexity(lm, ids, window=window)
+            finally:
+                lm.model.sparsity = None
+            rows.append({"method": method, "sparsity": s, "head_sparsity": hs, "ppl": r["ppl"], "nll": r["nll"],
+                         "tokens": r["tokens"]})
+            write_json(path, {"key": key, "rows": rows + [r for i, r in done.items() if i not in
+                                                          {_row_id(x) for x in rows}]})
+        if progress is not None:
+            progress(1)
+    return rows
+
+
+def _row_id(r: dict) -> tuple:
+    return (r["method"], round(r["sparsity"], 4), round(r["head_sparsity"], 4))
+
+
+@torch.inference_mode()
+def predictor_quality(lm, predictors: dict[str, Predictors], held: dict[str, torch.Tensor],
+                      sparsity: float = 0.5, head_sparsity: float = 4 / 9) -> dict:
+    """On held-out activity (see `collect`): per layer, recall of the oracle's kept neurons (and heads)
+    by each predictor, and the sparsity the threshold calibration really reaches."""
+    res = {"sparsity": sparsity, "head_sparsity": head_sparsity, "recall": {}, "head_recall": {},
+           "threshold_sparsity": []}
+    L = held["act"].shape[0]
+    for name, p in predictors.items():
+        res["recall"][name] = [recall(p.mlp_scores(i, held["mlp_in"][i - 1 if p.lookahead and i > 0 else i]),
+                                      held["act"][i].float(), 1 - sparsity) for i in range(L)]
+        res["head_recall"][name] = [recall(p.head_scores(i, held["attn_in"][i]), held["head_norm"][i].float(),
+                                           1 - head_sparsity) for i in range(L)]
+    first = next(iter(predictors.values()))
+    from attnlab.sparsity.collect import _weight
+    for i, layer in enumerate(lm.model.layers):
+        ffn = layer.mlp
+        g = F.silu(held["mlp_in"][i].float() @ _weight(ffn.w13)[:ffn.hidden].T).abs()
+        res["threshold_sparsity"].append(float((g <= first.threshold(i, sparsity)).float().mean()))
+    return res
+
+
+def sparsity_at(rows: list[dict], method: str, max_rise: float = 0.05) -> float | None:
+    """The largest MLP sparsity of `method` whose perplexity is within (1 + max_rise) of dense."""
+    dense = next(r["ppl"] for r in rows if r["method"] == "dense")
+    ok = [r["sparsity"] for r in rows if r["method"] == method and not r["head_sparsity"]
+          and r["ppl"] <= dense * (1 + max_rise)]
+    return max(ok) if ok else None
+
+
+def plot(rows: list[dict], quality: dict | None, path: Path, title: str) -> str:
+    """Perplexity against MLP sparsity per method (left) and predictor recall per layer (right)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dense = next(r["ppl"] for r in rows if r["method"] == "dense")
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    ax = axes[0]
+    for m in dict.fromkeys(r["method"] for r in rows if r["method"] != "dense"):
+        pts = sorted((r["sparsity"], r["ppl"]) for r in rows if r["method"] == m and not r["head_sparsity"])
+        if pts:
+            ax.plot([0] + [p[0] for p in pts], [dense] + [p[1] for p in pts], marker="o", ms=3, label=m)
+    ax.axhline(dense * 1.05, color="grey", ls=":", lw=1, label="dense + 5%")
+    ax.set_yscale("log")
+    ax.set_xlabel("MLP sparsity (fraction of neurons skipped per token)")
+    ax.set_ylabel("perplexity (log; lower is better)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    if quality:
+        for name, r in quality["recall"].items():
+            ax.plot(r, marker=".", label=f"{name}: neurons")
+        for name, r in quality["head_recall"].items():
+            ax.plot(r, ls="--", label=f"{name}: heads")
+        ax.set_ylim(0, 1)
+        ax.set_xlabel("layer")
+        ax.set_ylabel(f"recall of the oracle's kept set (MLP sparsity {quality['sparsity']:.0%})")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+def plot_concentration(stats: dict, path: Path, title: str) -> str:
+    """Per layer: relative error of the MLP (and attention) output rebuilt from the top fraction kept."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layers = stats["layers"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for k in stats["keep"]:
+        axes[0].plot([r["mlp"][k] if k in r["mlp"] else r["mlp"][str(k)] for r in layers], marker=".",
+                     label=f"top {k:.0%} neurons")
+    H = stats["n_heads"]
+    for k in sorted({int(x) for r in layers for x in r["heads"]}):
+        axes[1].plot([r["heads"].get(k, r["heads"].get(str(k))) for r in layers], marker=".", label=f"top {k}/{H} heads")
+    for ax, what in zip(axes, ("MLP output", "attention output")):
+        ax.set_xlabel("layer")
+        ax.set_ylabel(f"relative error of the {what}")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+def summary_line(rows: list[dict]) -> list[str]:
+    dense = next(r["ppl"] for r in rows if r["method"] == "dense")
+    out = [f"dense perplexity {dense:.3f}"]
+    for m in dict.fromkeys(r["method"] for r in rows if r["method"] != "dense"):
+        s = sparsity_at(rows, m)
+        out.append(f"{m}: largest MLP sparsity within +5% perplexity: {'none' if s is None else f'{s:.0%}'}")
+    return out
