@@ -220,8 +220,9 @@ def _as_ids(ids) -> torch.Tensor:
 
 
 def load(spec: str | Path = DEFAULT_MODEL, dtype: str = "float32", threads: int | None = None,
-         quant=None, compile: bool = False, rope: str | None = None) -> LM:
+         quant=None, compile: bool = False, rope: str | None = None, sparsity: str | None = None) -> LM:
     """Load a model: the embedded name 'smollm2-135m', a .gguf file, or a Hugging Face folder
-    (or a quantized folder written by `attnlab quantize`). See `LM.load` for quant, compile and
-    rope ("yarn:4", linear/ntk/dynamic/llama3:F, or "none" to remove the checkpoint's scaling)."""
-    return LM.load(spec, dtype=dtype, threads=threads, quant=quant, compile=compile, rope=rope)
+    (or a quantized folder written by `attnlab quantize`). See `LM.load` for quant, compile,
+    rope ("yarn:4", linear/ntk/dynamic/llama3:F, or "none" to remove the checkpoint's scaling)
+    and sparsity (Deja Vu: "runs/dejavu:0.5", "threshold@runs/dejavu:0.3", "lowbit:0.5")."""
+    return LM.load(spec, dtype=dtype, threads=threads, quant=quant, compile=compile, rope=rope, sparsity=sparsity)

@@ -106,7 +106,7 @@ def cmd_eval(args) -> int:
         raise UserError(f"--sparsities must be in (0, 1), got {args.sparsities}")
     quality = predictor_quality(lm, preds, held)
     write_json(out / "quality.json", quality)
-    n = 1 + len(sparsities) * (2 + len(preds)) + len(heads) * (1 + len(preds))
+    n = 1 + len(sparsities) * (2 + (not args.quant) + len(preds)) + len(heads) * (1 + len(preds))
     with progress(n, "dejavu eval", unit="run") as bar:
         rows = sweep(lm, preds, ids, out, sparsities=sparsities, head_keep=heads, window=args.window,
                      progress=bar.update,
@@ -142,6 +142,8 @@ def cmd_bench(args) -> int:
     plans = {"dense": None}
     for s in _floats(args.sparsities, "--sparsities"):
         plans[f"predictor {s:.0%}"] = Plan("predictor", s, 0.0, pred)
+        if not args.quant:
+            plans[f"lowbit {s:.0%}"] = Plan("lowbit", s)
         if args.threshold:
             plans[f"threshold {s:.0%}"] = Plan("threshold", s, 0.0, pred)
     with progress((args.repeats + 1) * len(plans), "dejavu bench", unit="run") as bar:

@@ -83,6 +83,8 @@ class QuantSpec:
 class QuantLinear(nn.Module):
     """y = x W^T (+ b) with W kept as a `Packed` matrix; x [..., K] -> [..., N] in x's dtype."""
 
+    max_rows = FUSED_MAX_ROWS  # longer inputs are multiplied by the dequantised matrix (faster for prefill)
+
     def __init__(self, packed: Packed, bias: torch.Tensor | None = None, fused: bool = True):
         super().__init__()
         self.kind, self.group, self.bits, self.fused = packed.kind, packed.group, packed.bits, fused
@@ -113,7 +115,7 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).float()
-        if self.fused and x2.shape[0] <= FUSED_MAX_ROWS and kernels.available():
+        if self.fused and x2.shape[0] <= self.max_rows and kernels.available():
             x2 = x2.contiguous()
             if self.kind == "int8":
                 y = kernels.q8_mm(x2, self.q, self.scale, self.group)

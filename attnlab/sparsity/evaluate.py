@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from attnlab.eval.perplexity import perplexity
 from attnlab.io import write_json
-from attnlab.sparsity.plan import Plan
+from attnlab.sparsity.plan import METHODS, Plan
 from attnlab.sparsity.predictors import Predictors, recall
 
 SPARSITIES = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
@@ -37,6 +37,8 @@ def sweep(lm, predictors: dict[str, Predictors], ids, out: Path, sparsities=SPAR
         if s == 0:
             continue
         jobs.append(("oracle", None, s, 0.0))
+        if not getattr(lm.model, "quant", None):
+            jobs.append(("lowbit", None, s, 0.0))
         if first is not None:
             jobs.append(("threshold", first, s, 0.0))
         jobs += [(name, p, s, 0.0) for name, p in predictors.items()]
@@ -54,8 +56,7 @@ def sweep(lm, predictors: dict[str, Predictors], ids, out: Path, sparsities=SPAR
         else:
             lm.model.sparsity = None
             if method != "dense":
-                Plan("threshold" if method == "threshold" else "oracle" if method == "oracle" else "predictor",
-                     s, hs, pred, sparse_exec=False).bind(lm.model)
+                Plan(method if method in METHODS else "predictor", s, hs, pred, sparse_exec=False).bind(lm.model)
             try:
                 r = perplexity(lm, ids, window=window)
             finally:

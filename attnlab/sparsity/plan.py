@@ -25,12 +25,13 @@ from torch import nn
 
 from attnlab.sparsity.predictors import Predictors
 
-METHODS = ("oracle", "threshold", "predictor")
+METHODS = ("oracle", "threshold", "predictor", "lowbit")
+LOWBIT = "int4:32"  # the lowbit method's copy of gate/up: 1/7 of the fp32 bytes
 
 
 @dataclass
 class Plan:
-    """method: oracle | threshold | predictor; sparsity: fraction of MLP neurons skipped per token;
+    """method: oracle | threshold | predictor | lowbit; sparsity: fraction of MLP neurons skipped per token;
     head_sparsity: fraction of query heads skipped (oracle or predictor); predictors: trained
     `Predictors` (also the threshold method's calibration); sparse_exec: single-token steps read
     only the chosen rows (False: always masked, for checking)."""
@@ -49,10 +50,10 @@ class Plan:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
                 raise ValueError(f"{name.replace('_', ' ')} must be in [0, 1), got {v!r}")
-        if self.method != "oracle" and self.predictors is None:
+        if self.method in ("threshold", "predictor") and self.predictors is None:
             raise ValueError(f"the {self.method} method needs trained predictors (attnlab dejavu train)")
-        if self.method == "threshold" and self.head_sparsity:
-            raise ValueError("the threshold method chooses MLP neurons only; use oracle or predictor for heads")
+        if self.method in ("threshold", "lowbit") and self.head_sparsity:
+            raise ValueError(f"the {self.method} method chooses MLP neurons only; use oracle or predictor for heads")
         self._prev = None
 
     def bind(self, model) -> "Plan":
@@ -61,6 +62,17 @@ class Plan:
         if self.predictors is not None:
             self.predictors.check_model(cfg)
         self.down = [_transposed(layer.mlp.w2, getattr(model, "quant", None)) for layer in model.layers]
+        if self.method == "lowbit":
+            if getattr(model, "quant", None):
+                raise ValueError("the lowbit method scores with a 4-bit copy of float weights; on quantized "
+                                 "weights use the threshold method")
+            from attnlab.quant import QuantLinear, QuantSpec
+            self.low = [QuantLinear(QuantSpec.parse(LOWBIT).quantize(layer.mlp.w13.weight.detach().float()))
+                        for layer in model.layers]
+            for low in self.low:  # the same integer arithmetic at every chunk length: prefill chooses as decode does
+                low.max_rows = 1 << 62
+        if self.predictors is not None:
+            self._pred = [self.predictors.layer(i) for i in range(cfg.n_layers)]
         model.sparsity = self
         return self
 
@@ -76,15 +88,26 @@ class Plan:
             return self._sparse(i, ffn, x, src, ctx)
         gate, up = ffn.w13(x).split(ffn.hidden, dim=-1)
         act = F.silu(gate) * up
-        act = act * self.choose(i, src, gate, act)
+        act = act * self.choose(i, x, gate, act, src)
         ctx.record(i, "mlp_act", act)
         return ffn.w2(act)
 
-    def choose(self, i: int, src: torch.Tensor, gate: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
+    def _lowbit(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """|silu(gate) * up| from the 4-bit copy: the oracle's ranking at a seventh of the bytes."""
+        g, u = self.low[i](x).split(self.low[i].out_features // 2, dim=-1)
+        return (F.silu(g) * u).abs()
+
+    def choose(self, i: int, x: torch.Tensor, gate: torch.Tensor, act: torch.Tensor,
+               src: torch.Tensor | None = None) -> torch.Tensor:
         """Float mask [..., hidden] of the neurons each token keeps (masked execution)."""
         if self.method == "threshold":
             return (F.silu(gate).abs() > self.predictors.threshold(i, self.sparsity)).to(act.dtype)
-        scores = act.abs() if self.method == "oracle" else self.predictors.mlp_scores(i, src)
+        if self.method == "oracle":
+            scores = act.abs()
+        elif self.method == "lowbit":
+            scores = self._lowbit(i, x)
+        else:
+            scores = self.predictors.mlp_scores(i, src)
         k = self.keep(act.shape[-1], self.sparsity)
         return torch.zeros_like(act).scatter(-1, scores.topk(k, dim=-1).indices, 1.0)
 
@@ -103,7 +126,8 @@ class Plan:
             a = sg[idx] * rows_matvec(ffn.w13, x1, idx + H)
         else:
             k = self.keep(H, self.sparsity)
-            idx = self.predictors.mlp_scores(i, src.reshape(-1)).topk(k).indices.sort().values
+            scores = self._lowbit(i, x1) if self.method == "lowbit" else _scores(self._pred[i], src.reshape(-1))
+            idx = scores.topk(k, sorted=False).indices.sort().values
             gu = rows_matvec(ffn.w13, x1, torch.cat([idx, idx + H]))
             a = F.silu(gu[:k]) * gu[k:]
         if ctx.observers:
@@ -139,9 +163,17 @@ class Plan:
                 sparse += w13 + k * row2
             elif self.method == "threshold":
                 sparse += H * row13 + k * (row13 + row2)  # k: the calibrated average
+            elif self.method == "lowbit":
+                sparse += self.low[i].nbytes + 2 * k * row13 + k * row2
             else:
                 sparse += 2 * k * row13 + k * row2 + self.predictors.nbytes
         return {"dense_mlp": dense, "sparse_mlp": int(sparse)}
+
+
+def _scores(layer: tuple, x: torch.Tensor) -> torch.Tensor:
+    """A predictor's neuron scores for one token x [dim] from its prepared tensors (two matvecs)."""
+    at, a0, bt, b0 = layer
+    return torch.addmv(b0, bt, torch.relu(torch.addmv(a0, at, x)))
 
 
 def _nbytes(linear) -> int:
@@ -159,7 +191,8 @@ def _transposed(w2, quant: str | None):
 
 
 def parse(spec: str) -> tuple[str, str | None, float, float]:
-    """'[method@]PATH[:MLP[:HEADS]]' or 'oracle[:MLP[:HEADS]]' -> (method, path, sparsity, head_sparsity).
+    """'[method@]PATH[:MLP[:HEADS]]', 'oracle[:MLP[:HEADS]]' or 'lowbit[:MLP]' -> (method, path, sparsity,
+    head_sparsity).
 
     PATH is a folder (or file) written by `attnlab dejavu train`; the method defaults to predictor."""
     text = str(spec).strip()
@@ -173,11 +206,11 @@ def parse(spec: str) -> tuple[str, str | None, float, float]:
         parts.pop()
     head = ":".join(parts)
     method, _, path = head.rpartition("@") if "@" in head else ("", "", head)
-    if head == "oracle":
-        method, path = "oracle", None
+    if head in ("oracle", "lowbit"):
+        method, path = head, None
     method = method or "predictor"
     if method not in METHODS:
-        raise ValueError(f"bad --sparsity {spec!r}: unknown method {method!r} (oracle, threshold, predictor)")
+        raise ValueError(f"bad --sparsity {spec!r}: unknown method {method!r} ({', '.join(METHODS)})")
     if not nums:
         nums = [0.5]
     return method, path, nums[0], nums[1] if len(nums) > 1 else 0.0

@@ -55,6 +55,11 @@ class Predictors(nn.Module):
         h = F.relu(x.float() @ self.mlp_a[i] + self.mlp_a0[i])
         return h @ self.mlp_b[i] + self.mlp_b0[i]
 
+    def layer(self, i: int) -> tuple:
+        """Layer i's MLP scorer as contiguous transposed tensors for two `addmv`s (the decode step's form)."""
+        return (self.mlp_a[i].detach().T.contiguous(), self.mlp_a0[i].detach().clone(),
+                self.mlp_b[i].detach().T.contiguous(), self.mlp_b0[i].detach().clone())
+
     def head_scores(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """x [..., dim] (layer i's normed attention input) -> [..., n_heads]."""
         return F.relu(x.float() @ self.head_a[i] + self.head_a0[i]) @ self.head_b[i] + self.head_b0[i]

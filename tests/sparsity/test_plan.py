@@ -55,7 +55,7 @@ def test_everything_selected_equals_dense(tiny_pred, method):
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("method,hs", [("oracle", 0.5), ("predictor", 0.25), ("threshold", 0.0)])
+@pytest.mark.parametrize("method,hs", [("oracle", 0.5), ("predictor", 0.25), ("threshold", 0.0), ("lowbit", 0.0)])
 def test_sparse_decode_equals_zeroed_weights(tiny_pred, method, hs):
     """Brute force: for every token, a copy of the dense model whose gate rows of the unused neurons and
     wo columns of the unused heads are zeroed, fed the same token on its own cache."""
@@ -88,7 +88,7 @@ def test_sparse_decode_equals_zeroed_weights(tiny_pred, method, hs):
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("method", ["oracle", "threshold", "predictor", "lookahead"])
+@pytest.mark.parametrize("method", ["oracle", "threshold", "predictor", "lookahead", "lowbit"])
 def test_masked_prefill_equals_sparse_decode(tiny_pred, method):
     """The two executions share one semantics: a full masked forward = token-by-token sparse steps."""
     lm, pred, ahead = tiny_pred
@@ -128,6 +128,7 @@ def test_predictors_save_and_reload(tiny_pred, tmp_path):
 
 def test_spec_parsing_and_errors(tmp_path):
     assert parse("oracle:0.7") == ("oracle", None, 0.7, 0.0)
+    assert parse("lowbit:0.6") == ("lowbit", None, 0.6, 0.0)
     assert parse("runs/dv:0.3:0.2") == ("predictor", "runs/dv", 0.3, 0.2)
     assert parse("threshold@runs/dv") == ("threshold", "runs/dv", 0.5, 0.0)
     with pytest.raises(ValueError, match="unknown method"):
