@@ -18,6 +18,7 @@ from attnlab.sparsity.plan import METHODS, Plan
 from attnlab.sparsity.predictors import Predictors, recall
 
 SPARSITIES = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+COLORS = {"oracle": "C0", "lowbit": "C1", "threshold": "C2", "predictor": "C3", "lookahead": "C4"}
 
 
 def sweep(lm, predictors: dict[str, Predictors], ids, out: Path, sparsities=SPARSITIES,
@@ -89,10 +90,20 @@ def predictor_quality(lm, predictors: dict[str, Predictors], held: dict[str, tor
                                            1 - head_sparsity) for i in range(L)]
     first = next(iter(predictors.values()))
     from attnlab.sparsity.collect import _weight
+    lowbit = None
+    if not getattr(lm.model, "quant", None):
+        lowbit = Plan("lowbit", sparsity).bind(lm.model)
+        lm.model.sparsity = None
+        res["recall"]["lowbit"] = []
+    res["recall"]["threshold"] = []
     for i, layer in enumerate(lm.model.layers):
         ffn = layer.mlp
-        g = F.silu(held["mlp_in"][i].float() @ _weight(ffn.w13)[:ffn.hidden].T).abs()
+        x, act = held["mlp_in"][i].float(), held["act"][i].float()
+        g = F.silu(x @ _weight(ffn.w13)[:ffn.hidden].T).abs()
         res["threshold_sparsity"].append(float((g <= first.threshold(i, sparsity)).float().mean()))
+        res["recall"]["threshold"].append(recall(g, act, 1 - sparsity))  # the gate's ranking at the same k
+        if lowbit is not None:
+            res["recall"]["lowbit"].append(recall(lowbit._lowbit(i, x), act, 1 - sparsity))
     return res
 
 
@@ -116,7 +127,8 @@ def plot(rows: list[dict], quality: dict | None, path: Path, title: str) -> str:
     for m in dict.fromkeys(r["method"] for r in rows if r["method"] != "dense"):
         pts = sorted((r["sparsity"], r["ppl"]) for r in rows if r["method"] == m and not r["head_sparsity"])
         if pts:
-            ax.plot([0] + [p[0] for p in pts], [dense] + [p[1] for p in pts], marker="o", ms=3, label=m)
+            ax.plot([0] + [p[0] for p in pts], [dense] + [p[1] for p in pts], marker="o", ms=3, label=m,
+                    color=COLORS.get(m))
     ax.axhline(dense * 1.05, color="grey", ls=":", lw=1, label="dense + 5%")
     ax.set_yscale("log")
     ax.set_xlabel("MLP sparsity (fraction of neurons skipped per token)")
@@ -127,9 +139,9 @@ def plot(rows: list[dict], quality: dict | None, path: Path, title: str) -> str:
     ax = axes[1]
     if quality:
         for name, r in quality["recall"].items():
-            ax.plot(r, marker=".", label=f"{name}: neurons")
+            ax.plot(r, marker=".", label=f"{name}: neurons", color=COLORS.get(name))
         for name, r in quality["head_recall"].items():
-            ax.plot(r, ls="--", label=f"{name}: heads")
+            ax.plot(r, ls="--", label=f"{name}: heads", color=COLORS.get(name))
         ax.set_ylim(0, 1)
         ax.set_xlabel("layer")
         ax.set_ylabel(f"recall of the oracle's kept set (MLP sparsity {quality['sparsity']:.0%})")
