@@ -21,6 +21,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -130,10 +131,8 @@ inline float dot_f32(const float* w, const float* x, int64_t K) {  // K a multip
   return hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
 }
 
-// o[0..32) += a * (8 int32 lanes of v, 4 times): the tail of every axpy block
-inline void fma_block(float* o, const __m256i v[4], __m256 a) {
-  for (int i = 0; i < 4; ++i)
-    _mm256_storeu_ps(o + 8 * i, _mm256_fmadd_ps(_mm256_cvtepi32_ps(v[i]), a, _mm256_loadu_ps(o + 8 * i)));
+inline void to_float(const __m256i v[4], __m256 f[4]) {
+  for (int i = 0; i < 4; ++i) f[i] = _mm256_cvtepi32_ps(v[i]);
 }
 
 // ---- the rows ops' shared checks and loops ----
@@ -163,28 +162,59 @@ int64_t check_groups(const torch::Tensor& w, torch::ScalarType t, int64_t K, int
   return K / group;
 }
 
+// Where the selected rows live: the weight's bytes, the bytes of one row and of one 32-weight block.
+// Rows are scattered, so the hardware prefetcher restarts at each; the loops ask for a row
+// `ahead` selections before they read it.
+struct Rows {
+  const char* base;
+  int64_t row, block;
+  static constexpr int64_t ahead = 4;
+  void prefetch(int64_t r, int64_t b0, int64_t b1) const {
+    const char* p = base + r * row + b0 * block;
+    for (int64_t o = 0; o < (b1 - b0) * block; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+  }
+};
+
 // y[j] = row(idx[j]): the selected rows' dot products, split across threads by j
 template <class Dot>
-torch::Tensor rows_mv(const torch::Tensor& x, const int64_t* I, int64_t k, Dot dot) {
+torch::Tensor rows_mv(const torch::Tensor& x, const Rows& w, const int64_t* I, int64_t k, int64_t K, Dot dot) {
   auto out = torch::empty({k}, x.options());
   float* O = out.data_ptr<float>();
   at::parallel_for(0, k, 16, [&](int64_t j0, int64_t j1) {
-    for (int64_t j = j0; j < j1; ++j) O[j] = dot(I[j]);
+    for (int64_t j = j0; j < j1; ++j) {
+      if (j + Rows::ahead < j1) w.prefetch(I[j + Rows::ahead], 0, K / 32);
+      O[j] = dot(I[j]);
+    }
   });
   return out;
 }
 
 // out [K] = sum_j a[j] * row(idx[j]): each thread owns a slice of 32-column blocks and streams that
-// slice of every selected row once; add(o, r, b, a) does block b of row r into o (32 floats).
-template <class Add>
-torch::Tensor rows_axpy(const torch::Tensor& a, const int64_t* I, int64_t K, Add add) {
+// slice of every selected row once, 4 rows per pass over its slice of out (kept in L1).
+// block(r, b, g, a, v) puts block b (in group g) of row r into v as 32 floats and returns the
+// factor it is multiplied by (a times the group's scale).
+template <class Block>
+torch::Tensor rows_axpy(const torch::Tensor& a, const Rows& w, const int64_t* I, int64_t K, int64_t per, Block block) {
   auto out = torch::zeros({K}, a.options());
   float* O = out.data_ptr<float>();
   const float* A = a.data_ptr<float>();
   const int64_t k = a.numel();
   at::parallel_for(0, K / 32, 4, [&](int64_t b0, int64_t b1) {
-    for (int64_t j = 0; j < k; ++j)
-      for (int64_t b = b0; b < b1; ++b) add(O + b * 32, I[j], b, A[j]);
+    for (int64_t j = 0; j < k; j += 4) {
+      const int64_t n = std::min<int64_t>(4, k - j);
+      for (int64_t t = j + Rows::ahead; t < std::min(k, j + Rows::ahead + 4); ++t) w.prefetch(I[t], b0, b1);
+      int64_t g = b0 / per, in = b0 % per;  // the block's group, counted (a division per block is slow)
+      for (int64_t b = b0; b < b1; ++b) {
+        __m256 acc[4], v[4];
+        for (int i = 0; i < 4; ++i) acc[i] = _mm256_loadu_ps(O + b * 32 + 8 * i);
+        for (int64_t t = j; t < j + n; ++t) {
+          const __m256 c = _mm256_set1_ps(block(I[t], b, g, A[t], v));
+          for (int i = 0; i < 4; ++i) acc[i] = _mm256_fmadd_ps(v[i], c, acc[i]);
+        }
+        for (int i = 0; i < 4; ++i) _mm256_storeu_ps(O + b * 32 + 8 * i, acc[i]);
+        if (++in == per) in = 0, ++g;
+      }
+    }
   });
   return out;
 }
@@ -283,7 +313,8 @@ torch::Tensor f32_rows_mv(torch::Tensor x, torch::Tensor w, torch::Tensor idx) {
   check_rows(x, K, "x");
   const float* W = w.data_ptr<float>();
   const float* X = x.data_ptr<float>();
-  return rows_mv(x, check_idx(idx, w.size(0)), idx.numel(), [&](int64_t r) { return dot_f32(W + r * K, X, K); });
+  const Rows rows{reinterpret_cast<const char*>(W), K * 4, 128};
+  return rows_mv(x, rows, check_idx(idx, w.size(0)), idx.numel(), K, [&](int64_t r) { return dot_f32(W + r * K, X, K); });
 }
 
 torch::Tensor q8_rows_mv(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int64_t group, torch::Tensor idx) {
@@ -292,7 +323,8 @@ torch::Tensor q8_rows_mv(torch::Tensor x, torch::Tensor q, torch::Tensor scale, 
   const QActs xa(x.data_ptr<float>(), 1, K);
   const int8_t* Q = q.data_ptr<int8_t>();
   const float* S = scale.data_ptr<float>();
-  return rows_mv(x, check_idx(idx, q.size(0)), idx.numel(),
+  const Rows rows{reinterpret_cast<const char*>(Q), K, 32};
+  return rows_mv(x, rows, check_idx(idx, q.size(0)), idx.numel(), K,
                  [&](int64_t r) { return dot_q8(Q + r * K, S + r * G, xa.q.data(), xa.d.data(), G, per); });
 }
 
@@ -304,7 +336,8 @@ torch::Tensor q4_rows_mv(torch::Tensor x, torch::Tensor qs, torch::Tensor scale,
   const uint8_t* Q = qs.data_ptr<uint8_t>();
   const float* S = scale.data_ptr<float>();
   const float* MN = min.data_ptr<float>();
-  return rows_mv(x, check_idx(idx, qs.size(0)), idx.numel(), [&](int64_t r) {
+  const Rows rows{reinterpret_cast<const char*>(Q), K / 2, 16};
+  return rows_mv(x, rows, check_idx(idx, qs.size(0)), idx.numel(), K, [&](int64_t r) {
     return dot_q4(Q + r * K / 2, S + r * G, MN + r * G, xa.q.data(), xa.d.data(), xa.g.data(), G, per);
   });
 }
@@ -314,11 +347,10 @@ torch::Tensor f32_rows_axpy(torch::Tensor a, torch::Tensor w, torch::Tensor idx)
   check_groups(w, torch::kFloat, K, K, {});
   check_rows(a, idx.numel(), "a");
   const float* W = w.data_ptr<float>();
-  return rows_axpy(a, check_idx(idx, w.size(0)), K, [&](float* o, int64_t r, int64_t b, float aj) {
-    const float* row = W + r * K + b * 32;
-    const __m256 av = _mm256_set1_ps(aj);
-    for (int i = 0; i < 4; ++i)
-      _mm256_storeu_ps(o + 8 * i, _mm256_fmadd_ps(_mm256_loadu_ps(row + 8 * i), av, _mm256_loadu_ps(o + 8 * i)));
+  const Rows rows{reinterpret_cast<const char*>(W), K * 4, 128};
+  return rows_axpy(a, rows, check_idx(idx, w.size(0)), K, 1, [&](int64_t r, int64_t b, int64_t, float aj, __m256 v[4]) {
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(W + r * K + b * 32 + 8 * i);
+    return aj;
   });
 }
 
@@ -327,12 +359,14 @@ torch::Tensor q8_rows_axpy(torch::Tensor a, torch::Tensor q, torch::Tensor scale
   check_rows(a, idx.numel(), "a");
   const int8_t* Q = q.data_ptr<int8_t>();
   const float* S = scale.data_ptr<float>();
-  return rows_axpy(a, check_idx(idx, q.size(0)), K, [&](float* o, int64_t r, int64_t b, float aj) {
+  const Rows rows{reinterpret_cast<const char*>(Q), K, 32};
+  return rows_axpy(a, rows, check_idx(idx, q.size(0)), K, per, [&](int64_t r, int64_t b, int64_t g, float aj, __m256 v[4]) {
     const int8_t* row = Q + r * K + b * 32;
-    __m256i v[4];
+    __m256i c[4];
     for (int i = 0; i < 4; ++i)
-      v[i] = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * i)));
-    fma_block(o, v, _mm256_set1_ps(aj * S[r * G + b / per]));
+      c[i] = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * i)));
+    to_float(c, v);
+    return aj * S[r * G + g];
   });
 }
 
@@ -346,14 +380,17 @@ torch::Tensor q4_rows_axpy(torch::Tensor a, torch::Tensor qs, torch::Tensor scal
   const float* S = scale.data_ptr<float>();
   const float* MN = min.data_ptr<float>();
   std::vector<float> mins(K / 32, 0.f);  // per block; threads own disjoint blocks
-  auto out = rows_axpy(a, check_idx(idx, qs.size(0)), K, [&](float* o, int64_t r, int64_t b, float aj) {
+  const Rows rows{reinterpret_cast<const char*>(Q), K / 2, 16};
+  auto out = rows_axpy(a, rows, check_idx(idx, qs.size(0)), K, per, [&](int64_t r, int64_t b, int64_t g, float aj,
+                                                                        __m256 v[4]) {
     const __m128i m = _mm_set1_epi8(0x0F);
     const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(Q + r * K / 2 + b * 16));
     const __m128i lo = _mm_and_si128(c, m), hi = _mm_and_si128(_mm_srli_epi16(c, 4), m);
-    const __m256i v[4] = {_mm256_cvtepu8_epi32(lo), _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)),
-                          _mm256_cvtepu8_epi32(hi), _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))};
-    fma_block(o, v, _mm256_set1_ps(aj * S[r * G + b / per]));
-    mins[b] += aj * MN[r * G + b / per];
+    const __m256i codes[4] = {_mm256_cvtepu8_epi32(lo), _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)),
+                              _mm256_cvtepu8_epi32(hi), _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))};
+    to_float(codes, v);
+    mins[b] += aj * MN[r * G + g];
+    return aj * S[r * G + g];
   });
   float* O = out.data_ptr<float>();
   for (int64_t b = 0; b < K / 32; ++b)
