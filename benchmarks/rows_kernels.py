@@ -11,12 +11,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnlab.quant import QuantLinear, QuantSpec, kernels
+from attnlab.quant import Packed, QuantLinear, QuantSpec, kernels
 from attnlab.sparsity.rows import rows_combine, rows_matvec
 
 D, H = 576, 1536  # SmolLM2-135M model and MLP widths
@@ -30,13 +31,20 @@ def linear(w: torch.Tensor, fmt: str) -> nn.Module:
     return QuantLinear(QuantSpec.parse(fmt).quantize(w))
 
 
-def gathered(layer: nn.Module, idx: torch.Tensor) -> nn.Module:
-    """The rows idx copied out (the index_select that gather-then-multiply pays every call)."""
+def gathered(layer: nn.Module, idx: torch.Tensor):
+    """The rows idx copied out (the index_select that gather-then-multiply pays every call):
+    a float [k, K] matrix, or a Packed one with k rows."""
     if isinstance(layer, nn.Linear):
         return layer.weight.index_select(0, idx)
     p = layer.packed
-    return QuantLinear(type(p)(p.kind, (idx.numel(), p.shape[1]), p.group, p.bits,
-                               **{k: v.index_select(0, idx) for k, v in p.tensors().items()}))
+    return replace(p, shape=(idx.numel(), p.shape[1]), **{k: v.index_select(0, idx) for k, v in p.tensors().items()})
+
+
+def dense_mv(p: Packed, x: torch.Tensor) -> torch.Tensor:
+    """The fused dense kernel on a packed matrix, as QuantLinear's batch-1 forward calls it."""
+    if p.kind == "int8":
+        return kernels.q8_mm(x[None], p.q, p.scale, p.group)[0]
+    return kernels.q4_mm(x[None], p.qs, p.scale, p.min, p.group)[0]
 
 
 def row_bytes(layer: nn.Module) -> float:
@@ -45,24 +53,20 @@ def row_bytes(layer: nn.Module) -> float:
 
 
 def methods(layer13, layer2, layer2T, sel, a, x, h):
-    """{(op, method): call}: one op of one layer; sel the active neurons."""
+    """{(op, method): call}: one op of one layer; sel the active neurons. The quantized down
+    projection has no fused a @ rows kernel to gather into, so its gather dequantises the rows."""
     idx13 = torch.cat([sel, sel + H])
     fp32 = isinstance(layer13, nn.Linear)
-    mm = (lambda l, v: F.linear(v, l.weight)) if fp32 else (lambda l, v: l(v[None])[0])
-    gmm = (lambda w, v: w @ v) if fp32 else (lambda g, v: g(v[None])[0])
+    mv = (lambda w, v: F.linear(v, w)) if fp32 else dense_mv
+    w13, w2 = (layer13.weight, layer2.weight) if fp32 else (layer13.packed, layer2.packed)
     return {
-        ("w13 mv", "dense"): lambda: mm(layer13, x),
+        ("w13 mv", "dense"): lambda: mv(w13, x),
         ("w13 mv", "rows"): lambda: rows_matvec(layer13, x, idx13),
-        ("w13 mv", "gather+mm"): lambda: gmm(gathered(layer13, idx13), x),
-        ("w2 combine", "dense"): lambda: mm(layer2, h),
+        ("w13 mv", "gather+mm"): lambda: mv(gathered(layer13, idx13), x),
+        ("w2 combine", "dense"): lambda: mv(w2, h),
         ("w2 combine", "rows"): lambda: rows_combine(layer2T, a, sel),
-        ("w2 combine", "gather+mm"): lambda: (a @ gathered(layer2T, sel)) if fp32 else gathered_t(layer2T, sel, a),
+        ("w2 combine", "gather+mm"): lambda: a @ (gathered(layer2T, sel) if fp32 else gathered(layer2T, sel).dequantize()),
     }
-
-
-def gathered_t(layer2T: QuantLinear, sel: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-    """Quantized gather for the down projection: the selected rows of W2^T, dequantised, then a @ rows."""
-    return a @ gathered(layer2T, sel).dequantize()
 
 
 def main() -> None:
@@ -71,9 +75,12 @@ def main() -> None:
     p.add_argument("--fractions", default="1.0,0.5,0.3,0.1", help="active neuron fractions")
     p.add_argument("--layers", type=int, default=30, help="distinct weight copies cycled (SmolLM2 has 30)")
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="cpu: this thread's CPU time, steadier on a machine shared with other jobs")
     args = p.parse_args()
+    clock = time.perf_counter if args.clock == "wall" else time.thread_time
     torch.set_num_threads(1)
-    print(f"kernels: {kernels.available()}, threads 1, layers cycled {args.layers}")
+    print(f"kernels: {kernels.available()}, threads 1, layers cycled {args.layers}, clock {args.clock}")
     g = torch.Generator().manual_seed(0)
     rows = []
     for fmt in args.formats.split(","):
@@ -90,10 +97,10 @@ def main() -> None:
             times = {key: [] for key in calls[0]}
             for _ in range(args.repeats):
                 for key in times:  # interleaved: every method once per repeat, over all layers
-                    start = time.perf_counter()
+                    start = clock()
                     for c in calls:
                         c[key]()
-                    times[key].append((time.perf_counter() - start) / len(calls))
+                    times[key].append((clock() - start) / len(calls))
             l13, l2, l2T = layers[0]
             for op, full, rb in (("w13 mv", 2 * H, row_bytes(l13)), ("w2 combine", H, row_bytes(l2T))):
                 n = 2 * k if op == "w13 mv" else k
