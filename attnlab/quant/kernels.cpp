@@ -60,17 +60,10 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* d, fl
   }
 }
 
-void check(const torch::Tensor& x, const torch::Tensor& w, int64_t K) {
+void check(const torch::Tensor& x, int64_t K) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous() && x.dim() == 2 && x.size(1) == K,
               "x must be contiguous float32 [M, K]");
-  TORCH_CHECK(w.is_contiguous(), "weights must be contiguous");
 }
-
-void check_params(std::initializer_list<torch::Tensor> ts) {
-  for (const auto& t : ts)
-    TORCH_CHECK(t.is_contiguous() && t.scalar_type() != torch::kDouble, "scales must be contiguous");
-}
-
 
 // The activations as the integer kernels multiply them: x [M, K] rounded to int8 per 32 values
 // (q, d), and for q4's min term the exact float sums per weight group (g, [M, K/group]).
@@ -122,18 +115,28 @@ inline float dot_q8(const int8_t* w, const float* sr, const int8_t* xr, const fl
   return hsum(acc);
 }
 
+// One lut4 row: one byte shuffle turns 32 codes into their int8 centroids, then q8's integer dot.
+inline float dot_lut4(const uint8_t* q, const int8_t* lut, const float* ls, const int8_t* xr, const float* dr,
+                      int64_t G, int64_t per) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lut + g * 16)));
+    for (int64_t b = g * per; b < (g + 1) * per; ++b) {
+      __m256i wv = _mm256_shuffle_epi8(table, unpack32(q + b * 16));
+      __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + b * 32));
+      __m256 d = dot_u8i8(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
+      acc = _mm256_fmadd_ps(d, _mm256_set1_ps(ls[g] * dr[b]), acc);
+    }
+  }
+  return hsum(acc);
+}
+
 inline float dot_f32(const float* w, const float* x, int64_t K) {  // K a multiple of 32
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int64_t c = 0; c < K; c += 32)
     for (int i = 0; i < 4; ++i)
       acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(w + c + 8 * i), _mm256_loadu_ps(x + c + 8 * i), acc[i]);
   return hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
-}
-
-// o[0..32) += a * (8 int32 lanes of v, 4 times): the tail of every axpy block
-inline void fma_block(float* o, const __m256i v[4], __m256 a) {
-  for (int i = 0; i < 4; ++i)
-    _mm256_storeu_ps(o + 8 * i, _mm256_fmadd_ps(_mm256_cvtepi32_ps(v[i]), a, _mm256_loadu_ps(o + 8 * i)));
 }
 
 // ---- the rows ops' shared checks and loops ----
@@ -163,28 +166,80 @@ int64_t check_groups(const torch::Tensor& w, torch::ScalarType t, int64_t K, int
   return K / group;
 }
 
+// Where the selected rows live: the weight's bytes, the bytes of one row and of one 32-weight block.
+// Rows are scattered, so the hardware prefetcher restarts at each; the loops ask for a row
+// `ahead` selections before they read it.
+struct Rows {
+  const char* base;
+  int64_t row, block;  // bytes
+  static constexpr int64_t ahead = 4;
+  Rows(const void* w, int64_t row_bytes, int64_t K)
+      : base(static_cast<const char*>(w)), row(row_bytes), block(row_bytes * 32 / K) {}
+  void prefetch(int64_t r, int64_t b0, int64_t b1) const {
+    const char* p = base + r * row + b0 * block;
+    for (int64_t o = 0; o < (b1 - b0) * block; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+  }
+};
+
+// out [M, N] = dot(r, m) for every weight row r and activation row m, rows split across threads
+template <class Dot>
+torch::Tensor rows_mm(const torch::Tensor& x, int64_t N, Dot dot) {
+  const int64_t M = x.size(0);
+  auto out = torch::empty({M, N}, x.options());
+  float* O = out.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t m = 0; m < M; ++m) O[m * N + r] = dot(r, m);
+  });
+  return out;
+}
+
 // y[j] = row(idx[j]): the selected rows' dot products, split across threads by j
 template <class Dot>
-torch::Tensor rows_mv(const torch::Tensor& x, const int64_t* I, int64_t k, Dot dot) {
+torch::Tensor rows_mv(const torch::Tensor& x, const Rows& w, const torch::Tensor& idx, int64_t N, int64_t K, Dot dot) {
+  check_rows(x, K, "x");
+  const int64_t* I = check_idx(idx, N);
+  const int64_t k = idx.numel();
   auto out = torch::empty({k}, x.options());
   float* O = out.data_ptr<float>();
   at::parallel_for(0, k, 16, [&](int64_t j0, int64_t j1) {
-    for (int64_t j = j0; j < j1; ++j) O[j] = dot(I[j]);
+    for (int64_t j = j0; j < j1; ++j) {
+      if (j + Rows::ahead < j1) w.prefetch(I[j + Rows::ahead], 0, K / 32);
+      O[j] = dot(I[j]);
+    }
   });
   return out;
 }
 
 // out [K] = sum_j a[j] * row(idx[j]): each thread owns a slice of 32-column blocks and streams that
-// slice of every selected row once; add(o, r, b, a) does block b of row r into o (32 floats).
-template <class Add>
-torch::Tensor rows_axpy(const torch::Tensor& a, const int64_t* I, int64_t K, Add add) {
+// slice of every selected row once, 4 rows per pass over its slice of out (kept in L1).
+// block(r, b, g, a, v) puts block b (in group g) of row r into v as 32 floats and returns the
+// factor it is multiplied by (a times the group's scale).
+template <class Block>
+torch::Tensor rows_axpy(const torch::Tensor& a, const Rows& w, const torch::Tensor& idx, int64_t N, int64_t K,
+                        int64_t per, Block block) {
+  check_rows(a, idx.numel(), "a");
+  const int64_t* I = check_idx(idx, N);
   auto out = torch::zeros({K}, a.options());
   float* O = out.data_ptr<float>();
   const float* A = a.data_ptr<float>();
   const int64_t k = a.numel();
   at::parallel_for(0, K / 32, 4, [&](int64_t b0, int64_t b1) {
-    for (int64_t j = 0; j < k; ++j)
-      for (int64_t b = b0; b < b1; ++b) add(O + b * 32, I[j], b, A[j]);
+    for (int64_t j = 0; j < k; j += 4) {
+      const int64_t n = std::min<int64_t>(4, k - j);
+      for (int64_t t = j + Rows::ahead; t < std::min(k, j + Rows::ahead + 4); ++t) w.prefetch(I[t], b0, b1);
+      int64_t g = b0 / per, in = b0 % per;  // the block's group, counted (a division per block is slow)
+      for (int64_t b = b0; b < b1; ++b) {
+        __m256 acc[4], v[4];
+        for (int i = 0; i < 4; ++i) acc[i] = _mm256_loadu_ps(O + b * 32 + 8 * i);
+        for (int64_t t = j; t < j + n; ++t) {
+          const __m256 c = _mm256_set1_ps(block(I[t], b, g, A[t], v));
+          for (int i = 0; i < 4; ++i) acc[i] = _mm256_fmadd_ps(v[i], c, acc[i]);
+        }
+        for (int i = 0; i < 4; ++i) _mm256_storeu_ps(O + b * 32 + 8 * i, acc[i]);
+        if (++in == per) in = 0, ++g;
+      }
+    }
   });
   return out;
 }
@@ -193,97 +248,57 @@ torch::Tensor rows_axpy(const torch::Tensor& a, const int64_t* I, int64_t K, Add
 
 // x [M, K] fp32; qs [N, K/2] uint8; scale, min [N, K/group] fp32 -> [M, N]
 torch::Tensor q4_mm(torch::Tensor x, torch::Tensor qs, torch::Tensor scale, torch::Tensor min, int64_t group) {
-  const int64_t N = qs.size(0), K = qs.size(1) * 2, M = x.size(0), G = K / group, per = group / 32;
-  check(x, qs, K);
-  TORCH_CHECK(group % 32 == 0 && K % group == 0, "group must be a multiple of 32 dividing K");
-  check_params({scale, min});
-  TORCH_CHECK(scale.numel() == N * G && min.numel() == N * G, "scale/min must be [N, K/group]");
-  auto out = torch::empty({M, N}, x.options());
+  const int64_t K = qs.size(1) * 2, G = check_groups(qs, torch::kByte, K, group, {scale, min}), per = group / 32;
+  check(x, K);
   // the min term: sum_j (c_j s + m) x_j = s sum c_j x_j + m sum x_j, with exact float sums of x
-  const QActs xa(x.data_ptr<float>(), M, K, group);
+  const QActs xa(x.data_ptr<float>(), x.size(0), K, group);
   const uint8_t* Q = qs.data_ptr<uint8_t>();
   const float* S = scale.data_ptr<float>();
   const float* MN = min.data_ptr<float>();
-  float* O = out.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      for (int64_t m = 0; m < M; ++m)
-        O[m * N + r] = dot_q4(Q + r * K / 2, S + r * G, MN + r * G, xa.q.data() + m * K, xa.d.data() + m * K / 32,
-                              xa.g.data() + m * G, G, per);
+  return rows_mm(x, qs.size(0), [&](int64_t r, int64_t m) {
+    return dot_q4(Q + r * K / 2, S + r * G, MN + r * G, xa.q.data() + m * K, xa.d.data() + m * K / 32,
+                  xa.g.data() + m * G, G, per);
   });
-  return out;
 }
 
 // x [M, K] fp32; qs [N, K/2] uint8; lut [N, K/group, 16] int8 (codebooks rounded to int8);
-// lut_scale [N, K/group] fp32 -> [M, N]. One byte shuffle turns 32 codes into their int8
-// centroids, then the same integer dot product as q8.
+// lut_scale [N, K/group] fp32 -> [M, N]
 torch::Tensor lut4_mm(torch::Tensor x, torch::Tensor qs, torch::Tensor lut, torch::Tensor lut_scale, int64_t group) {
-  const int64_t N = qs.size(0), K = qs.size(1) * 2, M = x.size(0), G = K / group, B = K / 32;
-  check(x, qs, K);
-  TORCH_CHECK(group % 32 == 0 && K % group == 0 && lut.size(-1) == 16 && lut.scalar_type() == torch::kChar,
-              "bad lut4 shapes");
-  auto out = torch::empty({M, N}, x.options());
-  const QActs xa(x.data_ptr<float>(), M, K);
+  const int64_t K = qs.size(1) * 2, G = check_groups(qs, torch::kByte, K, group, {lut_scale}), per = group / 32;
+  check(x, K);
+  TORCH_CHECK(lut.scalar_type() == torch::kChar && lut.is_contiguous() && lut.numel() == qs.size(0) * G * 16,
+              "lut must be contiguous int8 [N, K/group, 16]");
+  const QActs xa(x.data_ptr<float>(), x.size(0), K);
   const uint8_t* Q = qs.data_ptr<uint8_t>();
   const int8_t* L = lut.data_ptr<int8_t>();
   const float* LS = lut_scale.data_ptr<float>();
-  float* O = out.data_ptr<float>();
-  const int64_t per = group / 32;
-  at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const uint8_t* q = Q + r * K / 2;
-      for (int64_t m = 0; m < M; ++m) {
-        const int8_t* xr = xa.q.data() + m * K;
-        const float* dr = xa.d.data() + m * B;
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t g = 0; g < G; ++g) {
-          const __m256i table = _mm256_broadcastsi128_si256(
-              _mm_loadu_si128(reinterpret_cast<const __m128i*>(L + (r * G + g) * 16)));
-          const float ls = LS[r * G + g];
-          for (int64_t b = g * per; b < (g + 1) * per; ++b) {
-            __m256i wv = _mm256_shuffle_epi8(table, unpack32(q + b * 16));
-            __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + b * 32));
-            __m256 d = dot_u8i8(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
-            acc = _mm256_fmadd_ps(d, _mm256_set1_ps(ls * dr[b]), acc);
-          }
-        }
-        O[m * N + r] = hsum(acc);
-      }
-    }
+  return rows_mm(x, qs.size(0), [&](int64_t r, int64_t m) {
+    return dot_lut4(Q + r * K / 2, L + r * G * 16, LS + r * G, xa.q.data() + m * K, xa.d.data() + m * K / 32, G, per);
   });
-  return out;
 }
 
 // x [M, K] fp32; q [N, K] int8; scale [N, K/group] fp32 -> [M, N]
 torch::Tensor q8_mm(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int64_t group) {
-  const int64_t N = q.size(0), K = q.size(1), M = x.size(0), G = K / group, per = group / 32;
-  check(x, q, K);
-  TORCH_CHECK(K % 32 == 0 && group % 32 == 0 && K % group == 0, "K and group must be multiples of 32");
-  auto out = torch::empty({M, N}, x.options());
-  const QActs xa(x.data_ptr<float>(), M, K);
+  const int64_t K = q.size(1), G = check_groups(q, torch::kChar, K, group, {scale}), per = group / 32;
+  check(x, K);
+  const QActs xa(x.data_ptr<float>(), x.size(0), K);
   const int8_t* Q = q.data_ptr<int8_t>();
   const float* S = scale.data_ptr<float>();
-  float* O = out.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      for (int64_t m = 0; m < M; ++m)
-        O[m * N + r] = dot_q8(Q + r * K, S + r * G, xa.q.data() + m * K, xa.d.data() + m * K / 32, G, per);
+  return rows_mm(x, q.size(0), [&](int64_t r, int64_t m) {
+    return dot_q8(Q + r * K, S + r * G, xa.q.data() + m * K, xa.d.data() + m * K / 32, G, per);
   });
-  return out;
 }
 
-// ---- Row-sparse ops (Deja Vu's sparse MLP at batch 1): only the rows idx [k] of a weight [N, K] are
-// read, each once, straight from its storage; no gathered copy. *_rows_mv(x [K], ..., idx) -> [k]
-// equals *_mm(x[None], ...)[0, idx] bit for bit; *_rows_axpy(a [k], ..., idx) -> [K] = sum_j a_j w[idx_j]
-// (duplicates add up), each row dequantised in registers. ----
+// Row-sparse ops (Deja Vu's sparse MLP at batch 1): only rows idx [k] of w [N, K] are read, each once, no copy.
+// *_rows_mv(x [K], ..., idx) -> [k] equals *_mm(x[None], ...)[0, idx] bit for bit;
+// *_rows_axpy(a [k], ..., idx) -> [K] = sum_j a_j w[idx_j] (duplicates add up), dequantised in registers.
 
 torch::Tensor f32_rows_mv(torch::Tensor x, torch::Tensor w, torch::Tensor idx) {
   const int64_t K = w.size(1);
   check_groups(w, torch::kFloat, K, K, {});
-  check_rows(x, K, "x");
   const float* W = w.data_ptr<float>();
   const float* X = x.data_ptr<float>();
-  return rows_mv(x, check_idx(idx, w.size(0)), idx.numel(), [&](int64_t r) { return dot_f32(W + r * K, X, K); });
+  return rows_mv(x, Rows(W, K * 4, K), idx, w.size(0), K, [&](int64_t r) { return dot_f32(W + r * K, X, K); });
 }
 
 torch::Tensor q8_rows_mv(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int64_t group, torch::Tensor idx) {
@@ -292,7 +307,7 @@ torch::Tensor q8_rows_mv(torch::Tensor x, torch::Tensor q, torch::Tensor scale, 
   const QActs xa(x.data_ptr<float>(), 1, K);
   const int8_t* Q = q.data_ptr<int8_t>();
   const float* S = scale.data_ptr<float>();
-  return rows_mv(x, check_idx(idx, q.size(0)), idx.numel(),
+  return rows_mv(x, Rows(Q, K, K), idx, q.size(0), K,
                  [&](int64_t r) { return dot_q8(Q + r * K, S + r * G, xa.q.data(), xa.d.data(), G, per); });
 }
 
@@ -304,7 +319,7 @@ torch::Tensor q4_rows_mv(torch::Tensor x, torch::Tensor qs, torch::Tensor scale,
   const uint8_t* Q = qs.data_ptr<uint8_t>();
   const float* S = scale.data_ptr<float>();
   const float* MN = min.data_ptr<float>();
-  return rows_mv(x, check_idx(idx, qs.size(0)), idx.numel(), [&](int64_t r) {
+  return rows_mv(x, Rows(Q, K / 2, K), idx, qs.size(0), K, [&](int64_t r) {
     return dot_q4(Q + r * K / 2, S + r * G, MN + r * G, xa.q.data(), xa.d.data(), xa.g.data(), G, per);
   });
 }
@@ -312,27 +327,24 @@ torch::Tensor q4_rows_mv(torch::Tensor x, torch::Tensor qs, torch::Tensor scale,
 torch::Tensor f32_rows_axpy(torch::Tensor a, torch::Tensor w, torch::Tensor idx) {
   const int64_t K = w.size(1);
   check_groups(w, torch::kFloat, K, K, {});
-  check_rows(a, idx.numel(), "a");
   const float* W = w.data_ptr<float>();
-  return rows_axpy(a, check_idx(idx, w.size(0)), K, [&](float* o, int64_t r, int64_t b, float aj) {
-    const float* row = W + r * K + b * 32;
-    const __m256 av = _mm256_set1_ps(aj);
-    for (int i = 0; i < 4; ++i)
-      _mm256_storeu_ps(o + 8 * i, _mm256_fmadd_ps(_mm256_loadu_ps(row + 8 * i), av, _mm256_loadu_ps(o + 8 * i)));
+  return rows_axpy(a, Rows(W, K * 4, K), idx, w.size(0), K, 1, [&](int64_t r, int64_t b, int64_t, float aj,
+                                                                     __m256* v) {
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(W + r * K + b * 32 + 8 * i);
+    return aj;
   });
 }
 
 torch::Tensor q8_rows_axpy(torch::Tensor a, torch::Tensor q, torch::Tensor scale, int64_t group, torch::Tensor idx) {
   const int64_t K = q.size(1), G = check_groups(q, torch::kChar, K, group, {scale}), per = group / 32;
-  check_rows(a, idx.numel(), "a");
   const int8_t* Q = q.data_ptr<int8_t>();
   const float* S = scale.data_ptr<float>();
-  return rows_axpy(a, check_idx(idx, q.size(0)), K, [&](float* o, int64_t r, int64_t b, float aj) {
+  return rows_axpy(a, Rows(Q, K, K), idx, q.size(0), K, per, [&](int64_t r, int64_t b, int64_t g, float aj,
+                                                                   __m256* v) {
     const int8_t* row = Q + r * K + b * 32;
-    __m256i v[4];
     for (int i = 0; i < 4; ++i)
-      v[i] = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * i)));
-    fma_block(o, v, _mm256_set1_ps(aj * S[r * G + b / per]));
+      v[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * i))));
+    return aj * S[r * G + g];
   });
 }
 
@@ -341,19 +353,18 @@ torch::Tensor q8_rows_axpy(torch::Tensor a, torch::Tensor q, torch::Tensor scale
 torch::Tensor q4_rows_axpy(torch::Tensor a, torch::Tensor qs, torch::Tensor scale, torch::Tensor min, int64_t group,
                            torch::Tensor idx) {
   const int64_t K = qs.size(1) * 2, G = check_groups(qs, torch::kByte, K, group, {scale, min}), per = group / 32;
-  check_rows(a, idx.numel(), "a");
   const uint8_t* Q = qs.data_ptr<uint8_t>();
   const float* S = scale.data_ptr<float>();
   const float* MN = min.data_ptr<float>();
   std::vector<float> mins(K / 32, 0.f);  // per block; threads own disjoint blocks
-  auto out = rows_axpy(a, check_idx(idx, qs.size(0)), K, [&](float* o, int64_t r, int64_t b, float aj) {
-    const __m128i m = _mm_set1_epi8(0x0F);
-    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(Q + r * K / 2 + b * 16));
-    const __m128i lo = _mm_and_si128(c, m), hi = _mm_and_si128(_mm_srli_epi16(c, 4), m);
-    const __m256i v[4] = {_mm256_cvtepu8_epi32(lo), _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)),
-                          _mm256_cvtepu8_epi32(hi), _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))};
-    fma_block(o, v, _mm256_set1_ps(aj * S[r * G + b / per]));
-    mins[b] += aj * MN[r * G + b / per];
+  auto out = rows_axpy(a, Rows(Q, K / 2, K), idx, qs.size(0), K, per, [&](int64_t r, int64_t b, int64_t g, float aj,
+                                                                          __m256* v) {
+    const __m256i c = unpack32(Q + r * K / 2 + b * 16);
+    const __m128i lo = _mm256_castsi256_si128(c), hi = _mm256_extracti128_si256(c, 1);
+    const __m128i h[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};  // 8 codes each, in order
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(h[i]));
+    mins[b] += aj * MN[r * G + g];
+    return aj * S[r * G + g];
   });
   float* O = out.data_ptr<float>();
   for (int64_t b = 0; b < K / 32; ++b)

@@ -158,3 +158,21 @@ def test_ops_have_fake_shapes_for_compile():
         assert kernels.q4_rows_mv(x, qs, s, m, 32, idx).shape == (3,)
         assert kernels.q4_rows_axpy(mode.from_tensor(torch.ones(3)), qs, s, m, 32, idx).shape == (64,)
         assert kernels.f32_rows_axpy(mode.from_tensor(torch.ones(3)), mode.from_tensor(torch.randn(16, 64)), idx).shape == (64,)
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", ["fp32", "int8:32", "int4:32"])
+def test_threads_split_work_without_changing_the_sums(weights, fmt):
+    """mv splits the selection and axpy the columns across threads; each output is summed in the
+    same order either way, so 1 and 2 threads agree bit for bit."""
+    layer, K = weights[fmt], weights[fmt].in_features
+    x, a, idx = torch.randn(K), torch.randn(500), pick(500, 5)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = rows_matvec(layer, x, idx), rows_combine(layer, a, idx)
+        torch.set_num_threads(2)
+        two = rows_matvec(layer, x, idx), rows_combine(layer, a, idx)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
