@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from attnlab.cli.common import UserError, add_model_args, load_lm, positive_int
@@ -131,31 +132,38 @@ def cmd_eval(args) -> int:
 
 def cmd_bench(args) -> int:
     from attnlab.io import progress, write_json
-    from attnlab.sparsity.plan import Plan
+    from attnlab.sparsity.plan import METHODS, Plan
     from attnlab.sparsity.speed import decode_speed
 
     out = Path(args.out)
-    preds = _predictors(out)
-    pred = preds.get("predictor") or next(iter(preds.values()))
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    bad = [m for m in methods if m not in METHODS]
+    if bad:
+        raise UserError(f"--methods: unknown {', '.join(bad)}; choose from {', '.join(METHODS)}")
+    pred = None
+    if {"threshold", "predictor"} & set(methods):
+        preds = _predictors(out)
+        pred = preds.get("predictor") or next(iter(preds.values()))
     lm = load_lm(args)
     ids = _ids(lm, args.text, args.depth + args.steps, "--text")
+    if args.quant and "lowbit" in methods:
+        methods.remove("lowbit")  # it scores with a 4-bit copy of float weights
     plans = {"dense": None}
     for s in _floats(args.sparsities, "--sparsities"):
-        plans[f"predictor {s:.0%}"] = Plan("predictor", s, 0.0, pred)
-        if not args.quant:
-            plans[f"lowbit {s:.0%}"] = Plan("lowbit", s)
-        if args.threshold:
-            plans[f"threshold {s:.0%}"] = Plan("threshold", s, 0.0, pred)
+        for m in methods:
+            plans[f"{m} {s:.0%}"] = Plan(m, s, 0.0, pred)
     with progress((args.repeats + 1) * len(plans), "dejavu bench", unit="run") as bar:
         rows = decode_speed(lm, plans, ids, depth=args.depth, steps=args.steps, repeats=args.repeats,
-                            progress=bar.update)
+                            clock=args.clock, progress=bar.update)
     import torch
     meta = {"model": str(args.model), "quant": str(args.quant) if args.quant else "fp32",
-            "threads": torch.get_num_threads(), "depth": args.depth, "steps": args.steps, "repeats": args.repeats}
+            "threads": torch.get_num_threads(), "depth": args.depth, "steps": args.steps, "repeats": args.repeats,
+            "clock": args.clock, "load_average": os.getloadavg()[0]}
     name = f"bench-{meta['quant'].replace(':', '_')}.json"
     write_json(out / name, {**meta, "rows": rows})
     print(f"decode tok/s, batch 1, {meta['threads']} thread(s), {meta['quant']}, depth {args.depth}, "
-          f"median of {args.repeats} interleaved runs of {args.steps} tokens")
+          f"median of {args.repeats} interleaved runs of {args.steps} tokens ({args.clock} clock, "
+          f"load average {meta['load_average']:.1f})")
     print(f"{'variant':<16} {'tok/s':>7} {'speedup':>8} {'MLP MiB/token':>14}")
     for r in rows:
         print(f"{r['variant']:<16} {r['tok_s']:>7.1f} {r.get('speedup', 1):>7.2f}x {r['mlp_mib_per_token']:>14.1f}")
@@ -201,9 +209,12 @@ def add_parser(sub) -> None:
     q = dv.add_parser("bench", help="batch-1 decode tok/s, dense vs sparse, interleaved runs")
     common(q, text="shakespeare:test", tokens=0)
     q.add_argument("--sparsities", default="0.3,0.5,0.7,0.9", help="MLP sparsities (default: %(default)s)")
-    q.add_argument("--threshold", action="store_true", help="also the gate-threshold method")
+    q.add_argument("--methods", default="lowbit,threshold,predictor",
+                   help="comma list of oracle, lowbit, threshold, predictor (default: %(default)s; lowbit only on float weights)")
     q.add_argument("--depth", type=positive_int, default=128, help="cache depth (default: %(default)s)")
     q.add_argument("--steps", type=positive_int, default=32, help="tokens per run (default: %(default)s)")
     q.add_argument("--repeats", type=positive_int, default=5, help="(default: %(default)s)")
+    q.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="wall time, or this thread's CPU time (steadier on a loaded machine)")
     q.add_argument("--json", action="store_true", help="also print the result as JSON")
     q.set_defaults(func=cmd_bench)

@@ -117,7 +117,7 @@ class Plan:
         H = ffn.hidden
         if self.method == "oracle":
             act = ffn.activation(x1)
-            idx = act.abs().topk(self.keep(H, self.sparsity)).indices.sort().values
+            idx = act.abs().topk(self.keep(H, self.sparsity), sorted=False).indices
             a = act[idx]
         elif self.method == "threshold":
             gate = rows_matvec(ffn.w13, x1, torch.arange(H))
@@ -127,7 +127,7 @@ class Plan:
         else:
             k = self.keep(H, self.sparsity)
             scores = self._lowbit(i, x1) if self.method == "lowbit" else _scores(self._pred[i], src.reshape(-1))
-            idx = scores.topk(k, sorted=False).indices.sort().values
+            idx = scores.topk(k, sorted=False).indices
             gu = rows_matvec(ffn.w13, x1, torch.cat([idx, idx + H]))
             a = F.silu(gu[:k]) * gu[k:]
         if ctx.observers:

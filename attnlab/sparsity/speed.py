@@ -14,9 +14,14 @@ import torch
 
 @torch.inference_mode()
 def decode_speed(lm, plans: dict, ids: torch.Tensor, depth: int = 128, steps: int = 32, repeats: int = 5,
-                 progress=None) -> list[dict]:
+                 clock: str = "wall", progress=None) -> list[dict]:
     """plans: {name: Plan or None (dense)}; ids: 1-D tokens (depth + steps of them; fed for real so a
-    predictor sees real inputs). Returns rows {"variant", "tok_s", "runs", "mlp_mib_per_token", ...}."""
+    predictor sees real inputs); clock: "wall" or "cpu" (this thread's CPU time: on a loaded machine
+    it leaves out the time other processes held the core). Returns rows {"variant", "tok_s", "runs",
+    "mlp_mib_per_token", "speedup"}."""
+    if clock not in ("wall", "cpu"):
+        raise ValueError(f"clock must be wall or cpu, got {clock!r}")
+    now = time.perf_counter if clock == "wall" else time.thread_time
     ids = torch.as_tensor(ids, dtype=torch.long).flatten()
     if ids.numel() < depth + steps:
         raise ValueError(f"need {depth + steps} tokens, got {ids.numel()}")
@@ -33,11 +38,11 @@ def decode_speed(lm, plans: dict, ids: torch.Tensor, depth: int = 128, steps: in
             for name in names[r % len(names):] + names[:r % len(names)]:
                 cache.truncate(depth)
                 model.sparsity = bound[name]
-                t = time.perf_counter()
+                t = now()
                 for j in range(steps):
                     lm.forward(ids[None, depth + j:depth + j + 1], cache)
                 if r:
-                    times[name].append(steps / (time.perf_counter() - t))
+                    times[name].append(steps / (now() - t))
                 if progress is not None:
                     progress(1)
     finally:
