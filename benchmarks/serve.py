@@ -54,7 +54,9 @@ def soak(args, policy: str) -> dict:
     port = free_port()
     cmd = [sys.executable, "-m", "attnlab", "serve", args.model, "--policy", policy, "--budget", str(args.budget),
            "--port", str(port), "--threads", str(args.threads), "--max-cache-mib", str(args.max_cache_mib),
-           "--max-sessions", str(args.clients * 2), "--name", "m"]
+           "--max-sessions", str(args.clients * 2), "--name", "m", "--block", str(args.block)]
+    if args.quant:
+        cmd += ["--quant", args.quant]
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -146,6 +148,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--passage-words", type=int, default=0, help="words of text before each question")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--block", type=int, default=1, help="block eviction: evict every B tokens (1 = every token)")
+    ap.add_argument("--quant", default=None, help="weight format of the server (e.g. int4:32)")
     ap.add_argument("--max-cache-mib", type=int, default=8192, help="high enough that no conversation is evicted")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()

@@ -20,7 +20,7 @@ def cmd_serve(args) -> int:
         budget = int(args.budget)
     except ValueError:
         raise UserError(f"serve needs --budget in tokens (e.g. 1024), got {args.budget!r}") from None
-    spec = CacheSpec(args.policy, budget, args.n_sink, args.positions)
+    spec = CacheSpec(args.policy, budget, args.n_sink, args.positions, args.block)
     lm = load_lm(args)
     name = args.name or Path(str(args.model)).name.removesuffix(".gguf")
     try:

@@ -85,7 +85,8 @@ def create_app(lm, model_name: str, spec: CacheSpec = CacheSpec(), max_sessions:
             raise APIError(400, "only n=1 is supported", param="n")
         o = req.attnlab
         s = CacheSpec(o.policy or spec.policy, o.budget or spec.budget,
-                      spec.n_sink if o.n_sink is None else o.n_sink, o.positions or spec.positions) if o else spec
+                      spec.n_sink if o.n_sink is None else o.n_sink, o.positions or spec.positions,
+                      spec.block) if o else spec
         try:
             store.policy(s)
         except ValueError as e:

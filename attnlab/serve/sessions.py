@@ -24,10 +24,11 @@ class CacheSpec:
     budget: int = 1024
     n_sink: int = 4
     positions: str = "cache"
+    block: int = 1  # block eviction: evict every `block` tokens (see Policy.block)
 
     def describe(self) -> dict:
         return {"policy": self.policy, "budget": None if self.policy == "full" else self.budget,
-                "n_sink": self.n_sink, "positions": self.positions}
+                "n_sink": self.n_sink, "positions": self.positions, "block": self.block}
 
 
 @dataclass
@@ -91,7 +92,7 @@ class SessionStore:
         if spec.policy == "full":
             return None
         return make_policy(spec.policy, spec.budget, positions=spec.positions, n_sink=spec.n_sink,
-                           chunk=self.chunk)
+                           chunk=self.chunk, block=spec.block)
 
     def acquire(self, text: str, spec: CacheSpec) -> tuple[Held, bool]:
         """The idle session of this spec whose text is the longest prefix of `text`, or a new one.

@@ -46,3 +46,12 @@ def test_bad_policy_spec_is_a_value_error(tiny):
     store = SessionStore(tiny)
     with pytest.raises(ValueError, match="must exceed n_sink"):
         store.acquire("x", CacheSpec("sink", 4, 4))
+
+
+def test_block_eviction_reaches_the_conversation_cache(tiny):
+    """`serve --block B`: the session's cache holds up to budget + B - 1 slots between evictions."""
+    store = SessionStore(tiny, chunk=4)
+    held, _ = store.acquire("x", CacheSpec("sink", 8, 4, "cache", block=5))
+    assert held.policy.block == 5
+    assert held.session.cache.layers[0].capacity == 8 + 5 - 1 + 4
+    assert store.acquire("x", CacheSpec("sink", 8, 4, "cache"))[0] is not held  # another spec, another cache
