@@ -63,3 +63,14 @@ def status(message: str):
     finally:
         if show:
             print(f" {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+
+
+def save_figure(fig, path: str | os.PathLike, dpi: int = 110, **kw) -> str:
+    """Lay out, write (making the folder) and close a matplotlib figure; returns the path."""
+    import matplotlib.pyplot as plt
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi, **kw)
+    plt.close(fig)
+    return str(path)

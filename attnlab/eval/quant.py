@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from attnlab.eval.perplexity import perplexity
-from attnlab.io import write_json
+from attnlab.io import save_figure, write_json
 
 
 
@@ -79,8 +79,4 @@ def plot(rows: list[dict], path, title: str) -> str:
     ax.set_ylabel("perplexity (log scale; lower is better)")
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return str(path)
+    return save_figure(fig, path, dpi=110)

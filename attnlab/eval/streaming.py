@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from attnlab.eval.perplexity import token_nll
-from attnlab.io import write_atomic
+from attnlab.io import save_figure, write_atomic
 from attnlab.kv.cache import cache_state, load_cache_state
 from attnlab.kv.policies import Full, Policy
 
@@ -142,10 +142,7 @@ def plot_positions(runs: list[dict], path: str | Path, width: int = 256, trained
     ax.set_title(title or "streaming NLL by position")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    save_figure(fig, path, dpi=130)
 
 
 def plot_budgets(runs: list[dict], path: str | Path, title: str = "") -> None:
@@ -170,7 +167,4 @@ def plot_budgets(runs: list[dict], path: str | Path, title: str = "") -> None:
     ax.set_title(title or "perplexity against KV budget")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, which="both")
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    save_figure(fig, path, dpi=130)

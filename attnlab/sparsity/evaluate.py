@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from attnlab.eval.perplexity import perplexity
-from attnlab.io import write_json
+from attnlab.io import save_figure, write_json
 from attnlab.sparsity.plan import METHODS, Plan
 from attnlab.sparsity.predictors import Predictors, recall
 
@@ -147,11 +147,7 @@ def plot(rows: list[dict], quality: dict | None, path: Path, title: str) -> str:
         ax.set_ylabel(f"recall of the oracle's kept set (MLP sparsity {quality['sparsity']:.0%})")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return str(path)
+    return save_figure(fig, path, dpi=110)
 
 
 def plot_concentration(stats: dict, path: Path, title: str) -> str:
@@ -175,11 +171,7 @@ def plot_concentration(stats: dict, path: Path, title: str) -> str:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return str(path)
+    return save_figure(fig, path, dpi=110)
 
 
 def summary_line(rows: list[dict]) -> list[str]:
