@@ -168,3 +168,24 @@ def test_sparse_decode_on_quantized_weights(tiny_pred, spec):
     tol = 2e-3 if spec == "int8" else 5e-2
     torch.testing.assert_close(sparse, masked, atol=tol, rtol=0)
     assert (sparse - masked).abs().median() < 2e-3
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("policy", ["sink", "h2o"])
+def test_sparsity_composes_with_kv_policies(tiny_pred, policy):
+    """A bounded, evicting cache under a sparse plan: the row-sparse decode equals the masked one."""
+    from attnlab.kv.policies import make_policy
+    lm, pred, _ = tiny_pred
+    ids = torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(9))
+    plan = Plan("predictor", 0.5, 0.25, pred).bind(lm.model)
+    outs = []
+    try:
+        for sparse in (True, False):
+            plan.sparse_exec = sparse
+            cache = lm.new_cache(policy=make_policy(policy, 12, n_sink=2, chunk=4, block=3))
+            lm.prefill(ids[None, :8], cache, chunk=4)
+            outs.append(torch.cat([lm.forward(ids[None, t:t + 1], cache)[0] for t in range(8, 40)]))
+            assert len(cache) <= 12 + 3 - 1 + 4
+    finally:
+        lm.model.sparsity = None
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
