@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import random
 import time
 from pathlib import Path
@@ -133,6 +134,21 @@ def passkey_accuracy(model, tok, lengths: list[int], trials: int) -> dict:
     return acc
 
 
+@torch.inference_mode()
+def ppl_by_position(model, ids: list[int], window: int, bucket: int) -> dict:
+    """Perplexity per `bucket` positions of full `window`-token windows (the same disjoint windows as
+    `perplexity`): does the model use the far context, or only tolerate it?"""
+    from attnlab.eval.perplexity import token_nll
+    ids = torch.tensor(ids)
+    sums, n = torch.zeros(window // bucket, dtype=torch.float64), 0
+    for w0 in range(0, ids.numel() - window, window):
+        win = ids[w0:w0 + window + 1]
+        nll = token_nll(model(win[None, :-1]), win[None, 1:])[0]
+        sums += nll.double().view(-1, bucket).sum(1)
+        n += bucket
+    return {f"{i * bucket}-{(i + 1) * bucket - 1}": math.exp(float(v) / n) for i, v in enumerate(sums)}
+
+
 def score(p: dict, out: Path, arm: str, passkey: bool, progress=None) -> dict:
     """Perplexity at C, 2C, 4C on the first eval_tokens test tokens (+ passkey); cached per arm."""
     from attnlab.data import corpus
@@ -141,7 +157,7 @@ def score(p: dict, out: Path, arm: str, passkey: bool, progress=None) -> dict:
     path = out / "scores" / f"{arm}.json"
     if path.exists():
         cached = json.loads(path.read_text())
-        if cached.get("config") == p and ("passkey" in cached or not passkey):
+        if cached.get("config") == p and "by_position" in cached and ("passkey" in cached or not passkey):
             return cached
     model, tok = arm_model(p, out, arm, progress)
     model.eval()
@@ -149,11 +165,12 @@ def score(p: dict, out: Path, arm: str, passkey: bool, progress=None) -> dict:
     ids = tok.encode(corpus("shakespeare:test"))[:p["eval_tokens"] + 1]
     t0 = time.perf_counter()
     row = {"arm": arm, "config": p, "scaling": model.cfg.rope_scaling,
-           "ppl": {str(w): perplexity(LM(model), ids, window=w, chunk=w)["ppl"] for w in lengths}}
+           "ppl": {str(w): perplexity(LM(model), ids, window=w, chunk=w)["ppl"] for w in lengths},
+           "by_position": ppl_by_position(model, ids, lengths[-1], p["context"])}
     if passkey:
         row["passkey"] = passkey_accuracy(model, tok, lengths, p["passkey_trials"])
     log = out / arm / "metrics.jsonl"
-    if log.exists():  # the fine-tune's validation losses (at 4C), first and last
+    if ARMS[arm][1] and log.exists():  # the fine-tune's validation losses (at 4C), first and last
         rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
         row["ft_val_loss"] = [rows[0]["val_loss"], rows[-1]["val_loss"]]
     row["eval_seconds"] = round(time.perf_counter() - t0, 1)

@@ -68,3 +68,18 @@ def test_passkey_prompt(pi_repro):
         assert abs(at - depth) < 0.15
     with pytest.raises(ValueError, match="too short"):
         pi_repro.passkey_ids(tok, 20, 0.5, keys[0])
+
+
+def test_ppl_by_position_matches_the_evaluator(pi_repro, run):
+    """Averaged over its buckets (equal sizes), the positional breakdown is the evaluator's perplexity
+    on the same full windows."""
+    import math
+    from attnlab.engine import LM
+    from attnlab.eval.perplexity import perplexity
+    from attnlab.train.trainer import load_checkpoint
+    model, _, _ = load_checkpoint(run / "base")
+    ids = torch.randint(0, model.cfg.vocab_size, (3 * 32 + 1,), generator=torch.Generator().manual_seed(0)).tolist()
+    parts = pi_repro.ppl_by_position(model, ids, 32, 8)
+    assert list(parts) == ["0-7", "8-15", "16-23", "24-31"]
+    mean = math.exp(sum(math.log(v) for v in parts.values()) / 4)
+    assert mean == pytest.approx(perplexity(LM(model), ids, window=32)["ppl"], rel=1e-5)
