@@ -192,16 +192,15 @@ def plot(p: dict, rows: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for arm, row in rows.items():
+    for (arm, row), marker in zip(rows.items(), "osD^vPX"):
         xs = [int(k) for k in row["ppl"]]
-        style = "-" if ARMS[arm][1] else "--"
-        ax.plot(xs, list(row["ppl"].values()), style, marker="o", label=arm)
+        style = "-" if ARMS[arm][1] else "--"  # solid: fine-tuned at 4C
+        ax.plot(xs, list(row["ppl"].values()), style, marker=marker, label=arm, alpha=0.85)
     ax.axhline(rows["base"]["ppl"][str(p["context"])], color="grey", lw=0.8, ls=":")
     ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
     ax.set_xticks(xs, [str(x) for x in xs])
     ax.set_xlabel("evaluation window (tokens)")
-    ax.set_ylabel("test perplexity")
+    ax.set_ylabel("test perplexity (dotted: base at its own context)")
     ax.set_title(f"trained at {p['context']}, extended x{p['factor']} ({p['ft_steps']} fine-tune steps)")
     ax.legend(fontsize=8)
     fig.tight_layout()
