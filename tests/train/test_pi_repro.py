@@ -83,3 +83,10 @@ def test_ppl_by_position_matches_the_evaluator(pi_repro, run):
     assert list(parts) == ["0-7", "8-15", "16-23", "24-31"]
     mean = math.exp(sum(math.log(v) for v in parts.values()) / 4)
     assert mean == pytest.approx(perplexity(LM(model), ids, window=32)["ppl"], rel=1e-5)
+
+
+def test_replicate_names(pi_repro):
+    """--ft-seed N keeps unscaled/untuned arms shared and gives fine-tunes their own folders."""
+    p = dict(pi_repro.CONFIGS["tiny"], ft_seed=2)
+    assert pi_repro.run_name(p, "pi+ft") == "pi+ft@seed2" and pi_repro.run_name(p, "yarn") == "yarn"
+    assert pi_repro.ft_config(p, None).seed == 2 and pi_repro.ft_config(pi_repro.CONFIGS["tiny"], None).seed == 1
