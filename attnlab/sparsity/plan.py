@@ -120,7 +120,7 @@ class Plan:
             idx = act.abs().topk(self.keep(H, self.sparsity), sorted=False).indices
             a = act[idx]
         elif self.method == "threshold":
-            gate = rows_matvec(ffn.w13, x1, torch.arange(H))
+            gate = rows_matvec(ffn.w13, x1, self._gate_rows(H))
             sg = F.silu(gate)
             idx = (sg.abs() > self.predictors.threshold(i, self.sparsity)).nonzero().flatten()
             a = sg[idx] * rows_matvec(ffn.w13, x1, idx + H)
@@ -133,6 +133,11 @@ class Plan:
         if ctx.observers:
             ctx.record(i, "mlp_act", torch.zeros(1, 1, H).index_copy(2, idx, a.view(1, 1, -1)).to(x.dtype))
         return rows_combine(self.down[i], a, idx).view(1, 1, -1).to(x.dtype)
+
+    def _gate_rows(self, n: int) -> torch.Tensor:
+        if getattr(self, "_gates", None) is None or self._gates.numel() != n:
+            self._gates = torch.arange(n)
+        return self._gates
 
     def heads(self, i: int, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out [B, Hq, T, D] with the heads a token does not use zeroed; x: the normed attention input."""
