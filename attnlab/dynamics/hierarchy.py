@@ -265,6 +265,17 @@ def hierarchy_measures(model: HierTransformer, tree: LatentTree, shuffle: torch.
     return out
 
 
+def batch_loss(model: HierTransformer, tree: LatentTree, y: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over the batch of classes ``y`` (B,), computed once per distinct class
+    on the compact sequences and weighted by the class counts: equal to the loss on
+    ``tree.sequences[y]``, with the cost of ``num_classes`` short sequences whatever B is."""
+    seqs, copies = tree.compact_sequences()
+    labels = torch.arange(tree.num_classes)
+    weight = torch.bincount(y, minlength=tree.num_classes).to(torch.float32) / len(y)
+    logits, _ = model(seqs, copies)
+    return (weight * F.cross_entropy(logits, labels, reduction="none")).sum()
+
+
 def train_hierarchy(model: HierTransformer, tree: LatentTree, steps: int, batch: int, lr: float,
                     weight_decay: float, gen: torch.Generator, eval_every: int = 100,
                     progress=None) -> dict:
@@ -280,15 +291,12 @@ def train_hierarchy(model: HierTransformer, tree: LatentTree, steps: int, batch:
     0 and 1), 'accuracy' (final, fraction of classes predicted right).
     """
     opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=weight_decay)
-    seqs, copies = tree.compact_sequences()
     labels = torch.arange(tree.num_classes)
     shuffle = labels  # the control is not tracked over training
     rec = {"steps": [], "loss": [], "probe": [], "corr": []}
     for t in range(steps + 1):
         y = torch.randint(0, tree.num_classes, (batch,), generator=gen)
-        weight = torch.bincount(y, minlength=tree.num_classes).to(torch.float32) / batch
-        logits, _ = model(seqs, copies)
-        loss = (weight * F.cross_entropy(logits, labels, reduction="none")).sum()
+        loss = batch_loss(model, tree, y)
         if t % eval_every == 0 or t == steps:
             true = hierarchy_measures(model, tree, shuffle)["true"]
             rec["steps"].append(t)
@@ -303,6 +311,6 @@ def train_hierarchy(model: HierTransformer, tree: LatentTree, steps: int, batch:
         if progress is not None:
             progress.update(1)
     with torch.no_grad():
-        acc = float((model(seqs, copies)[0].argmax(-1) == labels).float().mean())
+        acc = float((model(tree.sequences)[0].argmax(-1) == labels).float().mean())
     return {"steps": torch.tensor(rec["steps"]), "loss": torch.tensor(rec["loss"]),
             "probe": torch.tensor(rec["probe"]), "corr": torch.tensor(rec["corr"]), "accuracy": acc}
