@@ -50,3 +50,9 @@ def test_probe_scale_ideal_codes_and_shuffled_control():
     assert ref[0]["level0"] > ref[0]["leaves"] > ref[1]["level0"]
     shuffled = tree.latent_indicators(torch.randperm(20, generator=make_generator(3)), 1)
     assert probe_score(tree.active[2].float(), shuffled) < 0.2
+
+
+def test_hierarchy_cli_rejects_a_negative_size(tmp_path, capsys):
+    from attnlab.cli import main
+    assert main(["dynamics", "hierarchy", "--dim", "-1", "--quick", "--out", str(tmp_path)]) == 2
+    assert "dim" in capsys.readouterr().err
