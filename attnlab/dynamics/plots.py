@@ -191,17 +191,24 @@ def j2_entropy(path, mu, v_traj, ent_nonlinear, ent_linear) -> Path:
     return _save(fig, path)
 
 
-def j4_hierarchy(path, steps, corr, summary: dict, cooc: dict) -> Path:
-    """JoMA Table 1 analogue: max-unit correlation over training (seed 0), probe table (mean over
-    seeds, untrained / trained / shuffled-latent control), co-occurrence vs ancestor height."""
+def j4_hierarchy(path, steps, probe, summary: dict, cooc: dict) -> Path:
+    """JoMA Table 1 analogue: class-held-out probe over training (probe: (seeds, S, 2); mean bold,
+    seeds thin) with the layer-1 reference levels, probe table (mean over seeds, untrained /
+    trained / shuffled-latent control), co-occurrence vs ancestor height."""
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.4), gridspec_kw={"width_ratios": [1.3, 1.3, 1.0]})
     ax = axes[0]
-    for lvl in range(corr.shape[1]):
-        ax.plot(steps, corr[:, lvl], label=f"layer {lvl} vs level-{lvl} latents")
-    ax.set_ylim(0, 1.02)
+    for lvl, color in zip(range(probe.shape[2]), ("C0", "C1")):
+        for s in range(probe.shape[0]):
+            ax.plot(steps, probe[s, :, lvl], color=color, lw=0.6, alpha=0.5)
+        ax.plot(steps, probe[:, :, lvl].mean(0), color=color, lw=2, label=f"layer {lvl} vs level-{lvl} latents")
+    ref = summary.get("references")
+    if ref:
+        for key, ls in (("level0", ":"), ("level1", "--")):
+            ax.axhline(ref[1][key], color="C1", ls=ls, lw=1, label=f"level-1 probe of ideal {key} code")
+    ax.set_ylim(-0.3, 1.02)
     ax.set_xlabel("step")
-    ax.set_ylabel("max-unit correlation (seed 0)")
-    ax.legend(fontsize=8)
+    ax.set_ylabel("class-held-out probe")
+    ax.legend(fontsize=7)
     ax = axes[1]
     ax.axis("off")
     rows = []

@@ -83,6 +83,9 @@ def _j4(m):
                    f"mean |corr| {u['mean_corr']:.3f} -> {t['mean_corr']:.3f}; max corr {u['max_corr']:.3f} -> {t['max_corr']:.3f}")
     out.append(f"layer-1 probe gain per seed: {', '.join(f'{x:+.3f}' for x in m['probe_gain_layer1_per_seed'])}; "
                f"accuracy {', '.join(f'{a:.2f}' for a in m['accuracy'])}")
+    r = S["references"][1]
+    out.append(f"layer-1 probe references: bag of leaves {r['leaves']:.3f}, level-0 code {r['level0']:.3f}, "
+               f"level-1 code {r['level1']:.3f}")
     out.append("co-occurrence by LCA height: " + ", ".join(f"{h}: {v['mean']:.2f}" for h, v in c.items()))
     return out
 
@@ -95,7 +98,10 @@ for _exp in (
     Experiment("scan-snap-theorems", "S3: Theorem 3 relative gain and Theorem 4 scan/snap phases", run_scan_snap_theorems, _s3),
     Experiment("joma-invariant", "J1: JoMA invariant NC(z, z_hat) and linear winner-take-all (Figs. 2-3)", run_joma_invariant, _j1),
     Experiment("joma-nonlinear", "J2: nonlinear sparse-then-dense entropy vs linear (Fig. 4)", run_joma_nonlinear, _j2),
-    Experiment("hierarchy", "J4: latent-tree data, per-layer hidden/latent correlation (Table 1)", run_hierarchy, _j4),
+    Experiment("hierarchy", "J4: latent-tree data, per-layer hidden/latent correlation (Table 1)", run_hierarchy, _j4,
+               options=(("dim", int, 0, "model width (0 = the size's default: 256 full, 32 quick; the authors' 1024)"),
+                        ("steps", int, 0, "Adam steps (0 = the size's default: 5000 full, 300 quick; the authors' 10000)"),
+                        ("lr", float, 0.0, "Adam learning rate (0 = the size's default: 1e-4 full, 1e-3 quick)"))),
 ):
     register(_exp)
 from . import attention_entropy, orthogonality  # noqa: E402,F401  (J3, orthogonality: register themselves)
