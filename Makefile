@@ -34,6 +34,17 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/decode_speed.py --threads 1,2 --repeats 5 --compile
 	$(BIN)/python benchmarks/streaming.py --threads 1 --quant int4:32 --block 64 --compile --llamacpp-depth 16384
 
+# Deja Vu end to end on the embedded model: activity, predictors, quality sweep, then speed and profile
+dejavu: $(STAMP)
+	$(BIN)/python -m attnlab dejavu collect --out runs/dejavu
+	$(BIN)/python -m attnlab dejavu train --out runs/dejavu --lookahead
+	$(BIN)/python -m attnlab dejavu eval --out runs/dejavu
+	$(BIN)/python benchmarks/dejavu.py --out runs/dejavu
+
+# The PI reproduction at CPU scale (small model trained at 256, extended 4x; resumable)
+pi-repro: $(STAMP)
+	$(BIN)/python benchmarks/pi_repro.py --threads $(THREADS)
+
 # llama.cpp, the speed anchor: built from the llama-cpp-python source package into the venv
 # (native CPU flags), so the benchmarks time it on the same GGUF file. Not a dependency of attnlab.
 bench-llamacpp: $(STAMP)
@@ -44,7 +55,7 @@ clean:
 	rm -rf $(VENV) build *.egg-info
 
 # The page at / in a real headless browser: Debian's chromium + chromedriver, then the `browser` tests.
-.PHONY: browser-deps browser-test serve
+.PHONY: browser-deps browser-test serve dejavu pi-repro
 browser-deps:
 	apt-get update && apt-get install -y chromium chromium-driver
 
