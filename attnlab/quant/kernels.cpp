@@ -33,10 +33,17 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-inline __m256i unpack32(const uint8_t* qs) {  // 16 bytes -> 32 codes, in weight order
-  const __m128i m = _mm_set1_epi8(0x0F);
-  __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
+inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline __m256i unpack32(const uint8_t* qs) {  // 16 bytes -> 32 codes, in weight order (ggml's bytes_from_nibbles_32)
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(b), _mm_srli_epi16(b, 4), 1);
+  return _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
 }
 
 inline __m256 dot_u8i8(__m256i u, __m256i s) {  // 32 u8 x 32 i8 -> 8 float partial sums
@@ -44,19 +51,25 @@ inline __m256 dot_u8i8(__m256i u, __m256i s) {  // 32 u8 x 32 i8 -> 8 float part
   return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
 }
 
-// x [M, K] -> int8 codes [M, K], one scale per 32 values [M, K/32] and (if sums) their exact sums
-void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* sums = nullptr) {
-  for (int64_t b = 0; b < M * K / 32; ++b) {
-    const float* xb = x + b * 32;
-    float amax = 0.f, sum = 0.f;
-    for (int j = 0; j < 32; ++j) {
-      amax = std::max(amax, std::fabs(xb[j]));
-      sum += xb[j];
-    }
-    if (sums) sums[b] = sum;
+inline __m256i load32(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// x [nb * 32] -> int8 codes, one scale per 32 values and (if sums) their float sums; q = lrint(x * 127 / amax),
+// vectorised as ggml's quantize_row_q8_0 (cvtps rounds to nearest even, as lrintf does).
+void quantize_rows(const float* x, int64_t nb, int8_t* q, float* d, float* sums) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256 v[4];
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(x + b * 32 + 8 * i);
+    const float amax = hmax(_mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                          _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3]))));
+    if (sums) sums[b] = hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
     d[b] = amax / 127.f;
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    for (int j = 0; j < 32; ++j) q[b * 32 + j] = static_cast<int8_t>(std::lrintf(xb[j] * inv));
+    const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    __m256i c[4];
+    for (int i = 0; i < 4; ++i) c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * 32), _mm256_permutevar8x32_epi32(p, order));
   }
 }
 
@@ -66,69 +79,103 @@ void check(const torch::Tensor& x, int64_t K) {
 }
 
 // The activations as the integer kernels multiply them: x [M, K] rounded to int8 per 32 values
-// (q, d), and for q4's min term the exact float sums per weight group (g, [M, K/group]).
+// (q, d), and for q4's min term the float sums per weight group (g, [M, K/group]). The buffers are
+// per thread and reused: no heap allocation per call once they have grown.
 struct QActs {
-  std::vector<int8_t> q;
-  std::vector<float> d, g;
-  QActs(const float* x, int64_t M, int64_t K, int64_t group = 0) : q(M * K), d(M * K / 32) {
-    if (group == 0) {
-      quantize_rows(x, M, K, q.data(), d.data());
-      return;
-    }
+  const int8_t* q;
+  const float *d, *g;
+  QActs(const float* x, int64_t M, int64_t K, int64_t group = 0) {
+    thread_local std::vector<int8_t> qb;
+    thread_local std::vector<float> db, sb, gb;
+    const int64_t nb = M * K / 32;
+    if (static_cast<int64_t>(qb.size()) < M * K) qb.resize(M * K);
+    if (static_cast<int64_t>(db.size()) < nb) db.resize(nb), sb.resize(nb);
+    q = qb.data(), d = db.data(), g = nullptr;
+    quantize_rows(x, nb, qb.data(), db.data(), group ? sb.data() : nullptr);
+    if (group == 0) return;
     const int64_t per = group / 32;
-    std::vector<float> sums(M * K / 32);
-    g.assign(M * K / group, 0.f);
-    quantize_rows(x, M, K, q.data(), d.data(), sums.data());
-    for (int64_t i = 0; i < M * K / 32; ++i) g[i / per] += sums[i];
+    gb.assign(M * K / group, 0.f);
+    for (int64_t i = 0; i < nb; ++i) gb[i / per] += sb[i];
+    g = gb.data();
   }
 };
 
-// One q4 row times one rounded activation row: sum over groups of s * (codes . xq) * d + m * sum(x).
-inline float dot_q4(const uint8_t* q, const float* sr, const float* mr, const int8_t* xr, const float* dr,
-                    const float* gs, int64_t G, int64_t per) {
-  __m256 acc = _mm256_setzero_ps();
-  float mins = 0.f;
-  for (int64_t g = 0; g < G; ++g) {
-    const float sg = sr[g];
-    for (int64_t b = g * per; b < (g + 1) * per; ++b) {
-      __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + b * 32));
-      acc = _mm256_fmadd_ps(dot_u8i8(unpack32(q + b * 16), xv), _mm256_set1_ps(sg * dr[b]), acc);
+// The dot helpers compute R weight rows (row numbers rows[0..R)) times one rounded activation row
+// (xr, dr) into out[0..R): the rows share each activation block load and their sums form R
+// independent chains (one chain is bound by the FMA latency). Each row's arithmetic and order is
+// the same for any R, so results do not depend on R.
+// q4: sum over groups of s * (codes . xq) * d + m * sum(x).
+template <int R>
+inline void dot_q4(const uint8_t* Q, const float* S, const float* MN, const int64_t* rows, int64_t G, int64_t per,
+                   const int8_t* xr, const float* dr, const float* gs, float* out) {
+  const int64_t K = G * per * 32;
+  const uint8_t* q[R];
+  const float *sr[R], *mr[R];
+  __m256 acc[R];
+  float mins[R];
+  for (int i = 0; i < R; ++i)
+    q[i] = Q + rows[i] * K / 2, sr[i] = S + rows[i] * G, mr[i] = MN + rows[i] * G, acc[i] = _mm256_setzero_ps(),
+    mins[i] = 0.f;
+  for (int64_t g = 0, b = 0; g < G; ++g) {
+    for (const int64_t e = b + per; b < e; ++b) {
+      const __m256i xv = load32(xr + b * 32);
+      const float d = dr[b];
+      for (int i = 0; i < R; ++i)
+        acc[i] = _mm256_fmadd_ps(dot_u8i8(unpack32(q[i] + b * 16), xv), _mm256_set1_ps(sr[i][g] * d), acc[i]);
     }
-    mins += mr[g] * gs[g];
+    for (int i = 0; i < R; ++i) mins[i] = std::fma(mr[i][g], gs[g], mins[i]);  // explicit: same bits for any R
   }
-  return hsum(acc) + mins;
+  for (int i = 0; i < R; ++i) out[i] = hsum(acc[i]) + mins[i];
 }
 
-// One q8 row times one rounded activation row.
-inline float dot_q8(const int8_t* w, const float* sr, const int8_t* xr, const float* dr, int64_t G, int64_t per) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t g = 0; g < G; ++g) {
-    const float sg = sr[g];
-    for (int64_t b = g * per; b < (g + 1) * per; ++b) {
-      __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * 32));
-      __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + b * 32));
-      // |w| (unsigned) times x carrying w's sign: maddubs needs one unsigned operand
-      __m256 d = dot_u8i8(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
-      acc = _mm256_fmadd_ps(d, _mm256_set1_ps(dr[b] * sg), acc);
+// q8: |w| (unsigned) times x carrying w's sign (maddubs needs one unsigned operand). One row per
+// pass: with its cheaper arithmetic, q8 from memory ran faster streaming one row than 2 or 4.
+constexpr int Q8_ROWS = 1;
+template <int R>
+inline void dot_q8(const int8_t* Q, const float* S, const int64_t* rows, int64_t G, int64_t per, const int8_t* xr,
+                   const float* dr, float* out) {
+  const int64_t K = G * per * 32;
+  const int8_t* w[R];
+  const float* sr[R];
+  __m256 acc[R];
+  for (int i = 0; i < R; ++i) w[i] = Q + rows[i] * K, sr[i] = S + rows[i] * G, acc[i] = _mm256_setzero_ps();
+  for (int64_t g = 0, b = 0; g < G; ++g) {
+    for (const int64_t e = b + per; b < e; ++b) {
+      const __m256i xv = load32(xr + b * 32);
+      const float d = dr[b];
+      for (int i = 0; i < R; ++i) {
+        const __m256i wv = load32(w[i] + b * 32);
+        const __m256 p = dot_u8i8(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
+        acc[i] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * sr[i][g]), acc[i]);
+      }
     }
   }
-  return hsum(acc);
+  for (int i = 0; i < R; ++i) out[i] = hsum(acc[i]);
 }
 
-// One lut4 row: one byte shuffle turns 32 codes into their int8 centroids, then q8's integer dot.
-inline float dot_lut4(const uint8_t* q, const int8_t* lut, const float* ls, const int8_t* xr, const float* dr,
-                      int64_t G, int64_t per) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t g = 0; g < G; ++g) {
-    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lut + g * 16)));
-    for (int64_t b = g * per; b < (g + 1) * per; ++b) {
-      __m256i wv = _mm256_shuffle_epi8(table, unpack32(q + b * 16));
-      __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + b * 32));
-      __m256 d = dot_u8i8(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
-      acc = _mm256_fmadd_ps(d, _mm256_set1_ps(ls[g] * dr[b]), acc);
+// lut4: one byte shuffle turns 32 codes into their int8 centroids, then q8's integer dot.
+template <int R>
+inline void dot_lut4(const uint8_t* Q, const int8_t* L, const float* LS, const int64_t* rows, int64_t G, int64_t per,
+                     const int8_t* xr, const float* dr, float* out) {
+  const int64_t K = G * per * 32;
+  const uint8_t* q[R];
+  __m256 acc[R];
+  for (int i = 0; i < R; ++i) q[i] = Q + rows[i] * K / 2, acc[i] = _mm256_setzero_ps();
+  for (int64_t g = 0, b = 0; g < G; ++g) {
+    __m256i table[R];
+    for (int i = 0; i < R; ++i)
+      table[i] = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(L + (rows[i] * G + g) * 16)));
+    for (const int64_t e = b + per; b < e; ++b) {
+      const __m256i xv = load32(xr + b * 32);
+      const float d = dr[b];
+      for (int i = 0; i < R; ++i) {
+        const __m256i wv = _mm256_shuffle_epi8(table[i], unpack32(q[i] + b * 16));
+        const __m256 p = dot_u8i8(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
+        acc[i] = _mm256_fmadd_ps(p, _mm256_set1_ps(LS[rows[i] * G + g] * d), acc[i]);
+      }
     }
   }
-  return hsum(acc);
+  for (int i = 0; i < R; ++i) out[i] = hsum(acc[i]);
 }
 
 inline float dot_f32(const float* w, const float* x, int64_t K) {  // K a multiple of 32
@@ -181,21 +228,33 @@ struct Rows {
   }
 };
 
-// out [M, N] = dot(r, m) for every weight row r and activation row m, rows split across threads
-template <class Dot>
-torch::Tensor rows_mm(const torch::Tensor& x, int64_t N, Dot dot) {
-  const int64_t M = x.size(0);
+// out [M, N]: dot(R, rows, m, o) puts R weight rows (R a std::integral_constant: `Rn` in a pass, 1 for
+// the tail) times activation row m into o[0..R). Rows `ahead` rows on are prefetched: streaming
+// several rows at once defeats the hardware prefetcher. No parallel_for at 1 thread (microseconds).
+template <int Rn, class Dot>
+torch::Tensor rows_mm(const torch::Tensor& x, const Rows& w, int64_t N, int64_t K, Dot dot) {
+  const int64_t M = x.size(0), passes = (N + Rn - 1) / Rn;
   auto out = torch::empty({M, N}, x.options());
   float* O = out.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      for (int64_t m = 0; m < M; ++m) O[m * N + r] = dot(r, m);
-  });
+  auto run = [&](int64_t p0, int64_t p1) {
+    for (int64_t r = Rn * p0; r < std::min(N, Rn * p1);) {
+      int64_t rows[Rn];
+      for (int i = 0; i < Rn; ++i) rows[i] = r + i;
+      const int64_t n = N - r >= Rn ? Rn : 1;
+      for (int64_t t = r + 2 * Rows::ahead; t < std::min(N, r + 2 * Rows::ahead + n); ++t) w.prefetch(t, 0, K / 32);
+      for (int64_t m = 0; m < M; ++m)
+        n == Rn ? dot(std::integral_constant<int, Rn>(), rows, m, O + m * N + r)
+                : dot(std::integral_constant<int, 1>(), rows, m, O + m * N + r);
+      r += n;
+    }
+  };
+  if (at::get_num_threads() == 1) run(0, passes); else at::parallel_for(0, passes, 16 / Rn, run);
   return out;
 }
 
-// y[j] = row(idx[j]): the selected rows' dot products, split across threads by j
-template <class Dot>
+// y[j] = row(idx[j]): the selected rows' dot products, Rn rows at a time, split across threads by j;
+// dot(R, rows, o) as for rows_mm.
+template <int Rn, class Dot>
 torch::Tensor rows_mv(const torch::Tensor& x, const Rows& w, const torch::Tensor& idx, int64_t N, int64_t K, Dot dot) {
   check_rows(x, K, "x");
   const int64_t* I = check_idx(idx, N);
@@ -203,9 +262,10 @@ torch::Tensor rows_mv(const torch::Tensor& x, const Rows& w, const torch::Tensor
   auto out = torch::empty({k}, x.options());
   float* O = out.data_ptr<float>();
   at::parallel_for(0, k, 16, [&](int64_t j0, int64_t j1) {
-    for (int64_t j = j0; j < j1; ++j) {
-      if (j + Rows::ahead < j1) w.prefetch(I[j + Rows::ahead], 0, K / 32);
-      O[j] = dot(I[j]);
+    for (int64_t j = j0, n; j < j1; j += n) {
+      n = j1 - j >= Rn ? Rn : 1;
+      for (int64_t t = j + Rows::ahead; t < std::min(j1, j + Rows::ahead + n); ++t) w.prefetch(I[t], 0, K / 32);
+      n == Rn ? dot(std::integral_constant<int, Rn>(), I + j, O + j) : dot(std::integral_constant<int, 1>(), I + j, O + j);
     }
   });
   return out;
@@ -255,9 +315,8 @@ torch::Tensor q4_mm(torch::Tensor x, torch::Tensor qs, torch::Tensor scale, torc
   const uint8_t* Q = qs.data_ptr<uint8_t>();
   const float* S = scale.data_ptr<float>();
   const float* MN = min.data_ptr<float>();
-  return rows_mm(x, qs.size(0), [&](int64_t r, int64_t m) {
-    return dot_q4(Q + r * K / 2, S + r * G, MN + r * G, xa.q.data() + m * K, xa.d.data() + m * K / 32,
-                  xa.g.data() + m * G, G, per);
+  return rows_mm<4>(x, Rows(Q, K / 2, K), qs.size(0), K, [&](auto R, const int64_t* rows, int64_t m, float* o) {
+    dot_q4<R>(Q, S, MN, rows, G, per, xa.q + m * K, xa.d + m * K / 32, xa.g + m * G, o);
   });
 }
 
@@ -272,8 +331,8 @@ torch::Tensor lut4_mm(torch::Tensor x, torch::Tensor qs, torch::Tensor lut, torc
   const uint8_t* Q = qs.data_ptr<uint8_t>();
   const int8_t* L = lut.data_ptr<int8_t>();
   const float* LS = lut_scale.data_ptr<float>();
-  return rows_mm(x, qs.size(0), [&](int64_t r, int64_t m) {
-    return dot_lut4(Q + r * K / 2, L + r * G * 16, LS + r * G, xa.q.data() + m * K, xa.d.data() + m * K / 32, G, per);
+  return rows_mm<4>(x, Rows(Q, K / 2, K), qs.size(0), K, [&](auto R, const int64_t* rows, int64_t m, float* o) {
+    dot_lut4<R>(Q, L, LS, rows, G, per, xa.q + m * K, xa.d + m * K / 32, o);
   });
 }
 
@@ -284,8 +343,8 @@ torch::Tensor q8_mm(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int64
   const QActs xa(x.data_ptr<float>(), x.size(0), K);
   const int8_t* Q = q.data_ptr<int8_t>();
   const float* S = scale.data_ptr<float>();
-  return rows_mm(x, q.size(0), [&](int64_t r, int64_t m) {
-    return dot_q8(Q + r * K, S + r * G, xa.q.data() + m * K, xa.d.data() + m * K / 32, G, per);
+  return rows_mm<Q8_ROWS>(x, Rows(Q, K, K), q.size(0), K, [&](auto R, const int64_t* rows, int64_t m, float* o) {
+    dot_q8<R>(Q, S, rows, G, per, xa.q + m * K, xa.d + m * K / 32, o);
   });
 }
 
@@ -298,7 +357,8 @@ torch::Tensor f32_rows_mv(torch::Tensor x, torch::Tensor w, torch::Tensor idx) {
   check_groups(w, torch::kFloat, K, K, {});
   const float* W = w.data_ptr<float>();
   const float* X = x.data_ptr<float>();
-  return rows_mv(x, Rows(W, K * 4, K), idx, w.size(0), K, [&](int64_t r) { return dot_f32(W + r * K, X, K); });
+  return rows_mv<1>(x, Rows(W, K * 4, K), idx, w.size(0), K,
+                    [&](auto, const int64_t* rows, float* o) { o[0] = dot_f32(W + rows[0] * K, X, K); });
 }
 
 torch::Tensor q8_rows_mv(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int64_t group, torch::Tensor idx) {
@@ -307,8 +367,8 @@ torch::Tensor q8_rows_mv(torch::Tensor x, torch::Tensor q, torch::Tensor scale, 
   const QActs xa(x.data_ptr<float>(), 1, K);
   const int8_t* Q = q.data_ptr<int8_t>();
   const float* S = scale.data_ptr<float>();
-  return rows_mv(x, Rows(Q, K, K), idx, q.size(0), K,
-                 [&](int64_t r) { return dot_q8(Q + r * K, S + r * G, xa.q.data(), xa.d.data(), G, per); });
+  return rows_mv<Q8_ROWS>(x, Rows(Q, K, K), idx, q.size(0), K,
+                          [&](auto R, const int64_t* rows, float* o) { dot_q8<R>(Q, S, rows, G, per, xa.q, xa.d, o); });
 }
 
 torch::Tensor q4_rows_mv(torch::Tensor x, torch::Tensor qs, torch::Tensor scale, torch::Tensor min, int64_t group,
@@ -319,8 +379,8 @@ torch::Tensor q4_rows_mv(torch::Tensor x, torch::Tensor qs, torch::Tensor scale,
   const uint8_t* Q = qs.data_ptr<uint8_t>();
   const float* S = scale.data_ptr<float>();
   const float* MN = min.data_ptr<float>();
-  return rows_mv(x, Rows(Q, K / 2, K), idx, qs.size(0), K, [&](int64_t r) {
-    return dot_q4(Q + r * K / 2, S + r * G, MN + r * G, xa.q.data(), xa.d.data(), xa.g.data(), G, per);
+  return rows_mv<4>(x, Rows(Q, K / 2, K), idx, qs.size(0), K, [&](auto R, const int64_t* rows, float* o) {
+    dot_q4<R>(Q, S, MN, rows, G, per, xa.q, xa.d, xa.g, o);
   });
 }
 
