@@ -25,6 +25,8 @@ from rows_kernels import D, H, linear  # noqa: E402  (run from benchmarks/ or wi
 SHAPES = [("w13", 2 * H, D, "int4:32"), ("w2", D, H, "int4:32"), ("wqkv", 960, D, "int4:32"),
           ("wo", D, D, "int4:32"), ("head", 49152, D, "int8"), ("head:32", 49152, D, "int8:32"),
           ("w13", 2 * H, D, "int8:32"), ("w13", 2 * H, D, "kmeans:4")]
+# the row-sparse matvec (Deja Vu's gate/up rows) at --rows of the rows, sorted random selection
+ROWS = [("w13 rows", 2 * H, D, "int4:32"), ("w13 rows", 2 * H, D, "int8:32")]
 
 
 def build_baseline(rev: str) -> bool:
@@ -48,8 +50,12 @@ def build_baseline(rev: str) -> bool:
     return True
 
 
-def call(ops, layer, x):
-    """The op QuantLinear's batch-1 forward calls, from the namespace `ops`."""
+def call(ops, layer, x, idx=None):
+    """The op QuantLinear's batch-1 forward calls (or with idx, the rows op), from the namespace `ops`."""
+    if idx is not None and layer.kind == "int8":
+        return lambda: ops.q8_rows_mv(x[0], layer.q, layer.scale, layer.group, idx)
+    if idx is not None:
+        return lambda: ops.q4_rows_mv(x[0], layer.qs, layer.scale, layer.min, layer.group, idx)
     if layer.kind == "int8":
         return lambda: ops.q8_mm(x, layer.q, layer.scale, layer.group)
     if layer.kind == "int4":
@@ -61,6 +67,7 @@ def main() -> None:
     p = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--baseline", default="", help="git revision whose kernels to time alongside ours")
     p.add_argument("--only", default="", help="comma-separated shape names (default all)")
+    p.add_argument("--rows", type=float, default=0.3, help="fraction of rows for the rows ops (0: skip them)")
     p.add_argument("--layers", type=int, default=30, help="distinct weight copies cycled (the head: 2)")
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--clock", choices=("wall", "cpu"), default="cpu")
@@ -72,17 +79,19 @@ def main() -> None:
     if args.baseline and build_baseline(args.baseline):
         impls = {"base": torch.ops.attnlab_base, **impls}
     print(f"threads 1, clock {args.clock}, repeats {args.repeats}, baseline {args.baseline or '-'}")
-    print(f"{'shape':8} {'format':9} {'N x K':>12} " + " ".join(f"{k + ' us':>9}" for k in impls)
+    print(f"{'shape':9} {'format':9} {'N x K':>12} " + " ".join(f"{k + ' us':>9}" for k in impls)
           + ("   speedup  max|diff|" if len(impls) > 1 else ""))
     g = torch.Generator().manual_seed(0)
     only = set(args.only.split(",")) - {""}
-    for name, N, K, fmt in SHAPES:
+    for name, N, K, fmt in SHAPES + (ROWS if args.rows else []):
         if only and name not in only:
             continue
         n = 2 if N > 10000 else args.layers
         layers = [linear(torch.randn(N, K, generator=g) * 0.05, fmt) for _ in range(n)]
         xs = [torch.randn(1, K, generator=g) for _ in range(n)]
-        calls = {k: [call(ops, l, x) for l, x in zip(layers, xs)] for k, ops in impls.items()}
+        idx = [torch.randperm(N, generator=g)[:round(args.rows * N)].sort().values if "rows" in name else None
+               for _ in range(n)]
+        calls = {k: [call(ops, *a) for a in zip(layers, xs, idx)] for k, ops in impls.items()}
         times = {k: [] for k in impls}
         for _ in range(args.repeats):
             for k, cs in calls.items():  # interleaved: each implementation once per repeat
@@ -91,7 +100,7 @@ def main() -> None:
                     c()
                 times[k].append((clock() - start) / len(cs) * 1e6)
         med = {k: statistics.median(v) for k, v in times.items()}
-        line = f"{name:8} {fmt:9} {N:>6}x{K:<5} " + " ".join(f"{med[k]:9.1f}" for k in impls)
+        line = f"{name:9} {fmt:9} {N:>6}x{K:<5} " + " ".join(f"{med[k]:9.1f}" for k in impls)
         if len(impls) > 1:
             diff = max((calls["new"][i]() - calls["base"][i]()).abs().max().item() for i in range(min(n, 3)))
             line += f"   {med['base'] / med['new']:6.2f}x  {diff:.2e}"

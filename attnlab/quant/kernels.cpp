@@ -198,7 +198,8 @@ struct Q4 {
         xa(x.data_ptr<float>(), M, K, group) {}
   template <class R>
   void operator()(R, const int64_t* rows, int64_t m, float* o) const {
-    dot_q4<R::value>(Q, S, MN, rows, G, per, xa.q + m * K, xa.d + m * K / 32, xa.g + m * G, o);
+    const auto d = per == 1 ? dot_q4<R::value, 1> : dot_q4<R::value, 0>;  // group 32: per known, loops flatten
+    d(Q, S, MN, rows, G, per, xa.q + m * K, xa.d + m * K / 32, xa.g + m * G, o);
   }
   Rows rows() const { return Rows(Q, K / 2, K); }
 };
@@ -213,7 +214,8 @@ struct Q8 {
         Q(q.data_ptr<int8_t>()), S(scale.data_ptr<float>()), xa(x.data_ptr<float>(), M, K) {}
   template <class R>
   void operator()(R, const int64_t* rows, int64_t m, float* o) const {
-    dot_q8<R::value>(Q, S, rows, G, per, xa.q + m * K, xa.d + m * K / 32, o);
+    const auto d = per == 1 ? dot_q8<R::value, 1> : dot_q8<R::value, 0>;
+    d(Q, S, rows, G, per, xa.q + m * K, xa.d + m * K / 32, o);
   }
   Rows rows() const { return Rows(Q, K, K); }
 };
@@ -238,7 +240,7 @@ torch::Tensor lut4_mm(torch::Tensor x, torch::Tensor qs, torch::Tensor lut, torc
   const int8_t* L = lut.data_ptr<int8_t>();
   const float* LS = lut_scale.data_ptr<float>();
   return rows_mm<4>(x, Rows(Q, K / 2, K), qs.size(0), [&](auto R, const int64_t* rows, int64_t m, float* o) {
-    dot_lut4<R>(Q, L, LS, rows, G, per, xa.q + m * K, xa.d + m * K / 32, o);
+    (per == 1 ? dot_lut4<R, 1> : dot_lut4<R, 0>)(Q, L, LS, rows, G, per, xa.q + m * K, xa.d + m * K / 32, o);
   });
 }
 

@@ -56,9 +56,10 @@ inline void quantize_rows(const float* x, int64_t nb, int8_t* q, float* d, float
 // independent chains (one chain is bound by the FMA latency). Each row's arithmetic and order is
 // the same for any R, so results do not depend on R.
 // q4: sum over groups of s * (codes . xq) * d + m * sum(x).
-template <int R>
-inline void dot_q4(const uint8_t* Q, const float* S, const float* MN, const int64_t* rows, int64_t G, int64_t per,
+template <int R, int P = 0>  // P: `per` known at compile time (1 for group 32), 0 if not
+inline void dot_q4(const uint8_t* Q, const float* S, const float* MN, const int64_t* rows, int64_t G, int64_t per_,
                    const int8_t* xr, const float* dr, const float* gs, float* out) {
+  const int64_t per = P ? P : per_;
   const int64_t K = G * per * 32;
   const uint8_t* q[R];
   const float *sr[R], *mr[R];
@@ -82,9 +83,10 @@ inline void dot_q4(const uint8_t* Q, const float* S, const float* MN, const int6
 // q8: |w| (unsigned) times x carrying w's sign (maddubs needs one unsigned operand). One row per
 // pass: with its cheaper arithmetic, q8 from memory ran faster streaming one row than 2 or 4.
 constexpr int Q8_ROWS = 1;
-template <int R>
-inline void dot_q8(const int8_t* Q, const float* S, const int64_t* rows, int64_t G, int64_t per, const int8_t* xr,
+template <int R, int P = 0>  // P: `per` known at compile time (1 for group 32), 0 if not
+inline void dot_q8(const int8_t* Q, const float* S, const int64_t* rows, int64_t G, int64_t per_, const int8_t* xr,
                    const float* dr, float* out) {
+  const int64_t per = P ? P : per_;
   const int64_t K = G * per * 32;
   const int8_t* w[R];
   const float* sr[R];
@@ -105,9 +107,10 @@ inline void dot_q8(const int8_t* Q, const float* S, const int64_t* rows, int64_t
 }
 
 // lut4: one byte shuffle turns 32 codes into their int8 centroids, then q8's integer dot.
-template <int R>
-inline void dot_lut4(const uint8_t* Q, const int8_t* L, const float* LS, const int64_t* rows, int64_t G, int64_t per,
+template <int R, int P = 0>  // P: `per` known at compile time (1 for group 32), 0 if not
+inline void dot_lut4(const uint8_t* Q, const int8_t* L, const float* LS, const int64_t* rows, int64_t G, int64_t per_,
                      const int8_t* xr, const float* dr, float* out) {
+  const int64_t per = P ? P : per_;
   const int64_t K = G * per * 32;
   const uint8_t* q[R];
   __m256 acc[R];
