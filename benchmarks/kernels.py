@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from attnlab.quant import kernels
-from rows_kernels import D, H, linear  # noqa: E402  (run from benchmarks/ or with it on sys.path)
+from rows_kernels import D, H, linear  # benchmarks/ is on sys.path when this script runs
 
 # (name, out N, in K, format): SmolLM2-135M's batch-1 matvecs; the head is the tied int8 embedding
 SHAPES = [("w13", 2 * H, D, "int4:32"), ("w2", D, H, "int4:32"), ("wqkv", 960, D, "int4:32"),
@@ -74,7 +74,8 @@ def main() -> None:
     args = p.parse_args()
     clock = time.perf_counter if args.clock == "wall" else time.thread_time
     torch.set_num_threads(1)
-    assert kernels.available(), "fused kernels unavailable"
+    if not kernels.available():
+        raise SystemExit("fused kernels unavailable (no compiler or no AVX2)")
     impls = {"new": torch.ops.attnlab}
     if args.baseline and build_baseline(args.baseline):
         impls = {"base": torch.ops.attnlab_base, **impls}
