@@ -225,7 +225,9 @@ struct Q8 {
 // x [M, K] fp32; qs [N, K/2] uint8; scale, min [N, K/group] fp32 -> [M, N]
 torch::Tensor q4_mm(torch::Tensor x, torch::Tensor qs, torch::Tensor scale, torch::Tensor min, int64_t group) {
   const Q4 f(x, false, qs, scale, min, group);
-  return rows_mm<4>(x, f.rows(), qs.size(0), f);
+  // four rows per pass on short rows (K <= 768: w13, wqkv, wo); long rows (w2's K = 1536) ran slower
+  // in fours than one at a time (four interleaved streams from memory), as did scattered rows
+  return f.K <= 768 ? rows_mm<4>(x, f.rows(), qs.size(0), f) : rows_mm<1>(x, f.rows(), qs.size(0), f);
 }
 
 // x [M, K] fp32; qs [N, K/2] uint8; lut [N, K/group, 16] int8 (codebooks rounded to int8);
@@ -271,7 +273,7 @@ torch::Tensor q8_rows_mv(torch::Tensor x, torch::Tensor q, torch::Tensor scale, 
 torch::Tensor q4_rows_mv(torch::Tensor x, torch::Tensor qs, torch::Tensor scale, torch::Tensor min, int64_t group,
                          torch::Tensor idx) {
   const Q4 f(x, true, qs, scale, min, group);
-  return rows_mv<4>(x, f.rows(), idx, qs.size(0), f.K, [&](auto R, const int64_t* rows, float* o) { f(R, rows, 0, o); });
+  return rows_mv<1>(x, f.rows(), idx, qs.size(0), f.K, [&](auto R, const int64_t* rows, float* o) { f(R, rows, 0, o); });
 }
 
 torch::Tensor f32_rows_axpy(torch::Tensor a, torch::Tensor w, torch::Tensor idx) {
