@@ -24,127 +24,52 @@
 #include <cmath>
 #include <vector>
 
+#include "kernels_simd.h"
+
+using namespace attnlab_simd;
+
 namespace {
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-inline __m256i unpack32(const uint8_t* qs) {  // 16 bytes -> 32 codes, in weight order
-  const __m128i m = _mm_set1_epi8(0x0F);
-  __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
-}
-
-inline __m256 dot_u8i8(__m256i u, __m256i s) {  // 32 u8 x 32 i8 -> 8 float partial sums
-  __m256i p = _mm256_maddubs_epi16(u, s);
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
-}
-
-// x [M, K] -> int8 codes [M, K], one scale per 32 values [M, K/32] and (if sums) their exact sums
-void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* sums = nullptr) {
-  for (int64_t b = 0; b < M * K / 32; ++b) {
-    const float* xb = x + b * 32;
-    float amax = 0.f, sum = 0.f;
-    for (int j = 0; j < 32; ++j) {
-      amax = std::max(amax, std::fabs(xb[j]));
-      sum += xb[j];
-    }
-    if (sums) sums[b] = sum;
-    d[b] = amax / 127.f;
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    for (int j = 0; j < 32; ++j) q[b * 32 + j] = static_cast<int8_t>(std::lrintf(xb[j] * inv));
-  }
-}
 
 void check(const torch::Tensor& x, int64_t K) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous() && x.dim() == 2 && x.size(1) == K,
               "x must be contiguous float32 [M, K]");
 }
 
-// The activations as the integer kernels multiply them: x [M, K] rounded to int8 per 32 values
-// (q, d), and for q4's min term the exact float sums per weight group (g, [M, K/group]).
-struct QActs {
-  std::vector<int8_t> q;
-  std::vector<float> d, g;
-  QActs(const float* x, int64_t M, int64_t K, int64_t group = 0) : q(M * K), d(M * K / 32) {
-    if (group == 0) {
-      quantize_rows(x, M, K, q.data(), d.data());
-      return;
-    }
-    const int64_t per = group / 32;
-    std::vector<float> sums(M * K / 32);
-    g.assign(M * K / group, 0.f);
-    quantize_rows(x, M, K, q.data(), d.data(), sums.data());
-    for (int64_t i = 0; i < M * K / 32; ++i) g[i / per] += sums[i];
-  }
-};
-
-// One q4 row times one rounded activation row: sum over groups of s * (codes . xq) * d + m * sum(x).
-inline float dot_q4(const uint8_t* q, const float* sr, const float* mr, const int8_t* xr, const float* dr,
-                    const float* gs, int64_t G, int64_t per) {
-  __m256 acc = _mm256_setzero_ps();
-  float mins = 0.f;
-  for (int64_t g = 0; g < G; ++g) {
-    const float sg = sr[g];
-    for (int64_t b = g * per; b < (g + 1) * per; ++b) {
-      __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + b * 32));
-      acc = _mm256_fmadd_ps(dot_u8i8(unpack32(q + b * 16), xv), _mm256_set1_ps(sg * dr[b]), acc);
-    }
-    mins += mr[g] * gs[g];
-  }
-  return hsum(acc) + mins;
-}
-
-// One q8 row times one rounded activation row.
-inline float dot_q8(const int8_t* w, const float* sr, const int8_t* xr, const float* dr, int64_t G, int64_t per) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t g = 0; g < G; ++g) {
-    const float sg = sr[g];
-    for (int64_t b = g * per; b < (g + 1) * per; ++b) {
-      __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * 32));
-      __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + b * 32));
-      // |w| (unsigned) times x carrying w's sign: maddubs needs one unsigned operand
-      __m256 d = dot_u8i8(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
-      acc = _mm256_fmadd_ps(d, _mm256_set1_ps(dr[b] * sg), acc);
-    }
-  }
-  return hsum(acc);
-}
-
-// One lut4 row: one byte shuffle turns 32 codes into their int8 centroids, then q8's integer dot.
-inline float dot_lut4(const uint8_t* q, const int8_t* lut, const float* ls, const int8_t* xr, const float* dr,
-                      int64_t G, int64_t per) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t g = 0; g < G; ++g) {
-    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lut + g * 16)));
-    for (int64_t b = g * per; b < (g + 1) * per; ++b) {
-      __m256i wv = _mm256_shuffle_epi8(table, unpack32(q + b * 16));
-      __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + b * 32));
-      __m256 d = dot_u8i8(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
-      acc = _mm256_fmadd_ps(d, _mm256_set1_ps(ls[g] * dr[b]), acc);
-    }
-  }
-  return hsum(acc);
-}
-
-inline float dot_f32(const float* w, const float* x, int64_t K) {  // K a multiple of 32
-  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-  for (int64_t c = 0; c < K; c += 32)
-    for (int i = 0; i < 4; ++i)
-      acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(w + c + 8 * i), _mm256_loadu_ps(x + c + 8 * i), acc[i]);
-  return hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
-}
-
-// ---- the rows ops' shared checks and loops ----
-
 void check_rows(const torch::Tensor& v, int64_t n, const char* name) {
   TORCH_CHECK(v.scalar_type() == torch::kFloat && v.is_contiguous() && v.dim() == 1 && v.size(0) == n,
               name, " must be a contiguous float32 vector of size ", n);
 }
+
+// x of a matrix op ([M, K]) or of a rows op (vec: a vector [K], one row), checked; its row count
+inline int64_t check_x(const torch::Tensor& x, bool vec, int64_t K) {
+  vec ? check_rows(x, K, "x") : check(x, K);
+  return vec ? 1 : x.size(0);
+}
+
+// The activations as the integer kernels multiply them: x [M, K] rounded to int8 per 32 values
+// (q, d), and for q4's min term the float sums per weight group (g, [M, K/group]). The buffers are
+// per thread and reused: no heap allocation per call once they have grown.
+struct QActs {
+  const int8_t* q;
+  const float *d, *g;
+  QActs(const float* x, int64_t M, int64_t K, int64_t group = 0) {
+    thread_local std::vector<int8_t> qb;
+    thread_local std::vector<float> db, sb, gb;
+    const int64_t nb = M * K / 32;
+    if (static_cast<int64_t>(qb.size()) < M * K) qb.resize(M * K);
+    if (static_cast<int64_t>(db.size()) < nb) db.resize(nb), sb.resize(nb);
+    q = qb.data(), d = db.data(), g = nullptr;
+    quantize_rows(x, nb, qb.data(), db.data(), group ? sb.data() : nullptr);
+    if (group == 0) return;
+    const int64_t per = group / 32;
+    gb.assign(M * K / group, 0.f);
+    for (int64_t i = 0; i < nb; ++i) gb[i / per] += sb[i];
+    g = gb.data();
+  }
+};
+
+// ---- the rows ops' shared checks and loops ----
+
 
 const int64_t* check_idx(const torch::Tensor& idx, int64_t N) {
   TORCH_CHECK(idx.scalar_type() == torch::kLong && idx.is_contiguous() && idx.dim() == 1,
@@ -181,32 +106,47 @@ struct Rows {
   }
 };
 
-// out [M, N] = dot(r, m) for every weight row r and activation row m, rows split across threads
-template <class Dot>
-torch::Tensor rows_mm(const torch::Tensor& x, int64_t N, Dot dot) {
-  const int64_t M = x.size(0);
+// dot(R, rows, j) for j0 <= j < j1 in passes of Rn rows (R a std::integral_constant: Rn, or 1 for the
+// tail), rows[i] = row(j + i). Rows `ahead` on are prefetched: streaming several rows at once defeats
+// the hardware prefetcher.
+template <int Rn, class Row, class Dot>
+inline void passes(int64_t j0, int64_t j1, const Rows& w, int64_t ahead, Row row, Dot dot) {
+  for (int64_t j = j0, n; j < j1; j += n) {
+    int64_t rows[Rn];
+    n = j1 - j >= Rn ? Rn : 1;
+    for (int i = 0; i < n; ++i) rows[i] = row(j + i);
+    for (int64_t t = j + ahead; t < std::min(j1, j + ahead + n); ++t) w.prefetch(row(t), 0, w.row / w.block);
+    n == Rn ? dot(std::integral_constant<int, Rn>(), rows, j) : dot(std::integral_constant<int, 1>(), rows, j);
+  }
+}
+
+// out [M, N]: dot(R, rows, m, o) puts R weight rows times activation row m into o[0..R); passes of Rn
+// rows split across threads (no parallel_for at 1 thread: it costs microseconds per call).
+template <int Rn, class Dot>
+torch::Tensor rows_mm(const torch::Tensor& x, const Rows& w, int64_t N, Dot dot) {
+  const int64_t M = x.size(0), n = (N + Rn - 1) / Rn;
   auto out = torch::empty({M, N}, x.options());
   float* O = out.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      for (int64_t m = 0; m < M; ++m) O[m * N + r] = dot(r, m);
-  });
+  auto run = [&](int64_t p0, int64_t p1) {
+    passes<Rn>(Rn * p0, std::min(N, Rn * p1), w, 2 * Rows::ahead, [](int64_t j) { return j; },
+               [&](auto R, const int64_t* rows, int64_t r) {
+                 for (int64_t m = 0; m < M; ++m) dot(R, rows, m, O + m * N + r);
+               });
+  };
+  if (at::get_num_threads() == 1) run(0, n); else at::parallel_for(0, n, 16 / Rn, run);
   return out;
 }
 
-// y[j] = row(idx[j]): the selected rows' dot products, split across threads by j
-template <class Dot>
+// y[j] = row(idx[j]): the selected rows' dot products (dot(R, rows, o) as for rows_mm), split by j
+template <int Rn, class Dot>
 torch::Tensor rows_mv(const torch::Tensor& x, const Rows& w, const torch::Tensor& idx, int64_t N, int64_t K, Dot dot) {
   check_rows(x, K, "x");
   const int64_t* I = check_idx(idx, N);
-  const int64_t k = idx.numel();
-  auto out = torch::empty({k}, x.options());
+  auto out = torch::empty({idx.numel()}, x.options());
   float* O = out.data_ptr<float>();
-  at::parallel_for(0, k, 16, [&](int64_t j0, int64_t j1) {
-    for (int64_t j = j0; j < j1; ++j) {
-      if (j + Rows::ahead < j1) w.prefetch(I[j + Rows::ahead], 0, K / 32);
-      O[j] = dot(I[j]);
-    }
+  at::parallel_for(0, idx.numel(), 16, [&](int64_t j0, int64_t j1) {
+    passes<Rn>(j0, j1, w, Rows::ahead, [&](int64_t j) { return I[j]; },
+               [&](auto R, const int64_t* rows, int64_t j) { dot(R, rows, O + j); });
   });
   return out;
 }
@@ -244,21 +184,50 @@ torch::Tensor rows_axpy(const torch::Tensor& a, const Rows& w, const torch::Tens
   return out;
 }
 
+// One q4 or q8 weight and its activations x [M, K] rounded: f(R, rows, m, o) as rows_mm calls it.
+// q4's min term: sum_j (c_j s + m) x_j = s sum c_j x_j + m sum x_j, with float sums of x.
+struct Q4 {
+  int64_t K, G, per, M;
+  const uint8_t* Q;
+  const float *S, *MN;
+  QActs xa;
+  Q4(const torch::Tensor& x, bool vec, const torch::Tensor& qs, const torch::Tensor& scale, const torch::Tensor& min,
+     int64_t group)
+      : K(qs.size(1) * 2), G(check_groups(qs, torch::kByte, K, group, {scale, min})), per(group / 32),
+        M(check_x(x, vec, K)), Q(qs.data_ptr<uint8_t>()), S(scale.data_ptr<float>()), MN(min.data_ptr<float>()),
+        xa(x.data_ptr<float>(), M, K, group) {}
+  template <class R>
+  void operator()(R, const int64_t* rows, int64_t m, float* o) const {
+    const auto d = per == 1 ? dot_q4<R::value, 1> : dot_q4<R::value, 0>;  // group 32: per known, loops flatten
+    d(Q, S, MN, rows, G, per, xa.q + m * K, xa.d + m * K / 32, xa.g + m * G, o);
+  }
+  Rows rows() const { return Rows(Q, K / 2, K); }
+};
+
+struct Q8 {
+  int64_t K, G, per, M;
+  const int8_t* Q;
+  const float* S;
+  QActs xa;
+  Q8(const torch::Tensor& x, bool vec, const torch::Tensor& q, const torch::Tensor& scale, int64_t group)
+      : K(q.size(1)), G(check_groups(q, torch::kChar, K, group, {scale})), per(group / 32), M(check_x(x, vec, K)),
+        Q(q.data_ptr<int8_t>()), S(scale.data_ptr<float>()), xa(x.data_ptr<float>(), M, K) {}
+  template <class R>
+  void operator()(R, const int64_t* rows, int64_t m, float* o) const {
+    const auto d = per == 1 ? dot_q8<R::value, 1> : dot_q8<R::value, 0>;
+    d(Q, S, rows, G, per, xa.q + m * K, xa.d + m * K / 32, o);
+  }
+  Rows rows() const { return Rows(Q, K, K); }
+};
+
 }  // namespace
 
 // x [M, K] fp32; qs [N, K/2] uint8; scale, min [N, K/group] fp32 -> [M, N]
 torch::Tensor q4_mm(torch::Tensor x, torch::Tensor qs, torch::Tensor scale, torch::Tensor min, int64_t group) {
-  const int64_t K = qs.size(1) * 2, G = check_groups(qs, torch::kByte, K, group, {scale, min}), per = group / 32;
-  check(x, K);
-  // the min term: sum_j (c_j s + m) x_j = s sum c_j x_j + m sum x_j, with exact float sums of x
-  const QActs xa(x.data_ptr<float>(), x.size(0), K, group);
-  const uint8_t* Q = qs.data_ptr<uint8_t>();
-  const float* S = scale.data_ptr<float>();
-  const float* MN = min.data_ptr<float>();
-  return rows_mm(x, qs.size(0), [&](int64_t r, int64_t m) {
-    return dot_q4(Q + r * K / 2, S + r * G, MN + r * G, xa.q.data() + m * K, xa.d.data() + m * K / 32,
-                  xa.g.data() + m * G, G, per);
-  });
+  const Q4 f(x, false, qs, scale, min, group);
+  // four rows per pass on short rows (K <= 768: w13, wqkv, wo); long rows (w2's K = 1536) ran slower
+  // in fours than one at a time (four interleaved streams from memory), as did scattered rows
+  return f.K <= 768 ? rows_mm<4>(x, f.rows(), qs.size(0), f) : rows_mm<1>(x, f.rows(), qs.size(0), f);
 }
 
 // x [M, K] fp32; qs [N, K/2] uint8; lut [N, K/group, 16] int8 (codebooks rounded to int8);
@@ -272,21 +241,15 @@ torch::Tensor lut4_mm(torch::Tensor x, torch::Tensor qs, torch::Tensor lut, torc
   const uint8_t* Q = qs.data_ptr<uint8_t>();
   const int8_t* L = lut.data_ptr<int8_t>();
   const float* LS = lut_scale.data_ptr<float>();
-  return rows_mm(x, qs.size(0), [&](int64_t r, int64_t m) {
-    return dot_lut4(Q + r * K / 2, L + r * G * 16, LS + r * G, xa.q.data() + m * K, xa.d.data() + m * K / 32, G, per);
+  return rows_mm<4>(x, Rows(Q, K / 2, K), qs.size(0), [&](auto R, const int64_t* rows, int64_t m, float* o) {
+    (per == 1 ? dot_lut4<R, 1> : dot_lut4<R, 0>)(Q, L, LS, rows, G, per, xa.q + m * K, xa.d + m * K / 32, o);
   });
 }
 
 // x [M, K] fp32; q [N, K] int8; scale [N, K/group] fp32 -> [M, N]
 torch::Tensor q8_mm(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int64_t group) {
-  const int64_t K = q.size(1), G = check_groups(q, torch::kChar, K, group, {scale}), per = group / 32;
-  check(x, K);
-  const QActs xa(x.data_ptr<float>(), x.size(0), K);
-  const int8_t* Q = q.data_ptr<int8_t>();
-  const float* S = scale.data_ptr<float>();
-  return rows_mm(x, q.size(0), [&](int64_t r, int64_t m) {
-    return dot_q8(Q + r * K, S + r * G, xa.q.data() + m * K, xa.d.data() + m * K / 32, G, per);
-  });
+  const Q8 f(x, false, q, scale, group);
+  return rows_mm<Q8_ROWS>(x, f.rows(), q.size(0), f);
 }
 
 // Row-sparse ops (Deja Vu's sparse MLP at batch 1): only rows idx [k] of w [N, K] are read, each once, no copy.
@@ -298,30 +261,19 @@ torch::Tensor f32_rows_mv(torch::Tensor x, torch::Tensor w, torch::Tensor idx) {
   check_groups(w, torch::kFloat, K, K, {});
   const float* W = w.data_ptr<float>();
   const float* X = x.data_ptr<float>();
-  return rows_mv(x, Rows(W, K * 4, K), idx, w.size(0), K, [&](int64_t r) { return dot_f32(W + r * K, X, K); });
+  return rows_mv<1>(x, Rows(W, K * 4, K), idx, w.size(0), K,
+                    [&](auto, const int64_t* rows, float* o) { o[0] = dot_f32(W + rows[0] * K, X, K); });
 }
 
 torch::Tensor q8_rows_mv(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int64_t group, torch::Tensor idx) {
-  const int64_t K = q.size(1), G = check_groups(q, torch::kChar, K, group, {scale}), per = group / 32;
-  check_rows(x, K, "x");
-  const QActs xa(x.data_ptr<float>(), 1, K);
-  const int8_t* Q = q.data_ptr<int8_t>();
-  const float* S = scale.data_ptr<float>();
-  return rows_mv(x, Rows(Q, K, K), idx, q.size(0), K,
-                 [&](int64_t r) { return dot_q8(Q + r * K, S + r * G, xa.q.data(), xa.d.data(), G, per); });
+  const Q8 f(x, true, q, scale, group);
+  return rows_mv<Q8_ROWS>(x, f.rows(), idx, q.size(0), f.K, [&](auto R, const int64_t* rows, float* o) { f(R, rows, 0, o); });
 }
 
 torch::Tensor q4_rows_mv(torch::Tensor x, torch::Tensor qs, torch::Tensor scale, torch::Tensor min, int64_t group,
                          torch::Tensor idx) {
-  const int64_t K = qs.size(1) * 2, G = check_groups(qs, torch::kByte, K, group, {scale, min}), per = group / 32;
-  check_rows(x, K, "x");
-  const QActs xa(x.data_ptr<float>(), 1, K, group);
-  const uint8_t* Q = qs.data_ptr<uint8_t>();
-  const float* S = scale.data_ptr<float>();
-  const float* MN = min.data_ptr<float>();
-  return rows_mv(x, Rows(Q, K / 2, K), idx, qs.size(0), K, [&](int64_t r) {
-    return dot_q4(Q + r * K / 2, S + r * G, MN + r * G, xa.q.data(), xa.d.data(), xa.g.data(), G, per);
-  });
+  const Q4 f(x, true, qs, scale, min, group);
+  return rows_mv<1>(x, f.rows(), idx, qs.size(0), f.K, [&](auto R, const int64_t* rows, float* o) { f(R, rows, 0, o); });
 }
 
 torch::Tensor f32_rows_axpy(torch::Tensor a, torch::Tensor w, torch::Tensor idx) {
@@ -385,15 +337,9 @@ TORCH_LIBRARY(attnlab, m) {
 }
 
 TORCH_LIBRARY_IMPL(attnlab, CPU, m) {
-  m.impl("q4_mm", &q4_mm);
-  m.impl("lut4_mm", &lut4_mm);
-  m.impl("q8_mm", &q8_mm);
-  m.impl("f32_rows_mv", &f32_rows_mv);
-  m.impl("q8_rows_mv", &q8_rows_mv);
-  m.impl("q4_rows_mv", &q4_rows_mv);
-  m.impl("f32_rows_axpy", &f32_rows_axpy);
-  m.impl("q8_rows_axpy", &q8_rows_axpy);
-  m.impl("q4_rows_axpy", &q4_rows_axpy);
+  m.impl("q4_mm", &q4_mm), m.impl("lut4_mm", &lut4_mm), m.impl("q8_mm", &q8_mm);
+  m.impl("f32_rows_mv", &f32_rows_mv), m.impl("q8_rows_mv", &q8_rows_mv), m.impl("q4_rows_mv", &q4_rows_mv);
+  m.impl("f32_rows_axpy", &f32_rows_axpy), m.impl("q8_rows_axpy", &q8_rows_axpy), m.impl("q4_rows_axpy", &q4_rows_axpy);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}

@@ -1,4 +1,5 @@
-"""The fused kernels (kernels.cpp), built on first use, with a pure-torch fallback.
+"""The fused kernels (kernels.cpp; its SIMD arithmetic in kernels_simd.h), built on first use,
+with a pure-torch fallback.
 
 Why a C++ kernel: the point of quantized weights is reading fewer bytes per token,
 which pays only if dequantisation happens in registers. torch's own int4/int8
@@ -23,7 +24,8 @@ CACHE = Path(os.environ.get("ATTNLAB_CACHE", Path.home() / ".cache" / "attnlab")
 
 def available() -> bool:
     """True once the extension is built and loaded (built at most once per process; the build is
-    kept under ~/.cache/attnlab/kernels and redone only when kernels.cpp changes)."""
+    kept under ~/.cache/attnlab/kernels and redone only when kernels.cpp or kernels_simd.h changes:
+    ninja tracks the include)."""
     if "ok" not in _STATE:
         _STATE["ok"] = _build()
     return _STATE["ok"]

@@ -1,0 +1,143 @@
+// The SIMD arithmetic of kernels.cpp (AVX2 + FMA), free of torch so it can be timed and read alone:
+// activation rounding and the per-row dot products. See kernels.cpp for the block layouts.
+#pragma once
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+namespace attnlab_simd {
+
+template <class Op>  // op(a, b) = _mm_add_ps or _mm_max_ps over the 8 lanes of v
+inline float reduce(__m256 v, Op op) {
+  __m128 s = op(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = op(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(op(s, _mm_movehdup_ps(s)));  // lane 0 is all that is read: same as the _ss form
+}
+inline float hsum(__m256 v) { return reduce(v, [](__m128 a, __m128 b) { return _mm_add_ps(a, b); }); }
+inline float hmax(__m256 v) { return reduce(v, [](__m128 a, __m128 b) { return _mm_max_ps(a, b); }); }
+
+inline __m256i unpack32(const uint8_t* qs) {  // 16 bytes -> 32 codes, in weight order (ggml's bytes_from_nibbles_32)
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(b), _mm_srli_epi16(b, 4), 1);
+  return _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
+}
+
+inline __m256 dot_u8i8(__m256i u, __m256i s) {  // 32 u8 x 32 i8 -> 8 float partial sums
+  __m256i p = _mm256_maddubs_epi16(u, s);
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+
+inline __m256i load32(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// x [nb * 32] -> int8 codes, one scale per 32 values and (if sums) their float sums; q = lrint(x * 127 / amax),
+// vectorised as ggml's quantize_row_q8_0 (cvtps rounds to nearest even, as lrintf does).
+inline void quantize_rows(const float* x, int64_t nb, int8_t* q, float* d, float* sums) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256 v[4];
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(x + b * 32 + 8 * i);
+    const float amax = hmax(_mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                          _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3]))));
+    if (sums) sums[b] = hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+    d[b] = amax / 127.f;
+    const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    __m256i c[4];
+    for (int i = 0; i < 4; ++i) c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * 32), _mm256_permutevar8x32_epi32(p, order));
+  }
+}
+
+// The dot helpers compute R weight rows (row numbers rows[0..R)) times one rounded activation row
+// (xr, dr) into out[0..R): the rows share each activation block load and their sums form R
+// independent chains (one chain is bound by the FMA latency). Each row's arithmetic and order is
+// the same for any R, so results do not depend on R.
+// q4: sum over groups of s * (codes . xq) * d + m * sum(x).
+template <int R, int P = 0>  // P: `per` known at compile time (1 for group 32), 0 if not
+inline void dot_q4(const uint8_t* Q, const float* S, const float* MN, const int64_t* rows, int64_t G, int64_t per_,
+                   const int8_t* xr, const float* dr, const float* gs, float* out) {
+  const int64_t per = P ? P : per_;
+  const int64_t K = G * per * 32;
+  const uint8_t* q[R];
+  const float *sr[R], *mr[R];
+  __m256 acc[R];
+  float mins[R];
+  for (int i = 0; i < R; ++i)
+    q[i] = Q + rows[i] * K / 2, sr[i] = S + rows[i] * G, mr[i] = MN + rows[i] * G, acc[i] = _mm256_setzero_ps(),
+    mins[i] = 0.f;
+  for (int64_t g = 0, b = 0; g < G; ++g) {
+    for (const int64_t e = b + per; b < e; ++b) {
+      const __m256i xv = load32(xr + b * 32);
+      const float d = dr[b];
+      for (int i = 0; i < R; ++i)
+        acc[i] = _mm256_fmadd_ps(dot_u8i8(unpack32(q[i] + b * 16), xv), _mm256_set1_ps(sr[i][g] * d), acc[i]);
+    }
+    for (int i = 0; i < R; ++i) mins[i] = std::fma(mr[i][g], gs[g], mins[i]);  // explicit: same bits for any R
+  }
+  for (int i = 0; i < R; ++i) out[i] = hsum(acc[i]) + mins[i];
+}
+
+// q8: |w| (unsigned) times x carrying w's sign (maddubs needs one unsigned operand). One row per
+// pass: with its cheaper arithmetic, q8 from memory ran faster streaming one row than 2 or 4.
+constexpr int Q8_ROWS = 1;
+template <int R, int P = 0>  // P: `per` known at compile time (1 for group 32), 0 if not
+inline void dot_q8(const int8_t* Q, const float* S, const int64_t* rows, int64_t G, int64_t per_, const int8_t* xr,
+                   const float* dr, float* out) {
+  const int64_t per = P ? P : per_;
+  const int64_t K = G * per * 32;
+  const int8_t* w[R];
+  const float* sr[R];
+  __m256 acc[R];
+  for (int i = 0; i < R; ++i) w[i] = Q + rows[i] * K, sr[i] = S + rows[i] * G, acc[i] = _mm256_setzero_ps();
+  for (int64_t g = 0, b = 0; g < G; ++g) {
+    for (const int64_t e = b + per; b < e; ++b) {
+      const __m256i xv = load32(xr + b * 32);
+      const float d = dr[b];
+      for (int i = 0; i < R; ++i) {
+        const __m256i wv = load32(w[i] + b * 32);
+        const __m256 p = dot_u8i8(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
+        acc[i] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * sr[i][g]), acc[i]);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i) out[i] = hsum(acc[i]);
+}
+
+// lut4: one byte shuffle turns 32 codes into their int8 centroids, then q8's integer dot.
+template <int R, int P = 0>  // P: `per` known at compile time (1 for group 32), 0 if not
+inline void dot_lut4(const uint8_t* Q, const int8_t* L, const float* LS, const int64_t* rows, int64_t G, int64_t per_,
+                     const int8_t* xr, const float* dr, float* out) {
+  const int64_t per = P ? P : per_;
+  const int64_t K = G * per * 32;
+  const uint8_t* q[R];
+  __m256 acc[R];
+  for (int i = 0; i < R; ++i) q[i] = Q + rows[i] * K / 2, acc[i] = _mm256_setzero_ps();
+  for (int64_t g = 0, b = 0; g < G; ++g) {
+    __m256i table[R];
+    for (int i = 0; i < R; ++i)
+      table[i] = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(L + (rows[i] * G + g) * 16)));
+    for (const int64_t e = b + per; b < e; ++b) {
+      const __m256i xv = load32(xr + b * 32);
+      const float d = dr[b];
+      for (int i = 0; i < R; ++i) {
+        const __m256i wv = _mm256_shuffle_epi8(table[i], unpack32(q[i] + b * 16));
+        const __m256 p = dot_u8i8(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
+        acc[i] = _mm256_fmadd_ps(p, _mm256_set1_ps(LS[rows[i] * G + g] * d), acc[i]);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i) out[i] = hsum(acc[i]);
+}
+
+inline float dot_f32(const float* w, const float* x, int64_t K) {  // K a multiple of 32
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t c = 0; c < K; c += 32)
+    for (int i = 0; i < 4; ++i)
+      acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(w + c + 8 * i), _mm256_loadu_ps(x + c + 8 * i), acc[i]);
+  return hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+}
+
+}  // namespace attnlab_simd
