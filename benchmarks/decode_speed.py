@@ -233,7 +233,8 @@ def main(argv=None) -> int:
     print(f"measured read bandwidth {bw:.1f} GB/s; steps/run {args.steps}; repeats {args.repeats}")
     for t in threads:
         torch.set_num_threads(t)
-        cpp = [LlamaCpp(path, t, fa, max(lengths) + args.steps + 8) for fa in (False, True)] if have_cpp else []
+        n_ctx = max(max(lengths) + args.steps, args.prefill) + 8  # room for the decode runs and the prefill test
+        cpp = [LlamaCpp(path, t, fa, n_ctx) for fa in (False, True)] if have_cpp else []
         allv = variants + cpp
         rows = {}
         for length in lengths:

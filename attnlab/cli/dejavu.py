@@ -186,15 +186,15 @@ def add_parser(sub) -> None:
     q = dv.add_parser("collect", help="per-token neuron and head activity of the dense model, and how concentrated it is")
     common(q)
     q.add_argument("--heldout", default="shakespeare:validation", help="held-out text for recall (default: %(default)s)")
-    q.add_argument("--heldout-tokens", type=positive_int, default=1024, help="(default: %(default)s)")
+    q.add_argument("--heldout-tokens", type=positive_int, default=1024, help="held-out tokens (default: %(default)s)")
     q.set_defaults(func=cmd_collect)
 
     q = dv.add_parser("train", help="low-rank neuron and head predictors per layer, and the gate thresholds")
     common(q)
     q.add_argument("--rank", type=positive_int, default=64, help="predictor rank (default: %(default)s)")
     q.add_argument("--label-keep", type=float, default=0.3, help="oracle share labelled active (default: %(default)s)")
-    q.add_argument("--epochs", type=positive_int, default=8, help="(default: %(default)s)")
-    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--epochs", type=positive_int, default=8, help="passes over the collected tokens (default: %(default)s)")
+    q.add_argument("--seed", type=int, default=0, help="seed of the initialisation and batch order (default: %(default)s)")
     q.add_argument("--lookahead", action="store_true", help="also the look-ahead predictors (layer l-1's input)")
     q.set_defaults(func=cmd_train)
 
@@ -213,7 +213,7 @@ def add_parser(sub) -> None:
                    help="comma list of oracle, lowbit, threshold, predictor (default: %(default)s; lowbit only on float weights)")
     q.add_argument("--depth", type=positive_int, default=128, help="cache depth (default: %(default)s)")
     q.add_argument("--steps", type=positive_int, default=32, help="tokens per run (default: %(default)s)")
-    q.add_argument("--repeats", type=positive_int, default=5, help="(default: %(default)s)")
+    q.add_argument("--repeats", type=positive_int, default=5, help="interleaved runs per variant (default: %(default)s)")
     q.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                    help="wall time, or this thread's CPU time (steadier on a loaded machine)")
     q.add_argument("--json", action="store_true", help="also print the result as JSON")
