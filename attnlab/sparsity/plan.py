@@ -61,7 +61,10 @@ class Plan:
         cfg = model.cfg
         if self.predictors is not None:
             self.predictors.check_model(cfg)
+        from attnlab.sparsity.rows import bind_rows
         self.down = [_transposed(layer.mlp.w2, getattr(model, "quant", None)) for layer in model.layers]
+        self._up = [bind_rows(layer.mlp.w13)[0] for layer in model.layers]    # gate/up rows -> values
+        self._down = [bind_rows(d)[1] for d in self.down]                      # values -> sum of down rows
         if self.method == "lowbit":
             if getattr(model, "quant", None):
                 raise ValueError("the lowbit method scores with a 4-bit copy of float weights; on quantized "
@@ -112,27 +115,25 @@ class Plan:
         return torch.zeros_like(act).scatter(-1, scores.topk(k, dim=-1).indices, 1.0)
 
     def _sparse(self, i: int, ffn, x: torch.Tensor, src: torch.Tensor, ctx) -> torch.Tensor:
-        from attnlab.sparsity.rows import rows_combine, rows_matvec
-        x1 = x.reshape(-1).float()
-        H = ffn.hidden
+        x1 = x.reshape(-1).float().contiguous()
+        H, rows = ffn.hidden, self._up[i]
         if self.method == "oracle":
             act = ffn.activation(x1)
             idx = act.abs().topk(self.keep(H, self.sparsity), sorted=False).indices
             a = act[idx]
         elif self.method == "threshold":
-            gate = rows_matvec(ffn.w13, x1, self._gate_rows(H))
-            sg = F.silu(gate)
+            sg = F.silu(rows(x1, self._gate_rows(H)))
             idx = (sg.abs() > self.predictors.threshold(i, self.sparsity)).nonzero().flatten()
-            a = sg[idx] * rows_matvec(ffn.w13, x1, idx + H)
+            a = sg[idx] * rows(x1, idx + H)
         else:
             k = self.keep(H, self.sparsity)
             scores = self._lowbit(i, x1) if self.method == "lowbit" else _scores(self._pred[i], src.reshape(-1))
             idx = scores.topk(k, sorted=False).indices
-            gu = rows_matvec(ffn.w13, x1, torch.cat([idx, idx + H]))
+            gu = rows(x1, torch.cat([idx, idx + H]))
             a = F.silu(gu[:k]) * gu[k:]
         if ctx.observers:
             ctx.record(i, "mlp_act", torch.zeros(1, 1, H).index_copy(2, idx, a.view(1, 1, -1)).to(x.dtype))
-        return rows_combine(self.down[i], a, idx).view(1, 1, -1).to(x.dtype)
+        return self._down[i](a.contiguous(), idx).view(1, 1, -1).to(x.dtype)
 
     def _gate_rows(self, n: int) -> torch.Tensor:
         if getattr(self, "_gates", None) is None or self._gates.numel() != n:

@@ -86,3 +86,15 @@ def rows_combine(weight: nn.Linear | QuantLinear, a: torch.Tensor, idx: torch.Te
         start = torch.zeros(1, dtype=torch.long)
         return F.embedding_bag(idx, weight.weight.detach(), start, per_sample_weights=a, mode="sum")[0]
     return a @ _rows(weight, idx)
+
+
+def bind_rows(weight: nn.Linear | QuantLinear) -> tuple:
+    """(matvec(x, idx), combine(a, idx)) for one weight with its kernel and operands looked up once:
+    the decode step calls them 30 times a token, where the checks above cost as much as a small row op.
+    Inputs must already be contiguous float32 / int64 vectors (the plan's own tensors are)."""
+    kind = _kernel(weight)
+    if kind is None:
+        return (lambda x, idx: rows_matvec(weight, x, idx)), (lambda a, idx: rows_combine(weight, a, idx))
+    ops = _operands(weight, kind)
+    mv, axpy = getattr(torch.ops.attnlab, f"{kind}_rows_mv"), getattr(torch.ops.attnlab, f"{kind}_rows_axpy")
+    return (lambda x, idx: mv(x, *ops, idx)), (lambda a, idx: axpy(a, *ops, idx))
