@@ -81,6 +81,7 @@ def soak(args, policy: str) -> dict:
         threading.Thread(target=watch, daemon=True).start()
         lat = [[None] * args.turns for _ in range(args.clients)]
         fed = [[None] * args.turns for _ in range(args.clients)]
+        ends = [[None] * args.turns for _ in range(args.clients)]
         errors, sessions = [], [None] * args.clients
         done10 = threading.Barrier(args.clients + 1)
         texts = passages(args.passage_words, args.clients * args.turns)
@@ -96,6 +97,7 @@ def soak(args, policy: str) -> dict:
                     r = api.chat.completions.create(model="m", messages=history, max_tokens=args.max_tokens,
                                                     temperature=0)
                     lat[i][t] = time.perf_counter() - start
+                    ends[i][t] = time.perf_counter()
                     fed[i][t] = r.model_extra["attnlab"]["fed_tokens"]
                     sessions[i] = r.model_extra["attnlab"]["session"]
                     history.append({"role": "assistant", "content": r.choices[0].message.content})
@@ -122,11 +124,20 @@ def soak(args, policy: str) -> dict:
         mine = [held.get(s) for s in sessions]
         first = [x for row in lat for x in row[:10] if x is not None]
         last = [x for row in lat for x in row[-10:] if x is not None]
+        # clients drift apart: the last turns of the slower ones run with fewer neighbours, so also
+        # compare turns that ended while every client was still talking
+        cutoff = min(max(e for e in row if e is not None) for row in ends)
+        busy = [[x for x, e in zip(lr, er) if x is not None and e <= cutoff] for lr, er in zip(lat, ends)]
+        busy_last = [x for row in busy for x in row[-10:]]
+        bins = {f"{b + 1}-{b + 10}": round(statistics.median(x for row in busy for x in row[b:b + 10]), 3)
+                for b in range(0, min(len(r) for r in busy) - 9, 10)}
         return {"policy": policy, "budget": None if policy == "full" else args.budget, "clients": args.clients,
                 "turns": args.turns, "max_tokens": args.max_tokens, "passage_words": args.passage_words, "seconds": round(time.time() - t0, 1),
                 "errors": len(errors), "error_samples": errors[:5],
                 "latency_first10_median_s": round(statistics.median(first), 3),
                 "latency_last10_median_s": round(statistics.median(last), 3),
+                "latency_last10_all_clients_median_s": round(statistics.median(busy_last), 3),
+                "latency_median_by_10_turns_all_clients_s": bins,
                 "fed_first_turn_median": statistics.median(row[0] for row in fed if row[0] is not None),
                 "fed_last10_median": statistics.median(x for row in fed for x in row[-10:] if x is not None),
                 "rss_mib": {k: round(v, 1) for k, v in rss.items()},
@@ -165,6 +176,8 @@ def main() -> int:
         print(f"{name:<12} {r['latency_first10_median_s']:>10.2f}s {r['latency_last10_median_s']:>9.2f}s "
               f"{r['rss_mib']['loaded']:>9.0f} {r['rss_mib'].get('after_10_turns', 0):>8.0f} {r['rss_mib']['end']:>8.0f} "
               f"{r['kv_mib_total']:>7.1f} {seen:>9} {r['fed_last10_median']:>8} {r['errors']:>6}")
+        print(f"  turn latency while every client is talking, median per 10 turns: "
+              f"{r['latency_median_by_10_turns_all_clients_s']}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(results, indent=1))
