@@ -86,27 +86,6 @@ def q8_mm(x, q, scale, group):
     return torch.ops.attnlab.q8_mm(x, q, scale, group)
 
 
-# Row-sparse ops (Deja Vu's sparse MLP): idx [k] int64 selects rows of a weight [N, K] (q4: codes
-# [N, K/2]); *_rows_mv(x [K]) -> [k] = (w[idx] @ x), *_rows_axpy(a [k]) -> [K] = sum_j a_j w[idx_j].
-def f32_rows_mv(x, w, idx):
-    return torch.ops.attnlab.f32_rows_mv(x, w, idx)
-
-
-def q8_rows_mv(x, q, scale, group, idx):
-    return torch.ops.attnlab.q8_rows_mv(x, q, scale, group, idx)
-
-
-def q4_rows_mv(x, qs, scale, min_, group, idx):
-    return torch.ops.attnlab.q4_rows_mv(x, qs, scale, min_, group, idx)
-
-
-def f32_rows_axpy(a, w, idx):
-    return torch.ops.attnlab.f32_rows_axpy(a, w, idx)
-
-
-def q8_rows_axpy(a, q, scale, group, idx):
-    return torch.ops.attnlab.q8_rows_axpy(a, q, scale, group, idx)
-
-
-def q4_rows_axpy(a, qs, scale, min_, group, idx):
-    return torch.ops.attnlab.q4_rows_axpy(a, qs, scale, min_, group, idx)
+# Row-sparse ops (Deja Vu's sparse MLP) are called as torch.ops.attnlab.{f32,q8,q4}_rows_{mv,axpy} through
+# attnlab.sparsity.rows: idx [k] int64 selects rows of a weight [N, K] (q4: codes [N, K/2]);
+# *_rows_mv(x [K]) -> [k] = (w[idx] @ x), *_rows_axpy(a [k]) -> [K] = sum_j a_j w[idx_j].

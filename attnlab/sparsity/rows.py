@@ -68,33 +68,30 @@ def rows_matvec(weight: nn.Linear | QuantLinear, x: torch.Tensor, idx: torch.Ten
     layer's own batch-1 forward, so the result equals `weight(x[None])[0, idx]` bit for bit.
     An index outside [0, N) raises."""
     x, idx = _args(weight, x, idx, "x")
-    kind = _kernel(weight)
-    if kind is None:
-        return _rows(weight, idx) @ x
-    return getattr(kernels, f"{kind}_rows_mv")(x, *_operands(weight, kind), idx)
+    return bind_rows(weight)[0](x, idx)
 
 
 def rows_combine(weight: nn.Linear | QuantLinear, a: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """a [k] float, idx [k] int -> [K] float32: sum_j a[j] * weight[idx[j]] (down projection with weight =
     W2 transposed). Each selected row is read once; repeated indices add up; empty idx gives zeros."""
     a, idx = _args(weight, a, idx, "a")
-    kind = _kernel(weight)
-    if kind is not None:
-        return getattr(kernels, f"{kind}_rows_axpy")(a, *_operands(weight, kind), idx)
-    if isinstance(weight, nn.Linear) and weight.weight.dtype == torch.float32:
-        # a weighted bag of rows: torch streams each row once, no gathered copy
-        start = torch.zeros(1, dtype=torch.long)
-        return F.embedding_bag(idx, weight.weight.detach(), start, per_sample_weights=a, mode="sum")[0]
-    return a @ _rows(weight, idx)
+    return bind_rows(weight)[1](a, idx)
 
 
 def bind_rows(weight: nn.Linear | QuantLinear) -> tuple:
     """(matvec(x, idx), combine(a, idx)) for one weight with its kernel and operands looked up once:
-    the decode step calls them 30 times a token, where the checks above cost as much as a small row op.
-    Inputs must already be contiguous float32 / int64 vectors (the plan's own tensors are)."""
+    the decode step calls them 30 times a token, where the checks of `rows_matvec` cost as much as a
+    small row op. Inputs must already be contiguous float32 / int64 vectors (the plan's own tensors are)."""
     kind = _kernel(weight)
-    if kind is None:
-        return (lambda x, idx: rows_matvec(weight, x, idx)), (lambda a, idx: rows_combine(weight, a, idx))
-    ops = _operands(weight, kind)
-    mv, axpy = getattr(torch.ops.attnlab, f"{kind}_rows_mv"), getattr(torch.ops.attnlab, f"{kind}_rows_axpy")
-    return (lambda x, idx: mv(x, *ops, idx)), (lambda a, idx: axpy(a, *ops, idx))
+    if kind is not None:
+        ops = _operands(weight, kind)
+        mv, axpy = getattr(torch.ops.attnlab, f"{kind}_rows_mv"), getattr(torch.ops.attnlab, f"{kind}_rows_axpy")
+        return (lambda x, idx: mv(x, *ops, idx)), (lambda a, idx: axpy(a, *ops, idx))
+    if isinstance(weight, nn.Linear) and weight.weight.dtype == torch.float32:
+        start = torch.zeros(1, dtype=torch.long)
+        # a weighted bag of rows: torch streams each row once, no gathered copy
+        combine = lambda a, idx: F.embedding_bag(idx, weight.weight.detach(), start,  # noqa: E731
+                                                 per_sample_weights=a, mode="sum")[0]
+    else:
+        combine = lambda a, idx: a @ _rows(weight, idx)  # noqa: E731
+    return (lambda x, idx: _rows(weight, idx) @ x), combine

@@ -135,16 +135,16 @@ def test_user_errors_raise(weights, use_kernels, monkeypatch):
 def test_kernels_check_their_inputs():
     w, x = torch.randn(8, 64), torch.randn(64)
     with pytest.raises(RuntimeError, match="out of range"):
-        kernels.f32_rows_mv(x, w, torch.tensor([8]))
+        torch.ops.attnlab.f32_rows_mv(x, w, torch.tensor([8]))
     with pytest.raises(RuntimeError, match="int64"):
-        kernels.f32_rows_mv(x, w, torch.tensor([1], dtype=torch.int32))
+        torch.ops.attnlab.f32_rows_mv(x, w, torch.tensor([1], dtype=torch.int32))
     with pytest.raises(RuntimeError, match="multiples of 32"):
-        kernels.f32_rows_axpy(torch.ones(1), torch.randn(8, 48), torch.tensor([1]))
+        torch.ops.attnlab.f32_rows_axpy(torch.ones(1), torch.randn(8, 48), torch.tensor([1]))
     with pytest.raises(RuntimeError, match="contiguous"):
-        kernels.f32_rows_mv(x, torch.randn(64, 8).t(), torch.tensor([1]))
+        torch.ops.attnlab.f32_rows_mv(x, torch.randn(64, 8).t(), torch.tensor([1]))
     p = QuantSpec.parse("int4:32").quantize(w)
     with pytest.raises(RuntimeError, match="scales"):
-        kernels.q4_rows_axpy(torch.ones(1), p.qs, p.scale[:4], p.min, 32, torch.tensor([1]))
+        torch.ops.attnlab.q4_rows_axpy(torch.ones(1), p.qs, p.scale[:4], p.min, 32, torch.tensor([1]))
 
 
 @needs_kernels
@@ -155,9 +155,9 @@ def test_ops_have_fake_shapes_for_compile():
     with FakeTensorMode() as mode:
         x, idx = mode.from_tensor(torch.randn(64)), mode.from_tensor(torch.tensor([1, 2, 3]))
         qs, s, m = (mode.from_tensor(t) for t in (p.qs, p.scale, p.min))
-        assert kernels.q4_rows_mv(x, qs, s, m, 32, idx).shape == (3,)
-        assert kernels.q4_rows_axpy(mode.from_tensor(torch.ones(3)), qs, s, m, 32, idx).shape == (64,)
-        assert kernels.f32_rows_axpy(mode.from_tensor(torch.ones(3)), mode.from_tensor(torch.randn(16, 64)), idx).shape == (64,)
+        assert torch.ops.attnlab.q4_rows_mv(x, qs, s, m, 32, idx).shape == (3,)
+        assert torch.ops.attnlab.q4_rows_axpy(mode.from_tensor(torch.ones(3)), qs, s, m, 32, idx).shape == (64,)
+        assert torch.ops.attnlab.f32_rows_axpy(mode.from_tensor(torch.ones(3)), mode.from_tensor(torch.randn(16, 64)), idx).shape == (64,)
 
 
 @needs_kernels
