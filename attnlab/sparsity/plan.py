@@ -104,7 +104,7 @@ class Plan:
                src: torch.Tensor | None = None) -> torch.Tensor:
         """Float mask [..., hidden] of the neurons each token keeps (masked execution)."""
         if self.method == "threshold":
-            return (F.silu(gate).abs() > self.predictors.threshold(i, self.sparsity)).to(act.dtype)
+            return (F.silu(gate).abs() > self._threshold(i)).to(act.dtype)
         if self.method == "oracle":
             scores = act.abs()
         elif self.method == "lowbit":
@@ -123,7 +123,7 @@ class Plan:
             a = act[idx]
         elif self.method == "threshold":
             sg = F.silu(rows(x1, self._gate_rows(H)))
-            idx = (sg.abs() > self.predictors.threshold(i, self.sparsity)).nonzero().flatten()
+            idx = (sg.abs() > self._threshold(i)).nonzero().flatten()
             a = sg[idx] * rows(x1, idx + H)
         else:
             k = self.keep(H, self.sparsity)
@@ -134,6 +134,14 @@ class Plan:
         if ctx.observers:
             ctx.record(i, "mlp_act", torch.zeros(1, 1, H).index_copy(2, idx, a.view(1, 1, -1)).to(x.dtype))
         return self._down[i](a.contiguous(), idx).view(1, 1, -1).to(x.dtype)
+
+    def _threshold(self, i: int) -> float:
+        """Layer i's calibrated gate threshold at this sparsity, looked up once (decode calls it every token)."""
+        key = (i, self.sparsity)
+        cache = self.__dict__.setdefault("_taus", {})
+        if key not in cache:
+            cache[key] = self.predictors.threshold(i, self.sparsity)
+        return cache[key]
 
     def _gate_rows(self, n: int) -> torch.Tensor:
         if getattr(self, "_gates", None) is None or self._gates.numel() != n:
