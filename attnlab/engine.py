@@ -17,6 +17,7 @@ from attnlab.model.tokenizer import load_tokenizer
 from attnlab.sampling import Sampler
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+KV_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 DEFAULT_MODEL = "smollm2-135m"
 
 
@@ -30,21 +31,27 @@ def set_threads(threads: int | None) -> None:
 class LM:
     """A causal LM ready for inference. `model` is a plain `Transformer`; `tokenizer` a transformers tokenizer."""
 
-    def __init__(self, model: Transformer, tokenizer=None, source: Path | None = None, tokenizer_error: str = ""):
+    def __init__(self, model: Transformer, tokenizer=None, source: Path | None = None, tokenizer_error: str = "",
+                 kv_dtype: torch.dtype | None = None):
         self.model, self.cfg, self.tokenizer, self.source = model, model.cfg, tokenizer, source
         self.tokenizer_error = tokenizer_error
+        self.kv_dtype = kv_dtype  # KV-cache storage; None = the model's dtype
 
     @classmethod
     def load(cls, spec: str | Path = DEFAULT_MODEL, dtype: str = "float32", threads: int | None = None,
              tokenizer: bool = True, quant=None, compile: bool = False, rope: str | None = None,
-             sparsity: str | None = None) -> "LM":
+             sparsity: str | None = None, kv_dtype: str | None = None) -> "LM":
         """quant: 'int8', 'int4:32', 'kmeans:4', ... (see attnlab.quant.QuantSpec); compile: compile the
         single-token decode step with torch.compile (tens of seconds on first use; eager otherwise);
         rope: a context-extension override, e.g. "yarn:4" or "linear:2" (see `attnlab.rope.parse_rope`);
         sparsity: Deja Vu contextual sparsity, 'PATH[:MLP[:HEADS]]' with predictors from
-        `attnlab dejavu train`, 'threshold@PATH:0.5' or 'oracle:0.5' (see `attnlab.sparsity.plan.parse`)."""
+        `attnlab dejavu train`, 'threshold@PATH:0.5' or 'oracle:0.5' (see `attnlab.sparsity.plan.parse`);
+        kv_dtype: 'float16' stores the KV cache in half the bytes (llama.cpp's default; decode attention
+        reads it at that size), default: the model's dtype."""
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; choose from float32, bfloat16")
+        if kv_dtype is not None and kv_dtype not in KV_DTYPES:
+            raise ValueError(f"unknown KV-cache dtype {kv_dtype!r}; choose from {', '.join(KV_DTYPES)}")
         if quant is not None:
             from attnlab.quant import QuantSpec
             quant = QuantSpec.parse(quant)  # a bad spec fails before the slow load
@@ -56,6 +63,9 @@ class LM:
         if sparsity is not None:
             from attnlab.sparsity.plan import plan_from_spec
             plan_from_spec(sparsity, model)
+        if DTYPES[dtype] == torch.float32:
+            from attnlab.quant import kernels
+            kernels.available()  # fused decode attention: built once per machine, before any forward or trace
         if compile:
             model.compile_decode()
         tok, why = None, "tokenizer not loaded"
@@ -65,7 +75,7 @@ class LM:
                 why = "" if tok is not None else "the folder has no tokenizer files"
             except Exception as e:  # e.g. a GGUF without tokenizer metadata: the weights still work
                 why = f"transformers could not build its tokenizer ({type(e).__name__}: {e})"
-        return cls(model, tok, path, why)
+        return cls(model, tok, path, why, KV_DTYPES[kv_dtype] if kv_dtype else None)
 
     @property
     def config(self) -> ModelConfig:
@@ -95,7 +105,7 @@ class LM:
             capacity = max_capacity = policy.capacity
             positions = getattr(policy, "positions", positions)
         cfg = self.cfg
-        return KVCache(cfg.n_layers, batch, cfg.n_kv_heads, cfg.head_dim, self.model.rope, self.dtype,
+        return KVCache(cfg.n_layers, batch, cfg.n_kv_heads, cfg.head_dim, self.model.rope, self.kv_dtype or self.dtype,
                        capacity, positions, max_capacity, policy, window=cfg.sliding_window)
 
     @torch.inference_mode()
@@ -220,9 +230,11 @@ def _as_ids(ids) -> torch.Tensor:
 
 
 def load(spec: str | Path = DEFAULT_MODEL, dtype: str = "float32", threads: int | None = None,
-         quant=None, compile: bool = False, rope: str | None = None, sparsity: str | None = None) -> LM:
+         quant=None, compile: bool = False, rope: str | None = None, sparsity: str | None = None,
+         kv_dtype: str | None = None) -> LM:
     """Load a model: the embedded name 'smollm2-135m', a .gguf file, or a Hugging Face folder
     (or a quantized folder written by `attnlab quantize`). See `LM.load` for quant, compile,
     rope ("yarn:4", linear/ntk/dynamic/llama3:F, or "none" to remove the checkpoint's scaling)
     and sparsity (Deja Vu: "runs/dejavu:0.5", "threshold@runs/dejavu:0.3", "lowbit:0.5")."""
-    return LM.load(spec, dtype=dtype, threads=threads, quant=quant, compile=compile, rope=rope, sparsity=sparsity)
+    return LM.load(spec, dtype=dtype, threads=threads, quant=quant, compile=compile, rope=rope, sparsity=sparsity,
+                   kv_dtype=kv_dtype)

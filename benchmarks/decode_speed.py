@@ -50,16 +50,17 @@ def weights_read(model) -> int:
 
 
 class Ours:
-    def __init__(self, spec: str, compile_: bool):
+    def __init__(self, spec: str, compile_: bool, kv: str = "float32"):
         import attnlab
-        self.name = spec + (" compiled" if compile_ else "")
+        self.name = spec + (" compiled" if compile_ else "") + (" kv16" if kv == "float16" else "")
         dtype = "bfloat16" if spec == "bf16" else "float32"
         quant = None if spec in ("fp32", "bf16") else spec
         t = time.perf_counter()
-        self.lm = attnlab.LM.load("smollm2-135m", dtype=dtype, quant=quant, compile=compile_, tokenizer=False)
+        self.lm = attnlab.LM.load("smollm2-135m", dtype=dtype, quant=quant, compile=compile_, tokenizer=False,
+                                  kv_dtype=None if dtype == "bfloat16" else kv)
         self.load_s = time.perf_counter() - t
         self.compile_s = None
-        self.kv_elem = self.lm.model.norm.weight.element_size()
+        self.kv_elem = (self.lm.kv_dtype or self.lm.dtype).itemsize
         self.bytes = weights_read(self.lm.model)
         self.caches = {}
 
@@ -206,6 +207,8 @@ def main(argv=None) -> int:
     p.add_argument("--prefill", type=int, default=512, help="prompt length for the prefill timing")
     p.add_argument("--variants", default=",".join(OURS), help=f"ours among {','.join(OURS)}")
     p.add_argument("--compile", action="store_true", help="also the compiled decode step of fp32 and int4:32")
+    p.add_argument("--kv", default="float32", help="comma list of our KV-cache dtypes (float32, float16); "
+                   "every variant of ours runs with each")
     p.add_argument("--no-transformers", action="store_true")
     p.add_argument("--no-llamacpp", action="store_true")
     p.add_argument("--json", default=None, help="write every measurement here")
@@ -216,9 +219,10 @@ def main(argv=None) -> int:
     from attnlab.model.loaders import resolve
     path = resolve("smollm2-135m")
     torch.set_num_threads(threads[0])
-    variants = [Ours(s, False) for s in args.variants.split(",") if s]
+    kvs = args.kv.split(",")
+    variants = [Ours(s, False, kv) for s in args.variants.split(",") if s for kv in kvs if s != "bf16" or kv == kvs[0]]
     if args.compile:
-        variants += [Ours(s, True) for s in ("fp32", "int4:32") if s in args.variants.split(",")]
+        variants += [Ours(s, True, kv) for s in ("fp32", "int4:32") if s in args.variants.split(",") for kv in kvs]
     if not args.no_transformers:
         variants.append(Transformers(path))
     try:
@@ -253,8 +257,9 @@ def main(argv=None) -> int:
             rows[v.name][f"prefill{args.prefill}"] = {"tok_s": med[v.name]}
         results["threads"][t] = rows
         cols = [f"decode@{n}" for n in lengths] + [f"prefill{args.prefill}"]
-        base = rows["fp32"]
-        print(f"\n### {t} thread{'s' if t > 1 else ''}: tok/s (x our fp32 eager; % of bandwidth bound)\n")
+        base_name = "fp32" if "fp32" in rows else next(iter(rows))
+        base = rows[base_name]
+        print(f"\n### {t} thread{'s' if t > 1 else ''}: tok/s (x our {base_name} eager; % of bandwidth bound)\n")
         print("| variant | " + " | ".join(cols) + " |")
         print("|---|" + "---|" * len(cols))
         for name, r in rows.items():

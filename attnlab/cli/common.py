@@ -37,6 +37,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "kmeans-naive[:BITS] (lookup-then-matmul baseline); default: float weights")
     p.add_argument("--compile", action="store_true",
                    help="compile the single-token decode step (torch.compile; tens of seconds on first use)")
+    p.add_argument("--kv-dtype", default=None, choices=["float32", "float16"],
+                   help="KV-cache storage (float16: half the cache memory and bytes read per token; default: --dtype)")
 
 
 def add_sparsity_arg(p: argparse.ArgumentParser) -> None:
@@ -68,4 +70,4 @@ def load_lm(args, tokenizer: bool = True):
     with status(f"loading {args.model}"):  # 10-20 s for SmolLM2: say so
         return LM.load(args.model, dtype=args.dtype, threads=args.threads, tokenizer=tokenizer, rope=args.rope,
                        quant=getattr(args, "quant", None), compile=getattr(args, "compile", False),
-                       sparsity=getattr(args, "sparsity", None))
+                       sparsity=getattr(args, "sparsity", None), kv_dtype=getattr(args, "kv_dtype", None))

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attnlab.quant import kernels
 from attnlab.rope import Rope, apply as rope_apply
 
 
@@ -80,10 +81,17 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, need_probs: 
     The G = Hq/Hkv query heads of a group are folded into the query axis, so every head of a
     group reads the same K/V. Returns out [B, Hq, T, D] and, if need_probs, the attention
     probabilities of every query head: [B, Hq, T, L] (float32; query head h reads KV head h // G).
+    A decode step (one query over a whole cache) goes through the fused kernel when it is built:
+    one pass over the cache's bytes, float32 or float16 (see `attnlab/quant/attend.cpp`).
     """
     B, Hq, T, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
     G = Hq // Hkv
+    if (T == 1 and mask is None and not need_probs and q.dtype == torch.float32 and D % 8 == 0
+            and k.dtype in (torch.float32, torch.float16) and kernels.ready()):
+        return torch.ops.attnlab.decode_attention(q, k, v, 1 / math.sqrt(D)), None
+    if k.dtype != q.dtype:  # a float16 cache under float32 activations, off the fused path
+        k, v = k.to(q.dtype), v.to(q.dtype)
     if mask == "causal" and window is not None and L > window:
         i = torch.arange(L - T, L)[:, None]
         mask = ((torch.arange(L) <= i) & (torch.arange(L) > i - window))[None, None]

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 _STATE: dict = {}
+SOURCES = ("kernels.cpp", "attend.cpp")  # quantized matmuls; single-query attention over the KV cache
 CACHE = Path(os.environ.get("ATTNLAB_CACHE", Path.home() / ".cache" / "attnlab")) / "kernels"
 
 
@@ -29,6 +30,11 @@ def available() -> bool:
     if "ok" not in _STATE:
         _STATE["ok"] = _build()
     return _STATE["ok"]
+
+
+def ready() -> bool:
+    """True if the extension is already loaded; never builds (safe inside a forward or a trace)."""
+    return _STATE.get("ok", False)
 
 
 def _build() -> bool:
@@ -43,10 +49,15 @@ def _build() -> bool:
         lock = build / "lock"  # left behind by a build that was killed: torch would wait on it forever
         if lock.exists() and time.time() - lock.stat().st_mtime > 600:
             lock.unlink(missing_ok=True)
+        if not (build / "attnlab_qkernels.so").exists():
+            import sys
+            print("attnlab: building the fused kernels (once per machine and torch version, about a minute)",
+                  file=sys.stderr, flush=True)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            load(name="attnlab_qkernels", sources=[str(Path(__file__).with_name("kernels.cpp"))],
-                 extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c"], build_directory=str(build),
+            load(name="attnlab_qkernels", sources=[str(Path(__file__).with_name(f)) for f in SOURCES],
+                 extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                 build_directory=str(build),
                  verbose=False, is_python_module=False)
     except Exception as e:  # no compiler, no ninja, ...: fall back, say why once
         warnings.warn(f"attnlab: fused quantized kernels unavailable ({type(e).__name__}: {str(e)[:200]}); "
@@ -72,6 +83,7 @@ def _register_fakes() -> None:
     for name in ("f32", "q8", "q4"):
         torch.library.register_fake(f"attnlab::{name}_rows_mv")(fake_mv)
         torch.library.register_fake(f"attnlab::{name}_rows_axpy")(fake_axpy)
+    torch.library.register_fake("attnlab::decode_attention")(lambda q, k, v, scale: torch.empty_like(q))
 
 
 def q4_mm(x, qs, scale, min_, group):

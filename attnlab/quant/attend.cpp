@@ -1,0 +1,193 @@
+// Single-query attention over a KV cache (batch-1 decoding), AVX2 + FMA + F16C.
+//
+// At one query token attention is a pass over the cache: every key and value is read once,
+// so its speed is the cache's bytes over the memory bandwidth. torch's SDPA reaches about a
+// third of that on this path (a small-matrix GEMM per head, then softmax, then another); here
+// the G query heads of a KV group share each key and value load, the softmax exponentials are
+// vectorised, and the cache may be stored in float16 (half the bytes, as llama.cpp's default
+// KV cache), widened in registers.
+//
+// q [B, Hq, 1, D] float32; k, v [B, Hkv, n, D] float32 or float16, innermost dimension
+// contiguous (slices of the cache's preallocated buffers); out [B, Hq, 1, D] float32.
+// Query head h reads KV head h / (Hq / Hkv), as in grouped-query attention.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "kernels_simd.h"
+
+using namespace attnlab_simd;
+
+namespace {
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// The hardware prefetcher alone leaves a single-query pass at about half the bandwidth: ask for
+// the row 8 ahead (reading past the end of the slice is harmless: a prefetch never faults).
+template <class T>
+inline void prefetch_row(const T* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t b = 0; b < n * static_cast<int64_t>(sizeof(T)); b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
+}
+
+// e^x for x <= 0 (softmax after the max is subtracted): 2^(x log2 e) = 2^n * 2^f, |f| <= 1/2,
+// 2^f by a degree-6 polynomial (relative error ~2e-7); below -87 the result flushes to 0.
+inline __m256 exp_neg(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(t, n);
+  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// O[g * D + 8j ...] = sum_t P[g][t] V[t][8j ...] / sum, for J (compile-time, so the G x J
+// accumulators stay in registers) chunks of 8 dimensions.
+template <int G, int J, class T>
+inline void pv(const float* P, const T* V, int64_t sv, int64_t n, const float* inv, float* O, int64_t D) {
+  __m256 acc[G][J];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < J; ++j) acc[g][j] = _mm256_setzero_ps();
+  for (int64_t t = 0; t < n; ++t) {
+    const T* v = V + t * sv;
+    prefetch_row(v + 24 * sv, 8 * J);
+    __m256 p[G];
+    for (int g = 0; g < G; ++g) p[g] = _mm256_broadcast_ss(P + g * n + t);
+    for (int j = 0; j < J; ++j) {
+      const __m256 vv = load8(v + 8 * j);
+      for (int g = 0; g < G; ++g) acc[g][j] = _mm256_fmadd_ps(p[g], vv, acc[g][j]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < J; ++j) _mm256_storeu_ps(O + g * D + 8 * j, _mm256_mul_ps(acc[g][j], _mm256_set1_ps(inv[g])));
+}
+
+// s[t] <- exp(s[t] - max s), in place; returns 1 / sum (the division is left to the output)
+inline float softmax_numerators(float* s, int64_t n) {
+  __m256 m8 = _mm256_set1_ps(s[0]);
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(s + t));
+  float mx = hmax(m8);
+  for (; t < n; ++t) mx = std::max(mx, s[t]);
+  const __m256 m = _mm256_set1_ps(mx);
+  __m256 sum = _mm256_setzero_ps();
+  for (t = 0; t + 8 <= n; t += 8) {
+    const __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(s + t), m));
+    _mm256_storeu_ps(s + t, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  float total = hsum(sum);
+  for (; t < n; ++t) {
+    s[t] = _mm_cvtss_f32(_mm256_castps256_ps128(exp_neg(_mm256_set1_ps(s[t] - mx))));
+    total += s[t];
+  }
+  return 1.f / total;
+}
+
+// S[g * n + r] = scale * Q[g] . K[r] for the R rows K[r * sk ...]
+template <int G, int R, class T>
+inline void scores(const float* Q, const T* K, int64_t sk, int64_t D, float scale, float* S, int64_t n) {
+  __m256 acc[G][R];
+  for (int g = 0; g < G; ++g)
+    for (int r = 0; r < R; ++r) acc[g][r] = _mm256_setzero_ps();
+  for (int r = 0; r < R; ++r) prefetch_row(K + (24 + r) * sk, D);
+  for (int64_t d = 0; d < D; d += 8) {
+    for (int r = 0; r < R; ++r) {
+      const __m256 kv = load8(K + r * sk + d);
+      for (int g = 0; g < G; ++g) acc[g][r] = _mm256_fmadd_ps(_mm256_loadu_ps(Q + g * D + d), kv, acc[g][r]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int r = 0; r < R; ++r) S[g * n + r] = hsum(acc[g][r]) * scale;
+}
+
+// One KV head and the G (<= 3 per call) query heads Q[g * D ...] that read it: scores S[g][t],
+// then out O[g * D ...] = softmax(S[g]) . V. D is a multiple of 8.
+template <int G, class T>
+void head(const float* Q, const T* K, const T* V, int64_t sk, int64_t sv, int64_t n, int64_t D, float scale,
+          float* S, float* O) {
+  // scores, R keys at a time: G x R independent FMA chains (one chain per score would leave the loop
+  // bound by the FMA latency), and each key row read once for the G queries
+  int64_t t = 0;
+  for (; t + 4 <= n; t += 4) scores<G, 4>(Q, K + t * sk, sk, D, scale, S + t, n);
+  for (; t < n; ++t) scores<G, 1>(Q, K + t * sk, sk, D, scale, S + t, n);
+  float inv[G];
+  for (int g = 0; g < G; ++g) inv[g] = softmax_numerators(S + g * n, n);
+  for (int64_t d0 = 0; d0 < D; d0 += 32) {  // out = P . V, 32 dimensions (G x 4 accumulators) per pass
+    switch (std::min<int64_t>(4, (D - d0) / 8)) {
+      case 4: pv<G, 4>(S, V + d0, sv, n, inv, O + d0, D); break;
+      case 3: pv<G, 3>(S, V + d0, sv, n, inv, O + d0, D); break;
+      case 2: pv<G, 2>(S, V + d0, sv, n, inv, O + d0, D); break;
+      default: pv<G, 1>(S, V + d0, sv, n, inv, O + d0, D);
+    }
+  }
+}
+
+template <class T>
+void heads(const float* Q, const T* K, const T* V, int64_t sk, int64_t sv, int64_t n, int64_t D, int64_t G,
+           float scale, float* O) {
+  thread_local std::vector<float> S;
+  if (static_cast<int64_t>(S.size()) < 3 * n) S.resize(3 * n);
+  for (int64_t g = 0; g < G; g += 3) {  // query heads of the group in threes: accumulators stay in registers
+    const int64_t r = std::min<int64_t>(3, G - g);
+    const float* q = Q + g * D;
+    float* o = O + g * D;
+    if (r == 3) head<3>(q, K, V, sk, sv, n, D, scale, S.data(), o);
+    else if (r == 2) head<2>(q, K, V, sk, sv, n, D, scale, S.data(), o);
+    else head<1>(q, K, V, sk, sv, n, D, scale, S.data(), o);
+  }
+}
+
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && q.dim() == 4 && q.size(2) == 1, "q must be float32 [B, Hq, 1, D]");
+  TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes() && k.scalar_type() == v.scalar_type(),
+              "k and v must have one shape [B, Hkv, n, D] and one dtype");
+  TORCH_CHECK(k.scalar_type() == torch::kFloat || k.scalar_type() == torch::kHalf, "k, v must be float32 or float16");
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(3), Hkv = k.size(1), n = k.size(2);
+  TORCH_CHECK(k.size(0) == B && k.size(3) == D && Hq % Hkv == 0 && D % 8 == 0 && n > 0,
+              "shapes do not match: q ", q.sizes(), ", k ", k.sizes());
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "k and v must be contiguous in their last dimension");
+  q = q.contiguous();
+  auto out = torch::empty_like(q);
+  const int64_t G = Hq / Hkv;
+  const float* Q = q.data_ptr<float>();
+  float* O = out.data_ptr<float>();
+  auto run = [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / Hkv, h = i % Hkv;
+      const float* qi = Q + (b * Hq + h * G) * D;
+      float* oi = O + (b * Hq + h * G) * D;
+      if (k.scalar_type() == torch::kFloat)
+        heads(qi, k.data_ptr<float>() + b * k.stride(0) + h * k.stride(1),
+              v.data_ptr<float>() + b * v.stride(0) + h * v.stride(1), k.stride(2), v.stride(2), n, D, G,
+              static_cast<float>(scale), oi);
+      else
+        heads(qi, k.data_ptr<at::Half>() + b * k.stride(0) + h * k.stride(1),
+              v.data_ptr<at::Half>() + b * v.stride(0) + h * v.stride(1), k.stride(2), v.stride(2), n, D, G,
+              static_cast<float>(scale), oi);
+    }
+  };
+  if (at::get_num_threads() == 1) run(0, B * Hkv); else at::parallel_for(0, B * Hkv, 1, run);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(attnlab, m) {
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(attnlab, CPU, m) { m.impl("decode_attention", &decode_attention); }
