@@ -1,5 +1,5 @@
-"""The fused kernels (kernels.cpp; its SIMD arithmetic in kernels_simd.h), built on first use,
-with a pure-torch fallback.
+"""The fused kernels (kernels.cpp, its SIMD arithmetic in kernels_simd.h; attend.cpp, single-query
+attention over the KV cache), built on first use, with a pure-torch fallback.
 
 Why a C++ kernel: the point of quantized weights is reading fewer bytes per token,
 which pays only if dequantisation happens in registers. torch's own int4/int8
@@ -53,12 +53,16 @@ def _build() -> bool:
             import sys
             print("attnlab: building the fused kernels (once per machine and torch version, about a minute)",
                   file=sys.stderr, flush=True)
+        sources = [str(Path(__file__).with_name(f)) for f in SOURCES]
+        flags = ["-O3", "-mavx2", "-mfma", "-mf16c"]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            load(name="attnlab_qkernels", sources=[str(Path(__file__).with_name(f)) for f in SOURCES],
-                 extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                 build_directory=str(build),
-                 verbose=False, is_python_module=False)
+            try:  # OpenMP: without it at::parallel_for in the extension runs on one thread
+                load(name="attnlab_qkernels", sources=sources, extra_cflags=flags + ["-fopenmp"],
+                     extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False, is_python_module=False)
+            except Exception:  # a compiler without OpenMP: single-threaded kernels rather than none
+                load(name="attnlab_qkernels", sources=sources, extra_cflags=flags, build_directory=str(build),
+                     verbose=False, is_python_module=False)
     except Exception as e:  # no compiler, no ninja, ...: fall back, say why once
         warnings.warn(f"attnlab: fused quantized kernels unavailable ({type(e).__name__}: {str(e)[:200]}); "
                       "using dequantise-then-matmul")
