@@ -15,7 +15,7 @@ def cmd_extend(args) -> int:
     try:
         with progress(args.steps, "extend", unit="step") as bar:
             lm, rows = extend(args.model, args.out, args.factor, args.method, args.steps, args.context, args.text,
-                              args.batch, args.lr, args.warmup, args.seed, args.resume, bar)
+                              args.batch, args.lr, args.warmup, args.seed, args.resume, bar, lora=args.lora)
     except (ValueError, FileNotFoundError) as e:
         raise UserError(str(e)) from None
     for r in rows:
@@ -42,5 +42,8 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="data-order seed (default: %(default)s)")
     p.add_argument("--out", required=True, help="run folder; becomes a loadable checkpoint")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
+    p.add_argument("--lora", type=nonneg_int, default=0, metavar="RANK",
+                   help="train rank-RANK LoRA adapters on the projections instead of every weight (for models a "
+                        "full fine-tune does not fit); merged into the saved weights (default: full fine-tune)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads")
     p.set_defaults(func=cmd_extend)

@@ -34,8 +34,10 @@ def apply_scaling(model, scaling: dict | None, context: int) -> None:
 
 def extend(model_spec: str, out: str | Path, factor: float, method: str = "pi", steps: int = 50,
            context: int = 2048, text: str = "shakespeare:train", batch: int = 1, lr: float = 2e-5,
-           warmup: int = 5, seed: int = 0, resume: bool = False, progress=None, eval_batches: int = 2):
-    """Fine-tune model_spec with `method` scaling by `factor` on `context`-token sequences of `text`;
+           warmup: int = 5, seed: int = 0, resume: bool = False, progress=None, eval_batches: int = 2,
+           lora: int = 0):
+    """Fine-tune model_spec with `method` scaling by `factor` on `context`-token sequences of `text`
+    (lora > 0: rank-`lora` adapters only, merged into the weights at the end);
     returns (LM of the extended model, trainer evaluation rows)."""
     from attnlab.engine import LM
     from attnlab.model.export import save_hf_folder
@@ -53,10 +55,13 @@ def extend(model_spec: str, out: str | Path, factor: float, method: str = "pi", 
     cfg = TrainConfig(corpus=text, tokenizer="pretrained", context=context, batch=batch, steps=steps, lr=lr,
                       warmup=warmup, schedule="constant", weight_decay=0.0, clip=1.0, rope_scaling=scaling,
                       seed=seed, eval_every=25, eval_batches=eval_batches, ckpt_every=10,
-                      keep_checkpoints=1)
+                      keep_checkpoints=1, lora_rank=lora)
     tok = PretrainedTokenizer(str(model_spec), tok=lm.tokenizer)
     trainer = Trainer(cfg, out / "train", resume=resume, tokenizer=tok, model=lm.model)
     rows = trainer.run(progress=progress)
     model = trainer.model.eval().requires_grad_(False)
+    if lora:
+        from attnlab.train.lora import merge_lora
+        merge_lora(model)
     save_hf_folder(model, out, tokenizer=lm.tokenizer)
     return LM(model, lm.tokenizer, out), rows

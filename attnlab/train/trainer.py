@@ -71,6 +71,7 @@ class TrainConfig:
     eval_at: list[int] = field(default_factory=list)  # extra evaluation steps (e.g. dense early on)
     ckpt_every: int = 500              # 0 = only at the end
     keep_checkpoints: int = 2
+    lora_rank: int = 0  # fine-tuning a pretrained model: train rank-r adapters only (0 = every weight)
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
@@ -132,6 +133,9 @@ def load_checkpoint(path: str | Path):
         raise FileNotFoundError(f"no checkpoint in {path} (expected state.json or latest.json)")
     state = json.loads((path / "state.json").read_text())
     model = Transformer(ModelConfig(**state["model_config"]))
+    if state["train_config"].get("lora_rank"):
+        from attnlab.train.lora import add_lora
+        add_lora(model, state["train_config"]["lora_rank"], seed=state["train_config"]["seed"])
     missing, unexpected = model.load_state_dict(load_file(path / "model.safetensors"), strict=False)
     if unexpected or [m for m in missing if not (m == "lm_head.weight" and model.cfg.tie_embeddings)]:
         raise ValueError(f"checkpoint {path} does not match its config: missing {missing}, unexpected {unexpected}")
@@ -173,6 +177,9 @@ class Trainer:
             if tokenizer.vocab_size > model.cfg.vocab_size:
                 raise ValueError(f"tokenizer has {tokenizer.vocab_size} ids, the model {model.cfg.vocab_size}")
             self.tokenizer, self.model = tokenizer, model.float().requires_grad_(True)
+            if cfg.lora_rank:
+                from attnlab.train.lora import add_lora
+                add_lora(self.model, cfg.lora_rank, seed=cfg.seed)
         else:
             self.tokenizer = tokenizer or make_tokenizer(cfg.tokenizer, corpus(cfg.corpus), cfg.vocab_size)
             with torch.random.fork_rng():
@@ -183,7 +190,7 @@ class Trainer:
         need = cfg.context + 2
         if self.train_ids.numel() < need or self.val_ids.numel() < cfg.context + 1:
             raise ValueError(f"corpus too short for context {cfg.context}")
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+        self.opt = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                      weight_decay=cfg.weight_decay)
         self.step = 0
         if state is not None:

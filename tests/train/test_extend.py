@@ -68,3 +68,39 @@ def test_extend_resume_is_exact(tiny_folder, tmp_path):
     assert (whole.logits(ids) - resumed.logits(ids)).abs().max().item() < 1e-6
     with pytest.raises(ValueError, match="already holds a run"):
         extend(str(tiny_folder), tmp_path / "b", steps=4, **kw)
+
+
+def test_lora_starts_at_the_model_trains_only_adapters_and_merges_exactly(tiny_folder):
+    from attnlab.train.lora import LoRALinear, add_lora, merge_lora
+    lm = attnlab.load(tiny_folder)
+    ids = _ids(32)
+    before = lm.logits(ids)
+    model = add_lora(lm.model, rank=2)
+    assert torch.equal(lm.logits(ids), before)  # B = 0: the adapted network is the pretrained one
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(n.endswith((".A", ".B")) for n in trainable)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, LoRALinear):
+                m.B.normal_(std=0.05)
+    adapted = lm.logits(ids)
+    base = model.layers[0].attn.wqkv.base.weight.clone()
+    merge_lora(model)
+    assert not any(isinstance(m, LoRALinear) for m in model.modules())
+    torch.testing.assert_close(lm.logits(ids), adapted, atol=1e-5, rtol=1e-5)
+    assert torch.linalg.matrix_rank(model.layers[0].attn.wqkv.weight - base) == 2  # a rank-2 update
+
+
+def test_extend_with_lora_trains_resumes_and_reloads(tiny_folder, tmp_path):
+    kw = dict(factor=2, method="pi", context=64, text="shakespeare:hamlet", lr=1e-2, warmup=0, eval_batches=1, lora=2)
+    whole, rows = extend(str(tiny_folder), tmp_path / "a", steps=4, **kw)
+    assert rows[-1]["val_loss"] < rows[0]["val_loss"]
+    extend(str(tiny_folder), tmp_path / "b", steps=2, **kw)
+    resumed, _ = extend(str(tiny_folder), tmp_path / "b", steps=4, resume=True, **kw)
+    ids = _ids(64)
+    assert (whole.logits(ids) - resumed.logits(ids)).abs().max().item() < 1e-6
+    assert torch.equal(attnlab.load(tmp_path / "a").logits(ids), whole.logits(ids))
+    ref = attnlab.load(tiny_folder, rope="linear:2").model
+    delta = whole.model.layers[1].mlp.w2.weight - ref.layers[1].mlp.w2.weight
+    assert torch.linalg.matrix_rank(delta) <= 2 and delta.abs().max() > 0  # only a low-rank update was learned
+    assert torch.equal(whole.model.embed.weight, ref.embed.weight)  # everything else frozen
