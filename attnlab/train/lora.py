@@ -34,6 +34,14 @@ class LoRALinear(nn.Module):
         return self.base
 
 
+def _slots(model: nn.Module):
+    """(parent module, attribute) of every projection LoRA adapts."""
+    for layer in model.layers:
+        for name in TARGETS:
+            block, attr = name.split(".")
+            yield layer.get_submodule(block), attr
+
+
 def add_lora(model: nn.Module, rank: int, alpha: float | None = None, seed: int = 0) -> nn.Module:
     """Freeze `model` and wrap every layer's projections (TARGETS) with rank-`rank` adapters (alpha
     default 2 x rank; A drawn from `seed`, so a run is reproducible); only the adapters train.
@@ -42,19 +50,15 @@ def add_lora(model: nn.Module, rank: int, alpha: float | None = None, seed: int 
         raise ValueError(f"LoRA rank must be >= 1, got {rank}")
     model.requires_grad_(False)
     generator = torch.Generator().manual_seed(seed)
-    for layer in model.layers:
-        for name in TARGETS:
-            parent, attr = layer.get_submodule(name.split(".")[0]), name.split(".")[1]
-            setattr(parent, attr, LoRALinear(getattr(parent, attr), rank, alpha or 2.0 * rank, generator))
+    for parent, attr in _slots(model):
+        setattr(parent, attr, LoRALinear(getattr(parent, attr), rank, alpha or 2.0 * rank, generator))
     return model
 
 
 def merge_lora(model: nn.Module) -> nn.Module:
     """Fold every adapter into its weight and remove the wrappers. In place; returns the model."""
-    for layer in model.layers:
-        for name in TARGETS:
-            parent, attr = layer.get_submodule(name.split(".")[0]), name.split(".")[1]
-            module = getattr(parent, attr)
-            if isinstance(module, LoRALinear):
-                setattr(parent, attr, module.merged())
+    for parent, attr in _slots(model):
+        module = getattr(parent, attr)
+        if isinstance(module, LoRALinear):
+            setattr(parent, attr, module.merged())
     return model
