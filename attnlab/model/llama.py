@@ -267,10 +267,13 @@ class Transformer(nn.Module):
 
     compiled = None
 
-    def compile_decode(self, **options) -> None:
+    def compile_decode(self, fullgraph: bool = False, options: dict | None = None) -> None:
         """Compile `run` for single-token decode steps (eager stays the reference and the fallback).
 
         The cache length is a dynamic size (one graph for every length), the KV buffers are
         written in place, and RoPE uses real cos/sin tables (inductor has no complex kernels).
+        Steps in a situation already compiled skip dynamo's guards (see `attnlab.model.compiled`).
+        options: inductor settings, as for torch.compile.
         """
-        self.compiled = torch.compile(self.run, dynamic=None, **options)
+        from attnlab.model.compiled import DecodeStep
+        self.compiled = DecodeStep(self, fullgraph, options)

@@ -87,11 +87,51 @@ def test_compiled_decode_step_equals_eager(spec):
         lm.prefill(ids[:, :8], cache)
         outs.append(torch.cat([lm.forward(ids[:, t:t + 1], cache) for t in range(8, 40)], 1))
         assert len(cache) <= 12 + 3
+    assert fast.model.compiled.calls["direct"] >= 24  # past the first steps, dynamo's guards are skipped
     if spec != "int4:32":
         torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=1e-5)
     else:
         assert (outs[1] - outs[0]).norm() / outs[0].norm() < 0.05
         assert (outs[1].argmax(-1) == outs[0].argmax(-1)).float().mean() >= 0.9
+
+
+def test_compiled_step_skips_dynamo_only_where_it_recorded_the_inputs():
+    """The guard-free path must follow every change dynamo would have caught: a new (grown) cache,
+    a fresh conversation, the last-only head, and a module swapped after compiling (3-bit codebooks
+    where 4-bit ones were: same paths, tensors of other shapes), each time with the eager logits."""
+    torch._dynamo.reset()
+    eager, fast = tiny_lm(dim=64, hidden_dim=128), tiny_lm(dim=64, hidden_dim=128)
+    for lm in (eager, fast):
+        quantize_model(lm.model, "kmeans-naive:4")  # a float path: compiled and eager agree to rounding
+    fast.model.compile_decode()
+    ids = torch.randint(0, 97, (1, 30), generator=torch.Generator().manual_seed(1))
+
+    def decode(lm, cache, a, b, last_only=False):
+        return torch.cat([lm.model(ids[:, t:t + 1], cache=cache, last_only=last_only) for t in range(a, b)], 1)
+
+    caches = {}
+    for lm in (eager, fast):
+        caches[lm] = lm.new_cache(capacity=8)  # grows to 16 and 32 on the way
+        lm.prefill(ids[:, :4], caches[lm])
+    calls = fast.model.compiled.calls
+    torch.testing.assert_close(decode(fast, caches[fast], 4, 20), decode(eager, caches[eager], 4, 20),
+                               atol=2e-5, rtol=1e-5)
+    assert calls["direct"] >= 8 and calls["dynamo"] >= 3  # first steps, then one per capacity
+    for lm in (eager, fast):  # a new conversation, read through the last-only head
+        caches[lm] = lm.new_cache(capacity=64)
+        lm.prefill(ids[:, :4], caches[lm])
+    before = dict(calls)
+    torch.testing.assert_close(decode(fast, caches[fast], 4, 12, True), decode(eager, caches[eager], 4, 12, True),
+                               atol=2e-5, rtol=1e-5)
+    assert calls["dynamo"] > before["dynamo"] and calls["direct"] > before["direct"]
+    donor = tiny_lm(dim=64, hidden_dim=128)
+    quantize_model(donor.model, "kmeans-naive:3")
+    for lm in (eager, fast):
+        lm.model.layers[1].mlp.w13 = donor.model.layers[1].mlp.w13
+    before = dict(calls)
+    torch.testing.assert_close(decode(fast, caches[fast], 12, 20, True), decode(eager, caches[eager], 12, 20, True),
+                               atol=2e-5, rtol=1e-5)
+    assert calls["dynamo"] > before["dynamo"]
 
 
 def test_smollm2_int4_loads_from_its_blocks_and_tracks_fp32(smollm2):
