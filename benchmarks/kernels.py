@@ -42,6 +42,10 @@ def build_baseline(rev: str) -> bool:
     build = kernels.CACHE / f"base-{rev}"
     build.mkdir(parents=True, exist_ok=True)
     (build / "base.cpp").write_text(src)
+    header = subprocess.run(["git", "show", f"{rev}:attnlab/quant/kernels_simd.h"], cwd=root, capture_output=True,
+                            text=True)
+    if header.returncode == 0:  # its own SIMD header, if it had one
+        (build / "kernels_simd.h").write_text(header.stdout)
     from torch.utils.cpp_extension import load
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

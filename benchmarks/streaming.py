@@ -90,13 +90,13 @@ def recompute_latency(lm, ids, window: int, n: int) -> float:
     return min(times)
 
 
-def llamacpp_latency(path, ids, depth: int, n: int, threads: int) -> dict:
+def llamacpp_latency(path, ids, depth: int, n: int, threads: int, flash_modes=(False, True)) -> dict:
     """llama.cpp decoding with its full (f16) cache after `depth` tokens of the same text; best ms per token
     over n tokens, with flash attention off and on (the faster is reported)."""
     from llama_cpp import Llama
 
     best = None
-    for flash in (False, True):
+    for flash in flash_modes:
         llm = Llama(model_path=str(path), n_ctx=depth + n + 8, n_threads=threads, n_threads_batch=threads,
                     n_batch=512, flash_attn=flash, verbose=False)
         llm.eval(ids[0, :depth].tolist())
@@ -127,8 +127,11 @@ def main(argv=None) -> int:
     p.add_argument("--time-cap", type=float, default=900.0, help="seconds per policy before stopping")
     p.add_argument("--quant", default=None, help="weight format, e.g. int4:32 (default float32)")
     p.add_argument("--compile", action="store_true", help="compiled decode step")
+    p.add_argument("--kv-dtype", default=None, help="float16: the KV cache in half the bytes (llama.cpp's default)")
     p.add_argument("--block", type=int, default=1, help="block eviction: evict once every BLOCK tokens")
     p.add_argument("--llamacpp-depth", type=int, default=0, help="also time llama.cpp's full cache at this depth")
+    p.add_argument("--llamacpp-flash", choices=("off", "on", "both"), default="both",
+                   help="llama.cpp's flash attention (each setting prefills the whole depth again)")
     p.add_argument("--json", default=None, help="write all measurements here")
     args = p.parse_args(argv)
 
@@ -138,11 +141,12 @@ def main(argv=None) -> int:
     def make_policy(name, budget, chunk):
         return _make_policy(name, budget, chunk=chunk, block=args.block)
 
-    lm = attnlab.load("smollm2-135m", threads=args.threads, quant=args.quant, compile=args.compile)
+    lm = attnlab.load("smollm2-135m", threads=args.threads, quant=args.quant, compile=args.compile,
+                      kv_dtype=args.kv_dtype)
     positions = [int(x) for x in args.positions.split(",")]
     ids = text_ids(lm, max(positions) + args.decode * len(positions) + args.window + 64)
     out = {"budget": args.budget, "threads": args.threads, "decode": args.decode, "quant": args.quant,
-           "compile": args.compile, "block": args.block}
+           "compile": args.compile, "block": args.block, "kv_dtype": args.kv_dtype}
     out["sink"] = run_stream(lm, make_policy("sink", args.budget, chunk=args.chunk), ids, positions, args.decode,
                              args.chunk, args.time_cap)
     at = [args.cost_position or 2 * args.budget]
@@ -175,7 +179,8 @@ def main(argv=None) -> int:
         r = out[f"{name}_cost"][0]
         print(f"{name}: {r['ms_per_token']:.1f} ms/token = {r['ms_per_token'] / cost:.2f}x sink")
     if args.llamacpp_depth:
-        out["llamacpp"] = llamacpp_latency(lm.source, ids, args.llamacpp_depth, args.decode, args.threads)
+        flash = {"off": (False,), "on": (True,), "both": (False, True)}[args.llamacpp_flash]
+        out["llamacpp"] = llamacpp_latency(lm.source, ids, args.llamacpp_depth, args.decode, args.threads, flash)
         r = out["llamacpp"]
         print(f"llama.cpp full cache at depth {r['depth']}: {r['ms_per_token']:.1f} ms/token = "
               f"{r['ms_per_token'] / base:.1f}x sink at position {positions[0]} "
