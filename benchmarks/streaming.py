@@ -184,7 +184,8 @@ def main(argv=None) -> int:
         r = out["llamacpp"]
         print(f"llama.cpp full cache at depth {r['depth']}: {r['ms_per_token']:.1f} ms/token = "
               f"{r['ms_per_token'] / base:.1f}x sink at position {positions[0]} "
-              f"(best of {args.decode}; flash attention {'on' if r['flash_attn'] else 'off'}, the faster)")
+              f"(best of {args.decode}; flash attention {'on' if r['flash_attn'] else 'off'}"
+              + (", the faster)" if args.llamacpp_flash == "both" else ")"))
     if args.json:
         from attnlab.io import write_json
         write_json(args.json, out)
