@@ -58,7 +58,7 @@ class DecodeStep:
                                     isolate_recompiles=True)
         self.recipes: dict[tuple, tuple] = {}  # situation -> (graph, input builder, static start, model tensors)
         self.calls = {"dynamo": 0, "direct": 0}
-        self._seen: list = []  # (graph, its real inputs, its outputs) of the current dynamo call
+        self._seen: list = []  # (wrapper, compiled graph, real inputs, outputs) per graph run in a dynamo call
 
     def _backend(self, gm, example_inputs):
         fn = compile_fx(gm, example_inputs, config_patches=self.options)
