@@ -58,14 +58,14 @@ class DecodeStep:
                                     isolate_recompiles=True)
         self.recipes: dict[tuple, tuple] = {}  # situation -> (graph, input builder, static start, model tensors)
         self.calls = {"dynamo": 0, "direct": 0}
-        self._seen: list = []  # (wrapper, compiled graph, real inputs, outputs) per graph run in a dynamo call
+        self._seen: list = []  # (compiled graph, real inputs, outputs) per graph run in a dynamo call
 
     def _backend(self, gm, example_inputs):
         fn = compile_fx(gm, example_inputs, config_patches=self.options)
 
         def graph(*args):
             out = fn(*args)
-            self._seen.append((graph, fn, args, out))
+            self._seen.append((fn, args, out))
             return out
         return graph
 
@@ -92,14 +92,14 @@ class DecodeStep:
         self._seen.clear()
         out = self.dynamo(ids, ctx, last_only)
         self.calls["dynamo"] += 1
-        if len(self._seen) == 1 and self._seen[0][3][0] is out:
+        if len(self._seen) == 1 and self._seen[0][2][0] is out:
             self._record(key, ids, ctx)
         self._seen.clear()
         return out
 
     def _record(self, key: tuple, ids: torch.Tensor, ctx) -> None:
         """Name every input of the graph just run; store a builder for its input list, or nothing."""
-        _, fn, args, _ = self._seen[0]
+        fn, args, _ = self._seen[0]
         paths = {**_param_paths(self.model), **_step_paths(ids, ctx)}
         exprs, symbolic, static = [], False, []
         for a in args:
@@ -114,11 +114,11 @@ class DecodeStep:
                 exprs.append("start" if a == ctx.step.start else "kvs[0].k.shape[2]")
             else:
                 return  # a size or constant the builder could not tell apart: keep dynamo's guards
+        if len(static) < 2:
+            return  # (the identity check below wants a tuple from itemgetter)
         src = f"def build(m, ids, ctx, kvs, start):\n    return [{', '.join(exprs)}]\n"
         scope: dict = {}
         exec(compile(src, "<attnlab decode step inputs>", "exec"), scope)
-        if len(static) < 2:
-            return  # (the identity check below wants a tuple from itemgetter)
         tensors = tuple(args[i] for i in static)
         self.recipes[key] = (fn, scope["build"], None if symbolic else ctx.step.start,
                              (operator.itemgetter(*static), tensors))
