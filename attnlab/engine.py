@@ -17,7 +17,7 @@ from attnlab.model.tokenizer import load_tokenizer
 from attnlab.sampling import Sampler
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-KV_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "int8": torch.int8}
 DEFAULT_MODEL = "smollm2-135m"
 
 
@@ -47,7 +47,8 @@ class LM:
         sparsity: Deja Vu contextual sparsity, 'PATH[:MLP[:HEADS]]' with predictors from
         `attnlab dejavu train`, 'threshold@PATH:0.5' or 'oracle:0.5' (see `attnlab.sparsity.plan.parse`);
         kv_dtype: 'float16' stores the KV cache in half the bytes (llama.cpp's default; decode attention
-        reads it at that size), default: the model's dtype."""
+        reads it at that size), 'int8' in 1.125 bytes a number (a scale per 32, llama.cpp's q8_0 cache),
+        default: the model's dtype."""
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; choose from float32, bfloat16")
         if kv_dtype is not None and kv_dtype not in KV_DTYPES:

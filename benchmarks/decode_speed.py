@@ -12,6 +12,8 @@ installed (`make bench-llamacpp`), flash attention on and off (the faster is the
 
     python benchmarks/decode_speed.py --threads 1,2 --repeats 5 --compile
     python benchmarks/decode_speed.py --variants fp32,int4:32 --lengths 128 --threads 1   # quick
+    python benchmarks/decode_speed.py --variants fp32 --compile int4:32 --kv float32,float16,int8 \
+        --llamacpp-kv f16,q8_0   # KV-cache formats, ours and llama.cpp's
 """
 from __future__ import annotations
 
@@ -52,7 +54,7 @@ def weights_read(model) -> int:
 class Ours:
     def __init__(self, spec: str, compile_: bool, kv: str = "float32"):
         import attnlab
-        self.name = spec + (" compiled" if compile_ else "") + (" kv16" if kv == "float16" else "")
+        self.name = spec + (" compiled" if compile_ else "") + {"float16": " kv16", "int8": " kv8"}.get(kv, "")
         dtype = "bfloat16" if spec == "bf16" else "float32"
         quant = None if spec in ("fp32", "bf16") else spec
         t = time.perf_counter()
@@ -60,20 +62,19 @@ class Ours:
                                   kv_dtype=None if dtype == "bfloat16" else kv)
         self.load_s = time.perf_counter() - t
         self.compile_s = None
-        self.kv_elem = (self.lm.kv_dtype or self.lm.dtype).itemsize
+        self.kv_slot = self.lm.new_cache(capacity=1).nbytes()  # bytes per cached token, scales included
         self.bytes = weights_read(self.lm.model)
         self.caches = {}
 
     def kv_bytes(self, length):
-        c = self.lm.cfg
-        return 2 * c.n_layers * c.n_kv_heads * c.head_dim * self.kv_elem * length
+        return self.kv_slot * length
 
     @torch.inference_mode()
     def prepare(self, ids, steps):
         cache = self.lm.new_cache(capacity=ids.shape[1] + steps + 1)
         self.lm.prefill(ids, cache)
         self.caches[ids.shape[1]] = cache
-        if self.compile_s is None:  # first steps compile (twice: static, then dynamic length)
+        if self.compile_s is None:  # the first step compiles (the write slot a dynamic size)
             t = time.perf_counter()
             self.decode(ids.shape[1], 3)
             self.compile_s = time.perf_counter() - t
@@ -144,20 +145,24 @@ class Transformers:
 
 
 class LlamaCpp:
-    """llama.cpp on the same GGUF file, through llama-cpp-python (f16 KV cache, its default)."""
+    """llama.cpp on the same GGUF file, through llama-cpp-python: f16 KV cache (its default) or q8_0
+    (int8 + an f16 scale per 32; llama.cpp quantizes V only under flash attention)."""
 
-    def __init__(self, path, threads: int, flash: bool, n_ctx: int):
+    KV_TYPES = {"f16": (1, 2.0), "q8_0": (8, 34 / 32)}  # ggml type id, bytes per number
+
+    def __init__(self, path, threads: int, flash: bool, n_ctx: int, kv: str = "f16"):
         from llama_cpp import Llama
-        self.name = f"llama.cpp fa={'on' if flash else 'off'}"
+        self.name = f"llama.cpp fa={'on' if flash else 'off'}" + (f" kv={kv}" if kv != "f16" else "")
+        ggml_type, self.kv_elem = self.KV_TYPES[kv]
         t = time.perf_counter()
         self.llm = Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                         n_batch=512, flash_attn=flash, verbose=False)
+                         n_batch=512, flash_attn=flash, type_k=ggml_type, type_v=ggml_type, verbose=False)
         self.load_s, self.compile_s = time.perf_counter() - t, None
         self.bytes = path.stat().st_size  # every tensor of the file is read per token (tied head included)
         self.length = None
 
     def kv_bytes(self, length):
-        return 2 * 30 * 3 * 64 * 2 * length  # SmolLM2: 30 layers, 3 KV heads of 64, f16
+        return 2 * 30 * 3 * 64 * self.kv_elem * length  # SmolLM2: 30 layers, 3 KV heads of 64
 
     def _rewind(self, length):
         self.llm._ctx.kv_cache_seq_rm(-1, length, -1)
@@ -205,10 +210,14 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=16, help="decode steps per timed run")
     p.add_argument("--lengths", default="128,1024,4096")
     p.add_argument("--prefill", type=int, default=512, help="prompt length for the prefill timing")
-    p.add_argument("--variants", default=",".join(OURS), help=f"ours among {','.join(OURS)}")
-    p.add_argument("--compile", action="store_true", help="also the compiled decode step of fp32 and int4:32")
-    p.add_argument("--kv", default="float32", help="comma list of our KV-cache dtypes (float32, float16); "
+    p.add_argument("--variants", default=",".join(OURS), help=f"ours (eager) among {','.join(OURS)}")
+    p.add_argument("--compile", nargs="?", const="fp32,int4:32", default="", metavar="LIST",
+                   help="also the compiled decode step of these (default fp32,int4:32; not limited to --variants)")
+    p.add_argument("--kv", default="float32", help="comma list of our KV-cache dtypes (float32, float16, int8); "
                    "every variant of ours runs with each")
+    p.add_argument("--compile-kv", default=None, help="KV-cache dtypes of the compiled variants (default: --kv)")
+    p.add_argument("--llamacpp-kv", default="f16", help="comma list of llama.cpp KV-cache types (f16, q8_0); "
+                   "q8_0 runs with flash attention only (llama.cpp's requirement)")
     p.add_argument("--no-transformers", action="store_true")
     p.add_argument("--no-llamacpp", action="store_true")
     p.add_argument("--json", default=None, help="write every measurement here")
@@ -223,8 +232,7 @@ def main(argv=None) -> int:
 
     def load_variants():  # per thread count: compiled code and thread pools set up at that count
         vs = [Ours(s, False, kv) for s in args.variants.split(",") if s for kv in kvs if s != "bf16" or kv == kvs[0]]
-        if args.compile:
-            vs += [Ours(s, True, kv) for s in ("fp32", "int4:32") if s in args.variants.split(",") for kv in kvs]
+        vs += [Ours(s, True, kv) for s in args.compile.split(",") if s for kv in (args.compile_kv or args.kv).split(",")]
         if not args.no_transformers:
             vs.append(Transformers(path))
         return vs
@@ -245,7 +253,8 @@ def main(argv=None) -> int:
         variants = load_variants()
         results["load_s"].update({v.name: v.load_s for v in variants})
         n_ctx = max(max(lengths) + args.steps, args.prefill) + 8  # room for the decode runs and the prefill test
-        cpp = [LlamaCpp(path, t, fa, n_ctx) for fa in (False, True)] if have_cpp else []
+        cpp = [LlamaCpp(path, t, fa, n_ctx, kv) for kv in args.llamacpp_kv.split(",")
+               for fa in ((False, True) if kv == "f16" else (True,))] if have_cpp else []
         allv = variants + cpp
         rows = {}
         for length in lengths:

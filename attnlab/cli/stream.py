@@ -73,7 +73,9 @@ def run_identity(args, text: str) -> dict:
     return {"model": str(src.absolute()), "model_files": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files],
             "dtype": args.dtype, "quant": str(args.quant) if getattr(args, "quant", None) else None, "text": args.text,
             "text_sha256": hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest(),
-            "tokens": args.tokens, "streams": args.streams, "offset": args.offset, "chunk": args.chunk}
+            "tokens": args.tokens, "streams": args.streams, "offset": args.offset, "chunk": args.chunk,
+            # settings that change the numbers, named only when set (older runs' keys stay valid)
+            **{k: str(v) for k in ("rope", "kv_dtype", "sparsity") if (v := getattr(args, k, None)) is not None}}
 
 
 def run_key(identity: dict, name: str, policy, mode: str) -> tuple[str, dict]:

@@ -15,6 +15,11 @@ Two position conventions (StreamingLLM section 3.2):
   (rotations compose). The result is the same, and a step costs nothing extra
   unless it evicts, which block eviction (see `Policy.block`) makes rare.
 
+An int8 cache (dtype torch.int8) stores each key and value row as int8 codes with one float32
+scale per 32 dimensions (the rule of `int8` weights, llama.cpp's q8_0 KV cache): 1.125 bytes per
+number instead of 2 (float16) or 4, and decode attention reads the codes directly (see
+`attnlab/quant/attend.cpp`). `update` then returns K and V as (codes, scales) pairs.
+
 The per-step bookkeeping (`KVCache.begin` / `advance`: positions, growth,
 eviction) runs outside the layers, so a layer's `update` is tensor work only and
 a decode step can be compiled.
@@ -25,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from attnlab.quant import kernels
+from attnlab.quant.formats import dequantize_int8_blocks, int8_blocks
 from attnlab.rope import Rope, apply as rope_apply
 
 POSITIONS = ("original", "cache")
@@ -41,20 +48,34 @@ class Step:
     start: int               # first slot the chunk is written to (equal in every layer)
 
 
+def round_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys or values [..., D] -> int8 codes and a scale per 32 (`int8_blocks`; the fused op when built)."""
+    if kernels.ready():
+        return torch.ops.attnlab.quantize_kv(x.float())
+    return int8_blocks(x)
+
+
 class CacheFullError(RuntimeError):
     """Raised when a bounded cache has no room and no policy to make room."""
 
 
 class LayerKV:
-    """One layer's slots. k, v: [B, H_kv, C, D]; pos: [B, H_kv, C] (absolute position, -1 = empty)."""
+    """One layer's slots. k, v: [B, H_kv, C, D]; pos: [B, H_kv, C] (absolute position, -1 = empty);
+    an int8 cache adds k_scale, v_scale: [B, H_kv, C, D/32] (None otherwise)."""
 
     def __init__(self, batch: int, heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
                  rope: Rope, positions: str = "original", max_capacity: int | None = None,
                  window: int | None = None):
         self.rope, self.positions, self.max_capacity = rope, positions, max_capacity
         self.window = window  # sliding-window attention: keys more than window - 1 tokens back are masked
+        if dtype == torch.int8 and head_dim % 32:
+            raise ValueError(f"an int8 KV cache needs a head size that is a multiple of 32, not {head_dim}")
         self.k = torch.zeros(batch, heads, capacity, head_dim, dtype=dtype)
         self.v = torch.zeros_like(self.k)
+        self.k_scale = self.v_scale = None
+        if dtype == torch.int8:
+            self.k_scale = torch.zeros(batch, heads, capacity, head_dim // 32)
+            self.v_scale = torch.zeros_like(self.k_scale)
         self.pos = torch.full((batch, heads, capacity), -1, dtype=torch.long)
         self.n = 0            # filled slots, equal for every row and head
         self.natural = True   # slot j holds the j-th token of every row (no padding, no eviction)
@@ -65,6 +86,10 @@ class LayerKV:
     def capacity(self) -> int:
         return self.k.shape[2]
 
+    def buffers(self) -> tuple[str, ...]:
+        """Names of the per-slot tensors indexed [B, H_kv, slot, ...] (all grow, compact and save alike)."""
+        return ("k", "v", "k_scale", "v_scale") if self.k_scale is not None else ("k", "v")
+
     def _reserve(self, need: int) -> None:
         if need <= self.capacity:
             return
@@ -74,26 +99,32 @@ class LayerKV:
         if self.max_capacity is not None:
             new = min(new, self.max_capacity)
         grow = new - self.capacity
-        self.k = torch.cat([self.k, self.k.new_zeros(*self.k.shape[:2], grow, self.k.shape[3])], dim=2)
-        self.v = torch.cat([self.v, self.v.new_zeros(*self.v.shape[:2], grow, self.v.shape[3])], dim=2)
+        for name in self.buffers():
+            t = getattr(self, name)
+            setattr(self, name, torch.cat([t, t.new_zeros(*t.shape[:2], grow, t.shape[3])], dim=2))
         self.pos = torch.cat([self.pos, self.pos.new_full((*self.pos.shape[:2], grow), -1)], dim=2)
 
     def update(self, k: torch.Tensor, v: torch.Tensor, step: "Step"):
         """Store a chunk and return what its queries attend to.
 
         k, v: [B, H_kv, T, D] keys (already rotated at step.q_pos) and values of the chunk.
-        Returns (K, V, mask): K, V [B, H_kv, n, D] and mask None (attend to all), "causal"
-        (plain causal over a fresh cache) or bool [B, H_kv, T, n].
+        Returns (K, V, mask): K, V [B, H_kv, n, D] (an int8 cache: (codes, scales) pairs) and mask
+        None (attend to all), "causal" (plain causal over a fresh cache) or bool [B, H_kv, T, n].
         """
         T = k.shape[2]
         if step.padded:
             self.padded, self.natural = True, False
         s = slice(step.start, step.start + T)
-        self.k[:, :, s] = k
-        self.v[:, :, s] = v
-        self.pos[:, :, s] = step.pos[:, None, :]
         n = step.start + T
-        K, V = self.k[:, :, :n], self.v[:, :, :n]
+        if self.k_scale is None:
+            self.k[:, :, s] = k
+            self.v[:, :, s] = v
+            K, V = self.k[:, :, :n], self.v[:, :, :n]
+        else:
+            self.k[:, :, s], self.k_scale[:, :, s] = round_int8(k)
+            self.v[:, :, s], self.v_scale[:, :, s] = round_int8(v)
+            K, V = (self.k[:, :, :n], self.k_scale[:, :, :n]), (self.v[:, :, :n], self.v_scale[:, :, :n])
+        self.pos[:, :, s] = step.pos[:, None, :]
         windowed = self.window is not None and int(step.pos.max()) - int(self.pos[:, :, :n].clamp_min(0).min()) >= self.window
         if T == 1 and not self.padded and not windowed:
             return K, V, None
@@ -110,24 +141,28 @@ class LayerKV:
 
     def keep(self, idx: torch.Tensor) -> None:
         """Compact the cache to the slots idx: [B, H_kv, m] (ascending), freeing the rest for reuse."""
-        B, H, C, D = self.k.shape
+        B, H, C, _ = self.k.shape
         m = idx.shape[-1]
         # whole rows by index_select on a flat view: several times faster than an elementwise gather
         flat = (idx + torch.arange(B * H).view(B, H, 1) * C).reshape(-1)
-        kept = self.k.view(B * H * C, D).index_select(0, flat).view(B, H, m, D)
+        kept = {name: getattr(self, name).flatten(0, 2).index_select(0, flat).view(B, H, m, -1)
+                for name in self.buffers()}
         if self.positions == "cache":  # a key moved from slot idx to slot j: rotate it on by j - idx <= 0
             turn = self.rope.tables(idx - torch.arange(m)).conj() / self.rope.attention_factor  # unit rotations
-            kept = rope_apply(kept, turn)
-        self.k[:, :, :m] = kept
-        self.v[:, :, :m] = self.v.view(B * H * C, D).index_select(0, flat).view(B, H, m, D)
+            if self.k_scale is None:
+                kept["k"] = rope_apply(kept["k"], turn)
+            else:  # rotate the dequantised keys, then round them again
+                kept["k"], kept["k_scale"] = round_int8(rope_apply(dequantize_int8_blocks(kept["k"], kept["k_scale"]), turn))
+        for name, t in kept.items():
+            getattr(self, name)[:, :, :m] = t
         self.pos[:, :, :m] = torch.gather(self.pos[:, :, :self.n], 2, idx)
         self.pos[:, :, m:self.n] = -1
         self.n = m
         self.natural = False
 
     def nbytes(self) -> int:
-        """Bytes of the allocated key/value buffers."""
-        return self.k.numel() * self.k.element_size() * 2
+        """Bytes of the allocated key/value buffers (scales included)."""
+        return sum(getattr(self, name).numel() * getattr(self, name).element_size() for name in self.buffers())
 
 
 class KVCache:
@@ -187,8 +222,8 @@ class KVCache:
 
 def cache_state(cache: KVCache) -> dict:
     """Everything needed to resume a stream later: slots, positions and policy state of every layer."""
-    layers = [{"k": l.k[:, :, :l.n].clone(), "v": l.v[:, :, :l.n].clone(), "pos": l.pos[:, :, :l.n].clone(),
-               "n": l.n, "natural": l.natural, "padded": l.padded, "capacity": l.capacity,
+    layers = [{**{name: getattr(l, name)[:, :, :l.n].clone() for name in l.buffers()},
+               "pos": l.pos[:, :, :l.n].clone(), "n": l.n, "natural": l.natural, "padded": l.padded, "capacity": l.capacity,
                "policy_state": {key: (val.clone() if isinstance(val, torch.Tensor) else val)
                                 for key, val in l.policy_state.items()}} for l in cache.layers]
     return {"layers": layers, "seen": cache.seen, "pad": cache.pad.clone(), "keys": KEY_FORMAT}
@@ -201,7 +236,10 @@ def load_cache_state(cache: KVCache, state: dict) -> None:
     for layer, s in zip(cache.layers, state["layers"], strict=True):
         layer._reserve(s["capacity"])
         n = s["n"]
-        layer.k[:, :, :n], layer.v[:, :, :n], layer.pos[:, :, :n] = s["k"], s["v"], s["pos"]
+        if set(layer.buffers()) != set(s) & {"k", "v", "k_scale", "v_scale"}:
+            raise ValueError("the saved cache was stored in another KV dtype than this one (int8 vs float)")
+        for name in (*layer.buffers(), "pos"):
+            getattr(layer, name)[:, :, :n] = s[name]
         layer.pos[:, :, n:] = -1
         layer.n, layer.natural, layer.padded = n, s["natural"], s["padded"]
         layer.policy_state = dict(s["policy_state"])

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnlab.quant import kernels
+from attnlab.quant.formats import dequantize_int8_blocks
 from attnlab.rope import Rope, apply as rope_apply
 
 
@@ -75,20 +76,25 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, need_probs: 
            window: int | None = None):
     """Grouped-query attention without copying K/V per query head.
 
-    q: [B, Hq, T, D]; k, v: [B, Hkv, L, D]; mask: None (all), "causal" (L == T) or bool [B, Hkv|1, T, L].
+    q: [B, Hq, T, D]; k, v: [B, Hkv, L, D], or (int8 codes, scales) pairs from an int8 cache;
+    mask: None (all), "causal" (L == T) or bool [B, Hkv|1, T, L].
     window: a sliding window (Mistral) narrowing a "causal" mask to the last `window` keys;
     tensor masks from a cache already carry it (see `attnlab.kv.cache.LayerKV`).
     The G = Hq/Hkv query heads of a group are folded into the query axis, so every head of a
     group reads the same K/V. Returns out [B, Hq, T, D] and, if need_probs, the attention
     probabilities of every query head: [B, Hq, T, L] (float32; query head h reads KV head h // G).
     A decode step (one query over a whole cache) goes through the fused kernel when it is built:
-    one pass over the cache's bytes, float32 or float16 (see `attnlab/quant/attend.cpp`).
+    one pass over the cache's bytes, float32, float16 or int8 (see `attnlab/quant/attend.cpp`).
     """
     B, Hq, T, D = q.shape
+    fused = T == 1 and mask is None and not need_probs and q.dtype == torch.float32 and D % 8 == 0 and kernels.ready()
+    if isinstance(k, tuple):  # an int8 cache
+        if fused:
+            return torch.ops.attnlab.decode_attention(q, k[0], v[0], 1 / math.sqrt(D), k[1], v[1]), None
+        k, v = dequantize_int8_blocks(*k, q.dtype), dequantize_int8_blocks(*v, q.dtype)
     Hkv, L = k.shape[1], k.shape[2]
     G = Hq // Hkv
-    if (T == 1 and mask is None and not need_probs and q.dtype == torch.float32 and D % 8 == 0
-            and k.dtype in (torch.float32, torch.float16) and kernels.ready()):
+    if fused and k.dtype in (torch.float32, torch.float16):
         return torch.ops.attnlab.decode_attention(q, k, v, 1 / math.sqrt(D)), None
     if k.dtype != q.dtype:  # a float16 cache under float32 activations, off the fused path
         k, v = k.to(q.dtype), v.to(q.dtype)

@@ -5,16 +5,21 @@
 // third of that on this path (a small-matrix GEMM per head, then softmax, then another); here
 // the G query heads of a KV group share each key and value load, the softmax exponentials are
 // vectorised, and the cache may be stored in float16 (half the bytes, as llama.cpp's default
-// KV cache), widened in registers.
+// KV cache) or int8 with a float32 scale per 32 dimensions (llama.cpp's q8_0 cache, 1.125 bytes),
+// widened in registers.
 //
-// q [B, Hq, 1, D] float32; k, v [B, Hkv, n, D] float32 or float16, innermost dimension
-// contiguous (slices of the cache's preallocated buffers); out [B, Hq, 1, D] float32.
+// q [B, Hq, 1, D] float32; k, v [B, Hkv, n, D] float32, float16 or int8 (then k_scale, v_scale
+// [B, Hkv, n, D/32] float32), innermost dimension contiguous (slices of the cache's preallocated
+// buffers); out [B, Hq, 1, D] float32.
 // Query head h reads KV head h / (Hq / Hkv), as in grouped-query attention.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
+#include <optional>
+#include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "kernels_simd.h"
@@ -27,6 +32,19 @@ inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// The scales of an int8 cache's rows (one per 32 dimensions, `stride` floats apart); unused otherwise.
+struct Scales {
+  const float* p = nullptr;
+  int64_t stride = 0;
+  Scales from(int64_t row, int64_t col = 0) const { return {p ? p + row * stride + col : nullptr, stride}; }
+  float at(int64_t row, int64_t col = 0) const { return p[row * stride + col]; }
+};
+template <class T>
+constexpr bool kInt8 = std::is_same_v<T, int8_t>;
 
 // The hardware prefetcher alone leaves a single-query pass at about half the bandwidth: ask for
 // the row 8 ahead (reading past the end of the slice is harmless: a prefetch never faults).
@@ -56,8 +74,9 @@ inline __m256 exp_neg(__m256 x) {
 
 // O[g * D + 8j ...] = sum_t P[g][t] V[t][8j ...] / sum, for J (compile-time, so the G x J
 // accumulators stay in registers) chunks of 8 dimensions.
+// An int8 V: the J chunks lie in one block of 32 (d0 is a multiple of 32), so its scale folds into P.
 template <int G, int J, class T>
-inline void pv(const float* P, const T* V, int64_t sv, int64_t n, const float* inv, float* O, int64_t D) {
+inline void pv(const float* P, const T* V, int64_t sv, Scales vs, int64_t n, const float* inv, float* O, int64_t D) {
   __m256 acc[G][J];
   for (int g = 0; g < G; ++g)
     for (int j = 0; j < J; ++j) acc[g][j] = _mm256_setzero_ps();
@@ -66,6 +85,8 @@ inline void pv(const float* P, const T* V, int64_t sv, int64_t n, const float* i
     prefetch_row(v + 24 * sv, 8 * J);
     __m256 p[G];
     for (int g = 0; g < G; ++g) p[g] = _mm256_broadcast_ss(P + g * n + t);
+    if constexpr (kInt8<T>)
+      for (int g = 0; g < G; ++g) p[g] = _mm256_mul_ps(p[g], _mm256_set1_ps(vs.at(t)));
     for (int j = 0; j < J; ++j) {
       const __m256 vv = load8(v + 8 * j);
       for (int g = 0; g < G; ++g) acc[g][j] = _mm256_fmadd_ps(p[g], vv, acc[g][j]);
@@ -99,14 +120,15 @@ inline float softmax_numerators(float* s, int64_t n) {
 
 // S[g * n + r] = scale * Q[g] . K[r] for the R rows K[r * sk ...]
 template <int G, int R, class T>
-inline void scores(const float* Q, const T* K, int64_t sk, int64_t D, float scale, float* S, int64_t n) {
+inline void scores(const float* Q, const T* K, int64_t sk, Scales ks, int64_t D, float scale, float* S, int64_t n) {
   __m256 acc[G][R];
   for (int g = 0; g < G; ++g)
     for (int r = 0; r < R; ++r) acc[g][r] = _mm256_setzero_ps();
   for (int r = 0; r < R; ++r) prefetch_row(K + (24 + r) * sk, D);
   for (int64_t d = 0; d < D; d += 8) {
     for (int r = 0; r < R; ++r) {
-      const __m256 kv = load8(K + r * sk + d);
+      __m256 kv = load8(K + r * sk + d);
+      if constexpr (kInt8<T>) kv = _mm256_mul_ps(kv, _mm256_set1_ps(ks.at(r, d / 32)));
       for (int g = 0; g < G; ++g) acc[g][r] = _mm256_fmadd_ps(_mm256_loadu_ps(Q + g * D + d), kv, acc[g][r]);
     }
   }
@@ -117,77 +139,131 @@ inline void scores(const float* Q, const T* K, int64_t sk, int64_t D, float scal
 // One KV head and the G (<= 3 per call) query heads Q[g * D ...] that read it: scores S[g][t],
 // then out O[g * D ...] = softmax(S[g]) . V. D is a multiple of 8.
 template <int G, class T>
-void head(const float* Q, const T* K, const T* V, int64_t sk, int64_t sv, int64_t n, int64_t D, float scale,
-          float* S, float* O) {
+void head(const float* Q, const T* K, const T* V, int64_t sk, int64_t sv, Scales ks, Scales vs, int64_t n, int64_t D,
+          float scale, float* S, float* O) {
   // scores, R keys at a time: G x R independent FMA chains (one chain per score would leave the loop
   // bound by the FMA latency), and each key row read once for the G queries
   int64_t t = 0;
-  for (; t + 4 <= n; t += 4) scores<G, 4>(Q, K + t * sk, sk, D, scale, S + t, n);
-  for (; t < n; ++t) scores<G, 1>(Q, K + t * sk, sk, D, scale, S + t, n);
+  for (; t + 4 <= n; t += 4) scores<G, 4>(Q, K + t * sk, sk, ks.from(t), D, scale, S + t, n);
+  for (; t < n; ++t) scores<G, 1>(Q, K + t * sk, sk, ks.from(t), D, scale, S + t, n);
   float inv[G];
   for (int g = 0; g < G; ++g) inv[g] = softmax_numerators(S + g * n, n);
   for (int64_t d0 = 0; d0 < D; d0 += 32) {  // out = P . V, 32 dimensions (G x 4 accumulators) per pass
     switch (std::min<int64_t>(4, (D - d0) / 8)) {
-      case 4: pv<G, 4>(S, V + d0, sv, n, inv, O + d0, D); break;
-      case 3: pv<G, 3>(S, V + d0, sv, n, inv, O + d0, D); break;
-      case 2: pv<G, 2>(S, V + d0, sv, n, inv, O + d0, D); break;
-      default: pv<G, 1>(S, V + d0, sv, n, inv, O + d0, D);
+      case 4: pv<G, 4>(S, V + d0, sv, vs.from(0, d0 / 32), n, inv, O + d0, D); break;
+      case 3: pv<G, 3>(S, V + d0, sv, vs.from(0, d0 / 32), n, inv, O + d0, D); break;
+      case 2: pv<G, 2>(S, V + d0, sv, vs.from(0, d0 / 32), n, inv, O + d0, D); break;
+      default: pv<G, 1>(S, V + d0, sv, vs.from(0, d0 / 32), n, inv, O + d0, D);
     }
   }
 }
 
 template <class T>
-void heads(const float* Q, const T* K, const T* V, int64_t sk, int64_t sv, int64_t n, int64_t D, int64_t G,
-           float scale, float* O) {
+void heads(const float* Q, const T* K, const T* V, int64_t sk, int64_t sv, Scales ks, Scales vs, int64_t n, int64_t D,
+           int64_t G, float scale, float* O) {
   thread_local std::vector<float> S;
   if (static_cast<int64_t>(S.size()) < 3 * n) S.resize(3 * n);
   for (int64_t g = 0; g < G; g += 3) {  // query heads of the group in threes: accumulators stay in registers
     const int64_t r = std::min<int64_t>(3, G - g);
     const float* q = Q + g * D;
     float* o = O + g * D;
-    if (r == 3) head<3>(q, K, V, sk, sv, n, D, scale, S.data(), o);
-    else if (r == 2) head<2>(q, K, V, sk, sv, n, D, scale, S.data(), o);
-    else head<1>(q, K, V, sk, sv, n, D, scale, S.data(), o);
+    if (r == 3) head<3>(q, K, V, sk, sv, ks, vs, n, D, scale, S.data(), o);
+    else if (r == 2) head<2>(q, K, V, sk, sv, ks, vs, n, D, scale, S.data(), o);
+    else head<1>(q, K, V, sk, sv, ks, vs, n, D, scale, S.data(), o);
   }
 }
 
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale) {
+template <class T>
+Scales scales_of(const std::optional<torch::Tensor>& s, int64_t b, int64_t h) {
+  if constexpr (!kInt8<T>) return {};
+  else return {s->data_ptr<float>() + b * s->stride(0) + h * s->stride(1), s->stride(2)};
+}
+
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale,
+                               const std::optional<torch::Tensor>& k_scale, const std::optional<torch::Tensor>& v_scale) {
   TORCH_CHECK(q.scalar_type() == torch::kFloat && q.dim() == 4 && q.size(2) == 1, "q must be float32 [B, Hq, 1, D]");
   TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes() && k.scalar_type() == v.scalar_type(),
               "k and v must have one shape [B, Hkv, n, D] and one dtype");
-  TORCH_CHECK(k.scalar_type() == torch::kFloat || k.scalar_type() == torch::kHalf, "k, v must be float32 or float16");
+  const auto dtype = k.scalar_type();
+  TORCH_CHECK(dtype == torch::kFloat || dtype == torch::kHalf || dtype == torch::kChar,
+              "k, v must be float32, float16 or int8");
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(3), Hkv = k.size(1), n = k.size(2);
   TORCH_CHECK(k.size(0) == B && k.size(3) == D && Hq % Hkv == 0 && D % 8 == 0 && n > 0,
               "shapes do not match: q ", q.sizes(), ", k ", k.sizes());
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "k and v must be contiguous in their last dimension");
+  TORCH_CHECK((dtype == torch::kChar) == (k_scale.has_value() && v_scale.has_value()),
+              "k_scale and v_scale come with an int8 cache, and only with one");
+  if (dtype == torch::kChar) {
+    TORCH_CHECK(D % 32 == 0, "an int8 cache needs D a multiple of 32");
+    for (const auto* s : {&*k_scale, &*v_scale})
+      TORCH_CHECK(s->scalar_type() == torch::kFloat && s->dim() == 4 && s->size(0) == B && s->size(1) == Hkv &&
+                      s->size(2) == n && s->size(3) == D / 32 && s->stride(3) == 1,
+                  "scales must be float32 [B, Hkv, n, D/32], contiguous in their last dimension");
+  }
   q = q.contiguous();
   auto out = torch::empty_like(q);
   const int64_t G = Hq / Hkv;
   const float* Q = q.data_ptr<float>();
   float* O = out.data_ptr<float>();
-  auto run = [&](int64_t i0, int64_t i1) {
+  auto run_as = [&](auto tag, int64_t i0, int64_t i1) {
+    using T = decltype(tag);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / Hkv, h = i % Hkv;
-      const float* qi = Q + (b * Hq + h * G) * D;
-      float* oi = O + (b * Hq + h * G) * D;
-      if (k.scalar_type() == torch::kFloat)
-        heads(qi, k.data_ptr<float>() + b * k.stride(0) + h * k.stride(1),
-              v.data_ptr<float>() + b * v.stride(0) + h * v.stride(1), k.stride(2), v.stride(2), n, D, G,
-              static_cast<float>(scale), oi);
-      else
-        heads(qi, k.data_ptr<at::Half>() + b * k.stride(0) + h * k.stride(1),
-              v.data_ptr<at::Half>() + b * v.stride(0) + h * v.stride(1), k.stride(2), v.stride(2), n, D, G,
-              static_cast<float>(scale), oi);
+      heads(Q + (b * Hq + h * G) * D, k.data_ptr<T>() + b * k.stride(0) + h * k.stride(1),
+            v.data_ptr<T>() + b * v.stride(0) + h * v.stride(1), k.stride(2), v.stride(2),
+            scales_of<T>(k_scale, b, h), scales_of<T>(v_scale, b, h), n, D, G, static_cast<float>(scale),
+            O + (b * Hq + h * G) * D);
     }
+  };
+  auto run = [&](int64_t i0, int64_t i1) {
+    if (dtype == torch::kFloat) run_as(float{}, i0, i1);
+    else if (dtype == torch::kHalf) run_as(at::Half{}, i0, i1);
+    else run_as(int8_t{}, i0, i1);
   };
   if (at::get_num_threads() == 1) run(0, B * Hkv); else at::parallel_for(0, B * Hkv, 1, run);
   return out;
 }
 
+// Keys or values rounded for an int8 cache: x [..., D] float32 -> codes [..., D] int8 and scales
+// [..., D/32] float32 by the rule of attnlab.quant.formats.int8_blocks, bit for bit (scale =
+// max(amax, 1e-12) / 127, code = x / scale rounded half to even, clamped to +-127). One call where the
+// torch form is eight per tensor, and opaque to inductor, which compiles that form slowly.
+std::tuple<torch::Tensor, torch::Tensor> quantize_kv(torch::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() >= 1 && x.size(-1) % 32 == 0,
+              "x must be float32 [..., D] with D a multiple of 32");
+  x = x.contiguous();
+  auto shape = x.sizes().vec();
+  auto codes = torch::empty(shape, x.options().dtype(torch::kChar));
+  shape.back() /= 32;
+  auto scales = torch::empty(shape, x.options());
+  const float* X = x.data_ptr<float>();
+  int8_t* Q = codes.data_ptr<int8_t>();
+  float* S = scales.data_ptr<float>();
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t b = 0, nb = x.numel() / 32; b < nb; ++b) {
+    __m256 v[4], m = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(X + b * 32 + 8 * i), m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+    const float d = std::max(hmax(m), 1e-12f) / 127.f;
+    S[b] = d;
+    __m256i c[4];
+    for (int i = 0; i < 4; ++i)  // cvtps rounds half to even (the default MXCSR mode), as torch.round
+      c[i] = _mm256_min_epi32(hi, _mm256_max_epi32(lo, _mm256_cvtps_epi32(_mm256_div_ps(v[i], _mm256_set1_ps(d)))));
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(Q + b * 32), _mm256_permutevar8x32_epi32(p, order));
+  }
+  return {codes, scales};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(attnlab, m) {
-  m.def("decode_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, float scale, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
+  m.def("quantize_kv(Tensor x) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(attnlab, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(attnlab, CPU, m) {
+  m.impl("decode_attention", &decode_attention);
+  m.impl("quantize_kv", &quantize_kv);
+}

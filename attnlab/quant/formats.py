@@ -61,7 +61,7 @@ class Packed:
         """[N, K] float32."""
         N, K = self.shape
         if self.kind == "int8":
-            return (self.q.float().view(N, -1, self.group) * self.scale[..., None]).view(N, K)
+            return dequantize_int8_blocks(self.q, self.scale)
         codes = unpack4(self.qs).view(N, K // self.group, self.group)
         if self.kind == "int4":
             return (codes.float() * self.scale[..., None] + self.min[..., None]).view(N, K)
@@ -82,14 +82,26 @@ def check_shape(w: torch.Tensor, group: int) -> None:
         raise ValueError(f"input size {K} is not a multiple of the group size {group} (and of {BLOCK})")
 
 
+def int8_blocks(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] -> int8 codes [..., K] and float32 scales [..., K/group], x ~ q * scale (symmetric).
+    The rule of `int8` weights and of the int8 KV cache (`attnlab.kv.cache`)."""
+    g = x.float().unflatten(-1, (-1, group))
+    scale = g.abs().amax(-1).clamp_min(1e-12) / 127
+    q = (g / scale[..., None]).round().clamp(-127, 127).to(torch.int8)
+    return q.flatten(-2), scale
+
+
+def dequantize_int8_blocks(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """int8_blocks' inverse: codes [..., K], scales [..., K/group] -> [..., K]."""
+    return (q.to(dtype).unflatten(-1, (scale.shape[-1], -1)) * scale[..., None].to(dtype)).flatten(-2)
+
+
 def quantize_int8(w: torch.Tensor, group: int | None = None) -> Packed:
     N, K = w.shape
     group = group or K
     check_shape(w, group)
-    g = w.float().view(N, K // group, group)
-    scale = g.abs().amax(-1).clamp_min(1e-12) / 127
-    q = (g / scale[..., None]).round().clamp(-127, 127).to(torch.int8)
-    return Packed("int8", (N, K), group, 8, q=q.view(N, K), scale=scale)
+    q, scale = int8_blocks(w, group)
+    return Packed("int8", (N, K), group, 8, q=q, scale=scale)
 
 
 def quantize_int4(w: torch.Tensor, group: int = 32) -> Packed:

@@ -87,7 +87,9 @@ def _register_fakes() -> None:
     for name in ("f32", "q8", "q4"):
         torch.library.register_fake(f"attnlab::{name}_rows_mv")(fake_mv)
         torch.library.register_fake(f"attnlab::{name}_rows_axpy")(fake_axpy)
-    torch.library.register_fake("attnlab::decode_attention")(lambda q, k, v, scale: torch.empty_like(q))
+    torch.library.register_fake("attnlab::decode_attention")(lambda q, k, v, scale, *scales: torch.empty_like(q))
+    torch.library.register_fake("attnlab::quantize_kv")(
+        lambda x: (torch.empty_like(x, dtype=torch.int8), x.new_empty(*x.shape[:-1], x.shape[-1] // 32)))
 
 
 def q4_mm(x, qs, scale, min_, group):

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from attnlab.kv import make_policy
 from attnlab.quant import kernels
+from attnlab.quant.formats import dequantize_int8_blocks, int8_blocks
 from tests.conftest import tiny_lm
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="fused kernels not built (no compiler or AVX2)")
@@ -28,6 +29,51 @@ def test_decode_attention_equals_sdpa(dtype, Hq, Hkv, D, n):
     v = torch.randn(2, Hkv, n + 9, D, generator=g).to(dtype)[:, :, :n]
     out = torch.ops.attnlab.decode_attention(q, k, v, 1 / math.sqrt(D))
     torch.testing.assert_close(out, reference(q, k, v), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("Hq,Hkv,D,n", [(9, 3, 64, 1), (9, 3, 64, 37), (32, 8, 128, 300), (14, 2, 64, 129),
+                                        (7, 1, 96, 17)])
+def test_decode_attention_int8_equals_sdpa_over_the_dequantised_cache(Hq, Hkv, D, n):
+    """An int8 cache (codes + a scale per 32 dimensions, strided slices of larger buffers): the same
+    result as SDPA over its dequantised keys and values, and close to the float cache it rounds."""
+    g = torch.Generator().manual_seed(n)
+    q = torch.randn(2, Hq, 1, D, generator=g) * 2
+    k, v = torch.randn(2, Hkv, n + 9, D, generator=g) * 2, torch.randn(2, Hkv, n + 9, D, generator=g)
+    (kq, ks), (vq, vs) = int8_blocks(k), int8_blocks(v)
+    kq, ks, vq, vs = (t[:, :, :n] for t in (kq, ks, vq, vs))
+    out = torch.ops.attnlab.decode_attention(q, kq, vq, 1 / math.sqrt(D), ks, vs)
+    ref = reference(q, dequantize_int8_blocks(kq, ks), dequantize_int8_blocks(vq, vs))
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+    exact = reference(q, k[:, :, :n], v[:, :, :n])
+    assert 0 < (out - exact).abs().max() < 0.1  # sharp scores (std 4): rounding moves the softmax a little
+
+
+def test_quantize_kv_equals_int8_blocks_bit_for_bit():
+    """The fused rounding of keys/values is `int8_blocks` exactly: every magnitude, an all-zero row, exact
+    ties (scale 1: 2.5 -> 2, -3.5 -> -4, half to even), non-contiguous input."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 7, 64, generator=g) * torch.logspace(-6, 3, 7)[None, None, :, None]
+    x[0, 0, 0] = 0
+    x[0, 0, 1, :32] = torch.tensor([127.0] + [2.5, -3.5, 0.5, -0.5, 1.5] * 6 + [4.5])
+    for t in (x, x[:, :, :3].transpose(1, 2)):
+        q, s = torch.ops.attnlab.quantize_kv(t)
+        q_ref, s_ref = int8_blocks(t)
+        assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
+    assert q_ref.shape == (3, 3, 5, 64) and s_ref.shape == (3, 3, 5, 2)
+    assert torch.ops.attnlab.quantize_kv(x)[0][0, 0, 1, :6].tolist() == [127, 2, -4, 0, 0, 2]
+
+
+@pytest.mark.parametrize("bad", ["no-scales", "one-scale", "scales-to-float", "scale-shape", "head-size"])
+def test_decode_attention_int8_rejects_bad_scales(bad):
+    q, k, v = torch.randn(1, 4, 1, 64), torch.randn(1, 2, 5, 64), torch.randn(1, 2, 5, 64)
+    (kq, ks), (vq, vs) = int8_blocks(k), int8_blocks(v)
+    args = {"no-scales": (kq, vq), "one-scale": (kq, vq, ks), "scales-to-float": (k, v, ks, vs),
+            "scale-shape": (kq, vq, ks[..., :1], vs[..., :1])}.get(bad)
+    if bad == "head-size":
+        q, (kq, ks), (vq, vs) = torch.randn(1, 4, 1, 48), int8_blocks(k[..., :48], 16), int8_blocks(v[..., :48], 16)
+        args = (kq, vq, ks, vs)
+    with pytest.raises(RuntimeError):
+        torch.ops.attnlab.decode_attention(q, args[0], args[1], 0.125, *args[2:])
 
 
 def test_decode_attention_keeps_peaked_and_flat_softmax():
@@ -83,7 +129,19 @@ def test_model_decode_through_the_kernel_equals_sdpa():
     assert (half - fused).abs().max() > 0  # the cache really was float16
 
 
-def test_kv_dtype_is_validated_and_halves_the_cache():
+def test_model_decode_through_an_int8_cache():
+    """The same evicting cache in int8 (keys re-rotated and rounded again when compacted): kernel on and
+    off give the same logits, which stay close to the float32 cache's."""
+    lm = tiny_lm(dim=64, hidden_dim=128, head_dim=32)
+    ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(0))
+    exact = _decode(lm, ids, True)
+    fused, plain = _decode(lm, ids, True, torch.int8), _decode(lm, ids, False, torch.int8)
+    torch.testing.assert_close(fused, plain, atol=2e-5, rtol=1e-5)
+    assert 0 < (fused - exact).norm() / exact.norm() < 5e-2  # a sharp random model: see the perplexity in README
+    assert (fused.argmax(-1) == exact.argmax(-1)).float().mean() >= 0.9
+
+
+def test_kv_dtype_is_validated_and_sizes_the_cache():
     from attnlab.engine import LM
     with pytest.raises(ValueError, match="KV-cache dtype"):
         LM.load("nowhere.gguf", kv_dtype="int3")
@@ -91,3 +149,10 @@ def test_kv_dtype_is_validated_and_halves_the_cache():
     full = lm.new_cache(capacity=64).nbytes()
     lm.kv_dtype = torch.float16
     assert lm.new_cache(capacity=64).nbytes() * 2 == full
+    lm.kv_dtype = torch.int8  # one byte a number and a float32 scale per 32: 9/32 of float32
+    with pytest.raises(ValueError, match="multiple of 32"):
+        lm.new_cache(capacity=64)  # tiny_lm's heads have 16 dimensions
+    lm = tiny_lm(head_dim=32)
+    full = lm.new_cache(capacity=64).nbytes()
+    lm.kv_dtype = torch.int8
+    assert lm.new_cache(capacity=64).nbytes() * 32 == full * 9

@@ -64,20 +64,22 @@ def test_quantized_model_is_smaller_and_close(gguf_file):
         assert (lm.logits(ids) - base).abs().max() < tol * base.abs().max()
 
 
-@pytest.mark.parametrize("spec", [None, "kmeans-naive:4", "int4:32"])
-def test_compiled_decode_step_equals_eager(spec):
+@pytest.mark.parametrize("spec,kv", [(None, None), ("kmeans-naive:4", None), ("int4:32", None), (None, torch.int8)])
+def test_compiled_decode_step_equals_eager(spec, kv):
     """The compiled single-token step against eager, with a block-evicting sink cache in `cache`
     positions (keys re-rotated on eviction), through enough steps to evict several times.
 
-    Float paths agree to rounding. The fused int4 path rounds activations to int8, a step
-    function: the 1e-7 differences of compiled elementwise code flip an occasional code, which
-    this deliberately sharp random model amplifies; there the check is closeness, not equality."""
+    Float paths agree to rounding. The fused int4 path rounds activations to int8 and an int8 cache
+    rounds keys and values, a step function: the 1e-7 differences of compiled elementwise code flip
+    an occasional code, which this deliberately sharp random model amplifies; there the check is
+    closeness, not equality."""
     torch._dynamo.reset()
-    eager = tiny_lm(dim=64, hidden_dim=128)
-    fast = tiny_lm(dim=64, hidden_dim=128)
-    if spec:
-        quantize_model(eager.model, spec)
-        quantize_model(fast.model, spec)
+    shape = dict(dim=64, hidden_dim=128, head_dim=32 if kv == torch.int8 else 0)
+    eager, fast = tiny_lm(**shape), tiny_lm(**shape)
+    for lm in (eager, fast):
+        lm.kv_dtype = kv
+        if spec:
+            quantize_model(lm.model, spec)
     fast.model.compile_decode(fullgraph=True)  # a graph break would raise here
     ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(0))
     outs = []
@@ -88,7 +90,7 @@ def test_compiled_decode_step_equals_eager(spec):
         outs.append(torch.cat([lm.forward(ids[:, t:t + 1], cache) for t in range(8, 40)], 1))
         assert len(cache) <= 12 + 3
     assert fast.model.compiled.calls["direct"] >= 24  # past the first steps, dynamo's guards are skipped
-    if spec != "int4:32":
+    if spec != "int4:32" and kv is None:
         torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=1e-5)
     else:
         assert (outs[1] - outs[0]).norm() / outs[0].norm() < 0.05
@@ -117,6 +119,7 @@ def test_compiled_step_skips_dynamo_only_where_it_recorded_the_inputs():
     torch.testing.assert_close(decode(fast, caches[fast], 4, 20), decode(eager, caches[eager], 4, 20),
                                atol=2e-5, rtol=1e-5)
     assert calls["direct"] >= 8 and calls["dynamo"] >= 3  # first steps, then one per capacity
+    assert calls["compiles"] == 2  # the slot is a size from the first step; the capacity once the cache grows
     for lm in (eager, fast):  # a new conversation, read through the last-only head
         caches[lm] = lm.new_cache(capacity=64)
         lm.prefill(ids[:, :4], caches[lm])
