@@ -232,7 +232,8 @@ def main(argv=None) -> int:
 
     def load_variants():  # per thread count: compiled code and thread pools set up at that count
         vs = [Ours(s, False, kv) for s in args.variants.split(",") if s for kv in kvs if s != "bf16" or kv == kvs[0]]
-        vs += [Ours(s, True, kv) for s in args.compile.split(",") if s for kv in (args.compile_kv or args.kv).split(",")]
+        compiled_kvs = (args.compile_kv or args.kv).split(",")
+        vs += [Ours(s, True, kv) for s in args.compile.split(",") if s for kv in compiled_kvs]
         if not args.no_transformers:
             vs.append(Transformers(path))
         return vs

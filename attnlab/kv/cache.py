@@ -152,7 +152,8 @@ class LayerKV:
             if self.k_scale is None:
                 kept["k"] = rope_apply(kept["k"], turn)
             else:  # rotate the dequantised keys, then round them again
-                kept["k"], kept["k_scale"] = round_int8(rope_apply(dequantize_int8_blocks(kept["k"], kept["k_scale"]), turn))
+                keys = dequantize_int8_blocks(kept["k"], kept["k_scale"])
+                kept["k"], kept["k_scale"] = round_int8(rope_apply(keys, turn))
         for name, t in kept.items():
             getattr(self, name)[:, :, :m] = t
         self.pos[:, :, :m] = torch.gather(self.pos[:, :, :self.n], 2, idx)
