@@ -52,7 +52,8 @@ def _step_paths(ids: torch.Tensor, ctx) -> dict[int, str]:
 # The write slot is traced as a size from the first step on: left to dynamo's automatic dynamic shapes a
 # model compiles twice (the first step static, the next one dynamic), a minute or more each. The cache's
 # capacity stays static until a cache of another capacity arrives (then dynamo makes it dynamic): marking
-# it dynamic from the start too saves that compile but measured 0.87x per step at depth 128.
+# it dynamic from the start too would save that compile, but its step measured 0.86-0.87x at depth 128 in
+# two in-process runs (both load orders; a third saw 0.86x between two identical graphs: not settled).
 DYNAMIC = r"L\['ctx'\]\.step\.start"
 
 
