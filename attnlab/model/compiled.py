@@ -66,7 +66,6 @@ class DecodeStep:
                                     isolate_recompiles=True)
         self.recipes: dict[tuple, tuple] = {}  # situation -> (graph, input builder, static start, model tensors)
         self.calls = {"dynamo": 0, "direct": 0, "compiles": 0}
-        self.dynamic_sources = DYNAMIC
         self._seen: list = []  # (compiled graph, real inputs, outputs) per graph run in a dynamo call
 
     def _backend(self, gm, example_inputs):
@@ -100,7 +99,7 @@ class DecodeStep:
                 self.calls["direct"] += 1
                 return fn(*args)[0]
         self._seen.clear()
-        with torch.compiler.config.patch(dynamic_sources=self.dynamic_sources):
+        with torch.compiler.config.patch(dynamic_sources=DYNAMIC):
             out = self.dynamo(ids, ctx, last_only)
         self.calls["dynamo"] += 1
         if len(self._seen) == 1 and self._seen[0][2][0] is out:

@@ -239,19 +239,16 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_kv(torch::Tensor x) {
   const float* X = x.data_ptr<float>();
   int8_t* Q = codes.data_ptr<int8_t>();
   float* S = scales.data_ptr<float>();
-  const __m256 sign = _mm256_set1_ps(-0.f);
   const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t b = 0, nb = x.numel() / 32; b < nb; ++b) {
-    __m256 v[4], m = _mm256_setzero_ps();
-    for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(X + b * 32 + 8 * i), m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
-    const float d = std::max(hmax(m), 1e-12f) / 127.f;
+    __m256 v[4];
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(X + b * 32 + 8 * i);
+    const float d = std::max(absmax32(v), 1e-12f) / 127.f;
     S[b] = d;
     __m256i c[4];
     for (int i = 0; i < 4; ++i)  // cvtps rounds half to even (the default MXCSR mode), as torch.round
       c[i] = _mm256_min_epi32(hi, _mm256_max_epi32(lo, _mm256_cvtps_epi32(_mm256_div_ps(v[i], _mm256_set1_ps(d)))));
-    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(Q + b * 32), _mm256_permutevar8x32_epi32(p, order));
+    store32(Q + b * 32, c);
   }
   return {codes, scales};
 }
