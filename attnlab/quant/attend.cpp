@@ -6,7 +6,10 @@
 // the G query heads of a KV group share each key and value load, the softmax exponentials are
 // vectorised, and the cache may be stored in float16 (half the bytes, as llama.cpp's default
 // KV cache) or int8 with a float32 scale per 32 dimensions (llama.cpp's q8_0 cache, 1.125 bytes),
-// widened in registers.
+// widened in registers. Values are read in blocks of rows, all dimensions of a block before the
+// next, so the cache is two sequential streams (keys, then values). With more than one thread a
+// head's rows are cut into stretches whose softmaxes merge by their maxima and sums (flash-decoding's
+// split), so 3 KV heads share out evenly over 2 threads.
 //
 // q [B, Hq, 1, D] float32; k, v [B, Hkv, n, D] float32, float16 or int8 (then k_scale, v_scale
 // [B, Hkv, n, D/32] float32), innermost dimension contiguous (slices of the cache's preallocated
@@ -17,6 +20,8 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
+#include <numeric>
 #include <optional>
 #include <tuple>
 #include <type_traits>
@@ -47,7 +52,10 @@ template <class T>
 constexpr bool kInt8 = std::is_same_v<T, int8_t>;
 
 // The hardware prefetcher alone leaves a single-query pass at about half the bandwidth: ask for
-// the row 8 ahead (reading past the end of the slice is harmless: a prefetch never faults).
+// the row kAhead ahead (reading past the end of the slice is harmless: a prefetch never faults).
+constexpr int64_t kAhead = 24;
+constexpr int64_t kMinStretch = 256;  // rows: below this, splitting a head costs more than it shares
+constexpr int64_t kBlock = 64;  // rows of V per block: 8 KB of float16 at D = 64, well inside L1
 template <class T>
 inline void prefetch_row(const T* p, int64_t n) {
   const char* c = reinterpret_cast<const char*>(p);
@@ -72,32 +80,33 @@ inline __m256 exp_neg(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-// O[g * D + 8j ...] = sum_t P[g][t] V[t][8j ...] / sum, for J (compile-time, so the G x J
-// accumulators stay in registers) chunks of 8 dimensions.
-// An int8 V: the J chunks lie in one block of 32 (d0 is a multiple of 32), so its scale folds into P.
+// A[g * D + 8j ...] += sum_t P[g * ldp + t] V[t][8j ...] over the rows t < n, for J (compile-time, so the
+// G x J accumulators stay in registers) chunks of 8 dimensions.
+// An int8 V: the J chunks lie in one block of 32 (V starts at a multiple of 32), so its scale folds into P.
 template <int G, int J, class T>
-inline void pv(const float* P, const T* V, int64_t sv, Scales vs, int64_t n, const float* inv, float* O, int64_t D) {
+inline void pv(const float* P, int64_t ldp, const T* V, int64_t sv, Scales vs, int64_t n, float* A, int64_t D) {
   __m256 acc[G][J];
   for (int g = 0; g < G; ++g)
-    for (int j = 0; j < J; ++j) acc[g][j] = _mm256_setzero_ps();
-  for (int64_t t = 0; t < n; ++t) {
+    for (int j = 0; j < J; ++j) acc[g][j] = _mm256_loadu_ps(A + g * D + 8 * j);
+  int64_t t = 0;
+  do {  // n >= 1; a for loop here makes GCC 12 store every accumulator to the stack on each row
     const T* v = V + t * sv;
-    prefetch_row(v + 24 * sv, 8 * J);
+    prefetch_row(v + kBlock * sv, 8 * J);  // this pass's part of the row a block ahead
     __m256 p[G];
-    for (int g = 0; g < G; ++g) p[g] = _mm256_broadcast_ss(P + g * n + t);
+    for (int g = 0; g < G; ++g) p[g] = _mm256_broadcast_ss(P + g * ldp + t);
     if constexpr (kInt8<T>)
       for (int g = 0; g < G; ++g) p[g] = _mm256_mul_ps(p[g], _mm256_set1_ps(vs.at(t)));
     for (int j = 0; j < J; ++j) {
       const __m256 vv = load8(v + 8 * j);
       for (int g = 0; g < G; ++g) acc[g][j] = _mm256_fmadd_ps(p[g], vv, acc[g][j]);
     }
-  }
+  } while (++t < n);
   for (int g = 0; g < G; ++g)
-    for (int j = 0; j < J; ++j) _mm256_storeu_ps(O + g * D + 8 * j, _mm256_mul_ps(acc[g][j], _mm256_set1_ps(inv[g])));
+    for (int j = 0; j < J; ++j) _mm256_storeu_ps(A + g * D + 8 * j, acc[g][j]);
 }
 
-// s[t] <- exp(s[t] - max s), in place; returns 1 / sum (the division is left to the output)
-inline float softmax_numerators(float* s, int64_t n) {
+// s[t] <- exp(s[t] - max s), in place; *m_out = max s, *l_out = the sum of the exponentials
+inline void softmax_numerators(float* s, int64_t n, float* m_out, float* l_out) {
   __m256 m8 = _mm256_set1_ps(s[0]);
   int64_t t = 0;
   for (; t + 8 <= n; t += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(s + t));
@@ -115,7 +124,16 @@ inline float softmax_numerators(float* s, int64_t n) {
     s[t] = _mm_cvtss_f32(_mm256_castps256_ps128(exp_neg(_mm256_set1_ps(s[t] - mx))));
     total += s[t];
   }
-  return 1.f / total;
+  *m_out = mx;
+  *l_out = total;
+}
+
+// the four sums of a[0..3]'s lanes, in one transposed pass (4 horizontal sums would take twice the shuffles)
+inline __m128 hsum4(const __m256* a) {
+  const __m256 s01 = _mm256_add_ps(_mm256_unpacklo_ps(a[0], a[1]), _mm256_unpackhi_ps(a[0], a[1]));
+  const __m256 s23 = _mm256_add_ps(_mm256_unpacklo_ps(a[2], a[3]), _mm256_unpackhi_ps(a[2], a[3]));
+  const __m256 s = _mm256_add_ps(_mm256_shuffle_ps(s01, s23, 0x44), _mm256_shuffle_ps(s01, s23, 0xEE));
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 }
 
 // S[g * n + r] = scale * Q[g] . K[r] for the R rows K[r * sk ...]
@@ -124,53 +142,71 @@ inline void scores(const float* Q, const T* K, int64_t sk, Scales ks, int64_t D,
   __m256 acc[G][R];
   for (int g = 0; g < G; ++g)
     for (int r = 0; r < R; ++r) acc[g][r] = _mm256_setzero_ps();
-  for (int r = 0; r < R; ++r) prefetch_row(K + (24 + r) * sk, D);
-  for (int64_t d = 0; d < D; d += 8) {
+  for (int r = 0; r < R; ++r) prefetch_row(K + (kAhead + r) * sk, D);
+  int64_t d = 0;
+  do {  // D >= 8 (see pv on the loop's form)
     for (int r = 0; r < R; ++r) {
       __m256 kv = load8(K + r * sk + d);
       if constexpr (kInt8<T>) kv = _mm256_mul_ps(kv, _mm256_set1_ps(ks.at(r, d / 32)));
       for (int g = 0; g < G; ++g) acc[g][r] = _mm256_fmadd_ps(_mm256_loadu_ps(Q + g * D + d), kv, acc[g][r]);
     }
+  } while ((d += 8) < D);
+  if constexpr (R == 4) {
+    for (int g = 0; g < G; ++g) _mm_storeu_ps(S + g * n, _mm_mul_ps(hsum4(acc[g]), _mm_set1_ps(scale)));
+  } else {
+    for (int g = 0; g < G; ++g)
+      for (int r = 0; r < R; ++r) S[g * n + r] = hsum(acc[g][r]) * scale;
   }
-  for (int g = 0; g < G; ++g)
-    for (int r = 0; r < R; ++r) S[g * n + r] = hsum(acc[g][r]) * scale;
 }
 
-// One KV head and the G (<= 3 per call) query heads Q[g * D ...] that read it: scores S[g][t],
-// then out O[g * D ...] = softmax(S[g]) . V. D is a multiple of 8.
+// One KV head and the G (<= 3 per call) query heads Q[g * D ...] that read it, over the n rows of a
+// stretch of the cache: scores S[g][t], their maximum M[g], and the unnormalised softmax
+// O[g * D ...] = sum_t e^(S[g][t] - M[g]) V[t] with its denominator L[g] (stretches combine by these).
 template <int G, class T>
 void head(const float* Q, const T* K, const T* V, int64_t sk, int64_t sv, Scales ks, Scales vs, int64_t n, int64_t D,
-          float scale, float* S, float* O) {
+          float scale, float* S, float* O, float* M, float* L) {
   // scores, R keys at a time: G x R independent FMA chains (one chain per score would leave the loop
   // bound by the FMA latency), and each key row read once for the G queries
   int64_t t = 0;
   for (; t + 4 <= n; t += 4) scores<G, 4>(Q, K + t * sk, sk, ks.from(t), D, scale, S + t, n);
   for (; t < n; ++t) scores<G, 1>(Q, K + t * sk, sk, ks.from(t), D, scale, S + t, n);
-  float inv[G];
-  for (int g = 0; g < G; ++g) inv[g] = softmax_numerators(S + g * n, n);
-  for (int64_t d0 = 0; d0 < D; d0 += 32) {  // out = P . V, 32 dimensions (G x 4 accumulators) per pass
-    switch (std::min<int64_t>(4, (D - d0) / 8)) {
-      case 4: pv<G, 4>(S, V + d0, sv, vs.from(0, d0 / 32), n, inv, O + d0, D); break;
-      case 3: pv<G, 3>(S, V + d0, sv, vs.from(0, d0 / 32), n, inv, O + d0, D); break;
-      case 2: pv<G, 2>(S, V + d0, sv, vs.from(0, d0 / 32), n, inv, O + d0, D); break;
-      default: pv<G, 1>(S, V + d0, sv, vs.from(0, d0 / 32), n, inv, O + d0, D);
+  for (int g = 0; g < G; ++g) softmax_numerators(S + g * n, n, M + g, L + g);
+  std::fill(O, O + G * D, 0.f);
+  // out = P . V in blocks of kBlock rows, all D dimensions of a block (32 at a time: G x 4 accumulators)
+  // before the next, so V is one sequential stream and each row is fetched once
+  for (int64_t t0 = 0; t0 < n; t0 += kBlock) {
+    const int64_t nb = std::min(kBlock, n - t0);
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {
+      const T* v = V + t0 * sv + d0;
+      const Scales vsb = vs.from(t0, d0 / 32);
+      switch (std::min<int64_t>(4, (D - d0) / 8)) {
+        case 4: pv<G, 4>(S + t0, n, v, sv, vsb, nb, O + d0, D); break;
+        case 3: pv<G, 3>(S + t0, n, v, sv, vsb, nb, O + d0, D); break;
+        case 2: pv<G, 2>(S + t0, n, v, sv, vsb, nb, O + d0, D); break;
+        default: pv<G, 1>(S + t0, n, v, sv, vsb, nb, O + d0, D);
+      }
     }
   }
 }
 
+// The G query heads of one KV head, over one stretch of the cache (see head).
 template <class T>
 void heads(const float* Q, const T* K, const T* V, int64_t sk, int64_t sv, Scales ks, Scales vs, int64_t n, int64_t D,
-           int64_t G, float scale, float* O) {
+           int64_t G, float scale, float* O, float* M, float* L) {
   thread_local std::vector<float> S;
   if (static_cast<int64_t>(S.size()) < 3 * n) S.resize(3 * n);
   for (int64_t g = 0; g < G; g += 3) {  // query heads of the group in threes: accumulators stay in registers
     const int64_t r = std::min<int64_t>(3, G - g);
     const float* q = Q + g * D;
-    float* o = O + g * D;
-    if (r == 3) head<3>(q, K, V, sk, sv, ks, vs, n, D, scale, S.data(), o);
-    else if (r == 2) head<2>(q, K, V, sk, sv, ks, vs, n, D, scale, S.data(), o);
-    else head<1>(q, K, V, sk, sv, ks, vs, n, D, scale, S.data(), o);
+    float *o = O + g * D, *m = M + g, *l = L + g;
+    if (r == 3) head<3>(q, K, V, sk, sv, ks, vs, n, D, scale, S.data(), o, m, l);
+    else if (r == 2) head<2>(q, K, V, sk, sv, ks, vs, n, D, scale, S.data(), o, m, l);
+    else head<1>(q, K, V, sk, sv, ks, vs, n, D, scale, S.data(), o, m, l);
   }
+}
+
+inline void scale_row(float* o, int64_t D, float c) {  // D a multiple of 8
+  for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(o + d), _mm256_set1_ps(c)));
 }
 
 template <class T>
@@ -203,16 +239,28 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   q = q.contiguous();
   auto out = torch::empty_like(q);
   const int64_t G = Hq / Hkv;
-  const float* Q = q.data_ptr<float>();
+  // Work items are stretches of one KV head's rows. One stretch per head at one thread; with more, heads
+  // are cut so the items share out evenly (3 KV heads on 2 threads: 6 stretches, not 2 heads and 1), each
+  // at least kMinStretch rows, and the stretches' softmaxes are merged below by their maxima and sums.
+  const int64_t threads = at::get_num_threads(), heads_n = B * Hkv;
+  const int64_t cuts =
+      threads == 1 ? 1 : std::max<int64_t>(1, std::min(threads / std::gcd(heads_n, threads), n / kMinStretch));
+  const int64_t len = (n + cuts - 1) / cuts, items = heads_n * cuts;  // no stretch is empty: len >= kMinStretch
   float* O = out.data_ptr<float>();
+  std::vector<float> ml(items * 2 * G);                       // per item: softmax maxima [G], sums [G]
+  std::vector<float> partial(cuts > 1 ? items * G * D : 0);  // per item: unnormalised outputs [G, D]
+  const float* Q = q.data_ptr<float>();
   auto run_as = [&](auto tag, int64_t i0, int64_t i1) {
     using T = decltype(tag);
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / Hkv, h = i % Hkv;
-      heads(Q + (b * Hq + h * G) * D, k.data_ptr<T>() + b * k.stride(0) + h * k.stride(1),
-            v.data_ptr<T>() + b * v.stride(0) + h * v.stride(1), k.stride(2), v.stride(2),
-            scales_of<T>(k_scale, b, h), scales_of<T>(v_scale, b, h), n, D, G, static_cast<float>(scale),
-            O + (b * Hq + h * G) * D);
+      const int64_t bh = i / cuts, b = bh / Hkv, h = bh % Hkv, t0 = i % cuts * len, m = std::min(len, n - t0);
+      float *o = cuts == 1 ? O + bh * G * D : partial.data() + i * G * D, *mx = ml.data() + i * 2 * G;
+      const T* kp = k.data_ptr<T>() + b * k.stride(0) + h * k.stride(1) + t0 * k.stride(2);
+      const T* vp = v.data_ptr<T>() + b * v.stride(0) + h * v.stride(1) + t0 * v.stride(2);
+      heads(Q + bh * G * D, kp, vp, k.stride(2), v.stride(2), scales_of<T>(k_scale, b, h).from(t0),
+            scales_of<T>(v_scale, b, h).from(t0), m, D, G, static_cast<float>(scale), o, mx, mx + G);
+      if (cuts == 1)
+        for (int64_t g = 0; g < G; ++g) scale_row(o + g * D, D, 1.f / mx[G + g]);
     }
   };
   auto run = [&](int64_t i0, int64_t i1) {
@@ -220,7 +268,23 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
     else if (dtype == torch::kHalf) run_as(at::Half{}, i0, i1);
     else run_as(int8_t{}, i0, i1);
   };
-  if (at::get_num_threads() == 1) run(0, B * Hkv); else at::parallel_for(0, B * Hkv, 1, run);
+  if (threads == 1) run(0, items); else at::parallel_for(0, items, 1, run);
+  if (cuts > 1)  // merge the stretches of each query head: weights e^(M_c - max M) on outputs and sums
+    for (int64_t bh = 0; bh < heads_n; ++bh)
+      for (int64_t g = 0; g < G; ++g) {
+        float top = -INFINITY, total = 0.f;
+        for (int64_t c = 0; c < cuts; ++c) top = std::max(top, ml[(bh * cuts + c) * 2 * G + g]);
+        float* o = O + (bh * G + g) * D;
+        std::fill(o, o + D, 0.f);
+        for (int64_t c = 0; c < cuts; ++c) {
+          const float* mx = ml.data() + (bh * cuts + c) * 2 * G;
+          const float w = std::exp(mx[g] - top);
+          total += w * mx[G + g];
+          const float* p = partial.data() + (bh * cuts + c) * G * D + g * D;
+          for (int64_t d = 0; d < D; ++d) o[d] += w * p[d];
+        }
+        scale_row(o, D, 1.f / total);
+      }
   return out;
 }
 
