@@ -13,7 +13,8 @@
 //   q4:   w = code * scale[g] + min[g]        (g = group of `group` weights, a multiple of 32)
 //   lut4: w = lut[g][code] * lut_scale[g]     (k-means codebooks, rounded to int8)
 //   q8:   w = int8 * scale[g]                 (g = group of `group` weights: a row, or 32 as Q8_0)
-// Rows are split across torch's intra-op threads.
+// q4 at group 32 multiplies two blocks per step against activations laid out to match their nibbles
+// (dot_q4_pairs); other groups, one block per step (dot_q4). Rows are split across torch's intra-op threads.
 //
 // The *_rows ops serve Deja Vu's sparse MLP: only the rows idx of a weight are read, each once
 // (no gathered copy); the dot products share their per-row code with the matrix ops.
@@ -21,6 +22,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -47,14 +49,16 @@ inline int64_t check_x(const torch::Tensor& x, bool vec, int64_t K) {
 }
 
 // The activations as the integer kernels multiply them: x [M, K] rounded to int8 per 32 values
-// (q, d), and for q4's min term the float sums per weight group (g, [M, K/group]). The buffers are
-// per thread and reused: no heap allocation per call once they have grown.
+// (q, d), and for q4's min term the float sums per weight group (g, [M, K/group]); for q4 at group 32
+// also in dot_q4_pairs' layout (X, D; `pairs`). The buffers are per thread and reused: no heap
+// allocation per call once they have grown.
 struct QActs {
-  const int8_t* q;
-  const float *d, *g;
+  const int8_t *q, *X = nullptr;
+  const float *d, *g, *D = nullptr;
+  bool pairs = false;
   QActs(const float* x, int64_t M, int64_t K, int64_t group = 0) {
-    thread_local std::vector<int8_t> qb;
-    thread_local std::vector<float> db, sb, gb;
+    thread_local std::vector<int8_t> qb, xb;
+    thread_local std::vector<float> db, sb, gb, pb;
     const int64_t nb = M * K / 32;
     if (static_cast<int64_t>(qb.size()) < M * K) qb.resize(M * K);
     if (static_cast<int64_t>(db.size()) < nb) db.resize(nb), sb.resize(nb);
@@ -65,6 +69,11 @@ struct QActs {
     gb.assign(M * K / group, 0.f);
     for (int64_t i = 0; i < nb; ++i) gb[i / per] += sb[i];
     g = gb.data();
+    pairs = per == 1 && K % 64 == 0;
+    if (!pairs) return;
+    if (static_cast<int64_t>(xb.size()) < M * K) xb.resize(M * K), pb.resize(M * K / 8);
+    for (int64_t m = 0; m < M; ++m) pair_acts(q + m * K, d + m * K / 32, K / 32, xb.data() + m * K, pb.data() + m * K / 8);
+    X = xb.data(), D = pb.data();
   }
 };
 
@@ -94,15 +103,25 @@ int64_t check_groups(const torch::Tensor& w, torch::ScalarType t, int64_t K, int
 // Where the selected rows live: the weight's bytes, the bytes of one row and of one 32-weight block.
 // Rows are scattered, so the hardware prefetcher restarts at each; the loops ask for a row
 // `ahead` selections before they read it.
+// A row's float32 group parameters (q4's scales and mins, q8's scales) are prefetched with it: side
+// arrays of G floats a row.
 struct Rows {
   const char* base;
   int64_t row, block;  // bytes
+  const float* side[2] = {nullptr, nullptr};
+  int64_t G = 0;
   static constexpr int64_t ahead = 4;
-  Rows(const void* w, int64_t row_bytes, int64_t K)
-      : base(static_cast<const char*>(w)), row(row_bytes), block(row_bytes * 32 / K) {}
+  Rows(const void* w, int64_t row_bytes, int64_t K, std::initializer_list<const float*> sides = {}, int64_t groups = 0)
+      : base(static_cast<const char*>(w)), row(row_bytes), block(row_bytes * 32 / K), G(groups) {
+    std::copy(sides.begin(), sides.end(), side);
+  }
   void prefetch(int64_t r, int64_t b0, int64_t b1) const {
     const char* p = base + r * row + b0 * block;
     for (int64_t o = 0; o < (b1 - b0) * block; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+    const int64_t nb = row / block, g0 = b0 * G / nb, g1 = (b1 * G + nb - 1) / nb;  // the groups of blocks b0..b1
+    for (const float* s : side)
+      if (s)
+        for (int64_t o = 0; o < (g1 - g0) * 4; o += 64) _mm_prefetch(reinterpret_cast<const char*>(s + r * G + g0) + o, _MM_HINT_T0);
   }
 };
 
@@ -198,10 +217,11 @@ struct Q4 {
         xa(x.data_ptr<float>(), M, K, group) {}
   template <class R>
   void operator()(R, const int64_t* rows, int64_t m, float* o) const {
+    if (xa.pairs) return dot_q4_pairs<R::value>(Q, S, MN, rows, G, xa.X + m * K, xa.D + m * K / 8, xa.g + m * G, o);
     const auto d = per == 1 ? dot_q4<R::value, 1> : dot_q4<R::value, 0>;  // group 32: per known, loops flatten
     d(Q, S, MN, rows, G, per, xa.q + m * K, xa.d + m * K / 32, xa.g + m * G, o);
   }
-  Rows rows() const { return Rows(Q, K / 2, K); }
+  Rows rows() const { return Rows(Q, K / 2, K, {S, MN}, G); }
 };
 
 struct Q8 {
@@ -217,7 +237,7 @@ struct Q8 {
     const auto d = per == 1 ? dot_q8<R::value, 1> : dot_q8<R::value, 0>;
     d(Q, S, rows, G, per, xa.q + m * K, xa.d + m * K / 32, o);
   }
-  Rows rows() const { return Rows(Q, K, K); }
+  Rows rows() const { return Rows(Q, K, K, {S}, G); }
 };
 
 }  // namespace

@@ -89,6 +89,55 @@ inline void dot_q4(const uint8_t* Q, const float* S, const float* MN, const int6
   for (int i = 0; i < R; ++i) out[i] = hsum(acc[i]) + mins[i];
 }
 
+// q4 at group 32, two blocks per step: 32 code bytes (blocks 2p and 2p+1) split into low and high
+// nibbles meet activations laid out to match (pair_acts), so one and/shift, two maddubs and one madd
+// serve 64 weights; lanes 0-3 hold block 2p's sums, lanes 4-7 block 2p+1's, scaled by one vector. About
+// 1.5x the blocks per second of dot_q4 from L2, which leaves q4 matmuls nearer the memory bound.
+// pair_acts: X[64p ..] = (x_2p[0:16], x_2p+1[0:16]), X[64p + 32 ..] = (x_2p[16:32], x_2p+1[16:32]),
+// D[8p ..] = (d_2p x4, d_2p+1 x4), for the nb (even) blocks of one rounded activation row.
+inline void pair_acts(const int8_t* xq, const float* xd, int64_t nb, int8_t* X, float* D) {
+  for (int64_t p = 0; p < nb / 2; ++p) {
+    const auto half = [&](int64_t o) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + 64 * p + o)); };
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(X + 64 * p), _mm256_set_m128i(half(32), half(0)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(X + 64 * p + 32), _mm256_set_m128i(half(48), half(16)));
+    _mm256_storeu_ps(D + 8 * p, _mm256_set_m128(_mm_set1_ps(xd[2 * p + 1]), _mm_set1_ps(xd[2 * p])));
+  }
+}
+
+// sum over blocks of s * (codes . xq) * d + sum over groups of m * sum(x), for G (even) groups of 32
+template <int R>
+inline void dot_q4_pairs(const uint8_t* Q, const float* S, const float* MN, const int64_t* rows, int64_t G,
+                         const int8_t* X, const float* D, const float* gs, float* out) {
+  const uint8_t* q[R];
+  const float *sr[R], *mr[R];
+  __m256 acc[R], mins[R];
+  for (int i = 0; i < R; ++i)
+    q[i] = Q + rows[i] * G * 16, sr[i] = S + rows[i] * G, mr[i] = MN + rows[i] * G, acc[i] = _mm256_setzero_ps(),
+    mins[i] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  int64_t p = 0;
+  do {  // G >= 2; a for loop here can make GCC keep the accumulators on the stack (see attend.cpp)
+    const __m256i xl = load32(X + 64 * p), xh = load32(X + 64 * p + 32);
+    const __m256 d = _mm256_loadu_ps(D + 8 * p);
+    for (int i = 0; i < R; ++i) {
+      const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[i] + 32 * p));
+      const __m256i lo = _mm256_and_si256(c, low), hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), low);
+      // int16 lanes hold 4 products of at most 15 * 127: no saturation
+      const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
+      const __m256 sc = _mm256_set_m128(_mm_broadcast_ss(sr[i] + 2 * p + 1), _mm_broadcast_ss(sr[i] + 2 * p));
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones)), _mm256_mul_ps(sc, d), acc[i]);
+    }
+  } while (++p < G / 2);
+  int64_t g = 0;
+  for (; g + 8 <= G; g += 8)
+    for (int i = 0; i < R; ++i) mins[i] = _mm256_fmadd_ps(_mm256_loadu_ps(mr[i] + g), _mm256_loadu_ps(gs + g), mins[i]);
+  for (int i = 0; i < R; ++i) {
+    float m = hsum(mins[i]);
+    for (int64_t h = g; h < G; ++h) m = std::fma(mr[i][h], gs[h], m);
+    out[i] = hsum(acc[i]) + m;
+  }
+}
+
 // q8: |w| (unsigned) times x carrying w's sign (maddubs needs one unsigned operand). One row per
 // pass: with its cheaper arithmetic, q8 from memory ran faster streaming one row than 2 or 4.
 constexpr int Q8_ROWS = 1;
