@@ -224,7 +224,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   TORCH_CHECK(dtype == torch::kFloat || dtype == torch::kHalf || dtype == torch::kChar,
               "k, v must be float32, float16 or int8");
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(3), Hkv = k.size(1), n = k.size(2);
-  TORCH_CHECK(k.size(0) == B && k.size(3) == D && Hq % Hkv == 0 && D % 8 == 0 && n > 0,
+  TORCH_CHECK(k.size(0) == B && k.size(3) == D && Hkv > 0 && Hq % Hkv == 0 && D > 0 && D % 8 == 0 && n > 0,
               "shapes do not match: q ", q.sizes(), ", k ", k.sizes());
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "k and v must be contiguous in their last dimension");
   TORCH_CHECK((dtype == torch::kChar) == (k_scale.has_value() && v_scale.has_value()),

@@ -92,8 +92,8 @@ const int64_t* check_idx(const torch::Tensor& idx, int64_t N) {
 int64_t check_groups(const torch::Tensor& w, torch::ScalarType t, int64_t K, int64_t group,
                      std::initializer_list<torch::Tensor> params) {
   TORCH_CHECK(w.scalar_type() == t && w.is_contiguous() && w.dim() == 2, "weights must be contiguous ", t, " [N, *]");
-  TORCH_CHECK(K % 32 == 0 && group % 32 == 0 && group > 0 && K % group == 0,
-              "K and group must be multiples of 32, group dividing K");
+  TORCH_CHECK(K > 0 && K % 32 == 0 && group % 32 == 0 && group > 0 && K % group == 0,
+              "K and group must be positive multiples of 32, group dividing K");
   for (const auto& p : params)
     TORCH_CHECK(p.scalar_type() == torch::kFloat && p.is_contiguous() && p.numel() == w.size(0) * (K / group),
                 "scales must be contiguous float32 [N, K/group]");

@@ -118,11 +118,14 @@ def test_decode_attention_keeps_peaked_and_flat_softmax():
     torch.testing.assert_close(out[0, 1, 0], v[0, 0].mean(0))
 
 
-@pytest.mark.parametrize("bad", ["bf16", "two-queries", "heads", "inner-stride"])
+@pytest.mark.parametrize("bad", ["bf16", "two-queries", "heads", "inner-stride", "no-kv-heads", "empty-heads"])
 def test_decode_attention_rejects_bad_input(bad):
     q, k = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 5, 16)
     v = k.clone()
-    if bad == "bf16":
+    if bad in ("no-kv-heads", "empty-heads"):  # a division by zero, a loop over no dimensions: errors instead
+        q, k = (q[:, :, :, :0], k[..., :0]) if bad == "empty-heads" else (q, k[:, :0])
+        v = k.clone()
+    elif bad == "bf16":
         k, v = k.bfloat16(), v.bfloat16()
     elif bad == "two-queries":
         q = torch.randn(1, 4, 2, 16)

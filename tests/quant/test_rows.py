@@ -145,6 +145,8 @@ def test_kernels_check_their_inputs():
     p = QuantSpec.parse("int4:32").quantize(w)
     with pytest.raises(RuntimeError, match="scales"):
         torch.ops.attnlab.q4_rows_axpy(torch.ones(1), p.qs, p.scale[:4], p.min, 32, torch.tensor([1]))
+    with pytest.raises(RuntimeError, match="positive multiples"):  # no columns: an error, not a read past the end
+        torch.ops.attnlab.q4_mm(torch.randn(1, 0), p.qs[:, :0], p.scale[:, :0], p.min[:, :0], 32)
 
 
 @needs_kernels
