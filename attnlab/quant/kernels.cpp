@@ -22,7 +22,6 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
-#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -103,27 +102,15 @@ int64_t check_groups(const torch::Tensor& w, torch::ScalarType t, int64_t K, int
 // Where the selected rows live: the weight's bytes, the bytes of one row and of one 32-weight block.
 // Rows are scattered, so the hardware prefetcher restarts at each; the loops ask for a row
 // `ahead` selections before they read it.
-// A row's float32 group parameters (q4's scales and mins) can be prefetched with it: side
-// arrays of G floats a row.
 struct Rows {
   const char* base;
-  int64_t row, block, nb;  // bytes, bytes, blocks a row
-  const float* side[2] = {nullptr, nullptr};
-  int64_t G = 0;
+  int64_t row, block;  // bytes
   static constexpr int64_t ahead = 4;
-  Rows(const void* w, int64_t row_bytes, int64_t K, std::initializer_list<const float*> sides = {}, int64_t groups = 0)
-      : base(static_cast<const char*>(w)), row(row_bytes), block(row_bytes * 32 / K), nb(K / 32), G(groups) {
-    std::copy(sides.begin(), sides.end(), side);
-  }
+  Rows(const void* w, int64_t row_bytes, int64_t K)
+      : base(static_cast<const char*>(w)), row(row_bytes), block(row_bytes * 32 / K) {}
   void prefetch(int64_t r, int64_t b0, int64_t b1) const {
     const char* p = base + r * row + b0 * block;
     for (int64_t o = 0; o < (b1 - b0) * block; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
-    if (!side[0]) return;
-    // the groups of blocks b0..b1 (whole rows, the matrix ops' case, without a division)
-    const int64_t g0 = b0 == 0 ? 0 : b0 * G / nb, g1 = b1 == nb ? G : (b1 * G + nb - 1) / nb;
-    for (const float* s : side)
-      if (s)
-        for (int64_t o = 0; o < (g1 - g0) * 4; o += 64) _mm_prefetch(reinterpret_cast<const char*>(s + r * G + g0) + o, _MM_HINT_T0);
   }
 };
 
@@ -223,7 +210,7 @@ struct Q4 {
     const auto d = per == 1 ? dot_q4<R::value, 1> : dot_q4<R::value, 0>;  // group 32: per known, loops flatten
     d(Q, S, MN, rows, G, per, xa.q + m * K, xa.d + m * K / 32, xa.g + m * G, o);
   }
-  Rows rows() const { return Rows(Q, K / 2, K, {S, MN}, G); }
+  Rows rows() const { return Rows(Q, K / 2, K); }
 };
 
 struct Q8 {
