@@ -1,11 +1,14 @@
-"""Per-call time of the fused batch-1 kernels (q4_mm, q8_mm, lut4_mm) on SmolLM2-135M shapes, 1 thread,
-against the same kernels built from another git revision (`--baseline REV`), interleaved.
+"""Per-call time of the fused batch-1 kernels (q4_mm, q8_mm, lut4_mm, decode_attention) on SmolLM2-135M
+shapes, against the same kernels built from another git revision (`--baseline REV`), interleaved.
 
-The baseline's kernels.cpp is taken from git, its op namespace renamed to `attnlab_base`, and built
-beside ours, so both run in one process on the same weights: the ratio is what changed, not the
-machine's load. Weights of `--layers` distinct copies are cycled so they come from memory as in a
-decode step. `--clock cpu` times this thread's CPU time (steadier on a shared machine).
+The baseline's sources (kernels.cpp, attend.cpp when it has one) are taken from git, their op namespace
+renamed to `attnlab_base`, and built beside ours with the same flags, so both run in one process on the
+same weights and caches: the ratio is what changed, not the machine's load. Weights (and KV caches) of
+`--layers` distinct copies are cycled so they come from memory as in a decode step. Decode attention
+runs over SmolLM2's 3 KV heads x 3 query heads, D 64, at `--depths`, with a float16 and an int8 cache.
+`--clock cpu` times this thread's CPU time (steadier on a shared machine; use wall with --threads > 1).
 `python benchmarks/kernels.py --baseline 4c0e5a3 --clock cpu --repeats 9`
+`python benchmarks/kernels.py --baseline 17a9ce0 --only attention --threads 2 --clock wall`
 """
 from __future__ import annotations
 
@@ -30,28 +33,46 @@ ROWS = [("w13 rows", 2 * H, D, "int4:32"), ("w13 rows", 2 * H, D, "int8:32")]
 
 
 def build_baseline(rev: str) -> bool:
-    """Build kernels.cpp as of `rev` with its ops under torch.ops.attnlab_base; False if it has no such file."""
+    """Build the kernels as of `rev` with their ops under torch.ops.attnlab_base; False if it has none."""
     root = Path(__file__).resolve().parents[1]
-    try:
-        src = subprocess.run(["git", "show", f"{rev}:attnlab/quant/kernels.cpp"], cwd=root, check=True,
-                             capture_output=True, text=True).stdout
-    except subprocess.CalledProcessError:
-        return False
-    src = src.replace("TORCH_LIBRARY(attnlab,", "TORCH_LIBRARY(attnlab_base,").replace(
-        "TORCH_LIBRARY_IMPL(attnlab,", "TORCH_LIBRARY_IMPL(attnlab_base,")
     build = kernels.CACHE / f"base-{rev}"
     build.mkdir(parents=True, exist_ok=True)
-    (build / "base.cpp").write_text(src)
-    header = subprocess.run(["git", "show", f"{rev}:attnlab/quant/kernels_simd.h"], cwd=root, capture_output=True,
-                            text=True)
-    if header.returncode == 0:  # its own SIMD header, if it had one
-        (build / "kernels_simd.h").write_text(header.stdout)
+    sources = []
+    for name in kernels.SOURCES + ("kernels_simd.h",):
+        got = subprocess.run(["git", "show", f"{rev}:attnlab/quant/{name}"], cwd=root, capture_output=True, text=True)
+        if got.returncode != 0:  # a revision before that file
+            continue
+        src = got.stdout
+        for macro in ("TORCH_LIBRARY", "TORCH_LIBRARY_IMPL", "TORCH_LIBRARY_FRAGMENT"):
+            src = src.replace(f"{macro}(attnlab,", f"{macro}(attnlab_base,")
+        (build / name).write_text(src)
+        if name.endswith(".cpp"):
+            sources.append(str(build / name))
+    if not sources:
+        return False
     from torch.utils.cpp_extension import load
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        load(name=f"attnlab_base_{rev}", sources=[str(build / "base.cpp")], build_directory=str(build),
-             extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c"], verbose=False, is_python_module=False)
+        load(name=f"attnlab_base_{rev}", sources=sources, build_directory=str(build),
+             extra_cflags=list(kernels.FLAGS) + ["-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False,
+             is_python_module=False)
     return True
+
+
+def attention_calls(ops, depth: int, kv: str, layers: int, g: torch.Generator):
+    """decode_attention over `layers` distinct caches of `depth` rows (slices of larger buffers, as the cache's)."""
+    from attnlab.quant.formats import int8_blocks
+    out = []
+    for _ in range(layers):
+        q = torch.randn(1, 9, 1, 64, generator=g)
+        k, v = (torch.randn(1, 3, depth + 64, 64, generator=g) for _ in range(2))
+        if kv == "int8":
+            (kq, ks), (vq, vs) = int8_blocks(k), int8_blocks(v)
+            args = (kq[:, :, :depth], vq[:, :, :depth], 0.125, ks[:, :, :depth], vs[:, :, :depth])
+        else:
+            args = (k.half()[:, :, :depth], v.half()[:, :, :depth], 0.125)
+        out.append(lambda q=q, args=args: ops.decode_attention(q, *args))
+    return out
 
 
 def call(ops, layer, x, idx=None):
@@ -75,28 +96,37 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=30, help="distinct weight copies cycled (the head: 2)")
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--clock", choices=("wall", "cpu"), default="cpu")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--depths", default="1024,4096", help="cache depths of the attention cases ('' to skip them)")
     args = p.parse_args()
     clock = time.perf_counter if args.clock == "wall" else time.thread_time
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     if not kernels.available():
         raise SystemExit("fused kernels unavailable (no compiler or no AVX2)")
     impls = {"new": torch.ops.attnlab}
     if args.baseline and build_baseline(args.baseline):
         impls = {"base": torch.ops.attnlab_base, **impls}
-    print(f"threads 1, clock {args.clock}, repeats {args.repeats}, baseline {args.baseline or '-'}")
+    print(f"threads {args.threads}, clock {args.clock}, repeats {args.repeats}, baseline {args.baseline or '-'}")
     print(f"{'shape':9} {'format':9} {'N x K':>12} " + " ".join(f"{k + ' us':>9}" for k in impls)
           + ("   speedup  max|diff|" if len(impls) > 1 else ""))
     g = torch.Generator().manual_seed(0)
     only = set(args.only.split(",")) - {""}
-    for name, N, K, fmt in SHAPES + (ROWS if args.rows else []):
+    attention = [("attention", depth, 64, kv) for depth in map(int, filter(None, args.depths.split(",")))
+                 for kv in ("float16", "int8")]
+    for name, N, K, fmt in SHAPES + (ROWS if args.rows else []) + attention:
         if only and name not in only:
             continue
-        n = 2 if N > 10000 else args.layers
-        layers = [linear(torch.randn(N, K, generator=g) * 0.05, fmt) for _ in range(n)]
-        xs = [torch.randn(1, K, generator=g) for _ in range(n)]
-        idx = [torch.randperm(N, generator=g)[:round(args.rows * N)].sort().values if "rows" in name else None
-               for _ in range(n)]
-        calls = {k: [call(ops, *a) for a in zip(layers, xs, idx)] for k, ops in impls.items()}
+        if name == "attention":  # N: the depth, fmt: the cache's dtype; one seed so both read the same caches
+            calls = {k: attention_calls(ops, N, fmt, args.layers, torch.Generator().manual_seed(N))
+                     for k, ops in impls.items()}
+        else:
+            n = 2 if N > 10000 else args.layers
+            layers = [linear(torch.randn(N, K, generator=g) * 0.05, fmt) for _ in range(n)]
+            xs = [torch.randn(1, K, generator=g) for _ in range(n)]
+            idx = [torch.randperm(N, generator=g)[:round(args.rows * N)].sort().values if "rows" in name else None
+                   for _ in range(n)]
+            calls = {k: [call(ops, *a) for a in zip(layers, xs, idx)] for k, ops in impls.items()}
+        n = len(calls["new"])
         times = {k: [] for k in impls}
         for _ in range(args.repeats):
             for k, cs in calls.items():  # interleaved: each implementation once per repeat

@@ -20,6 +20,7 @@ import torch
 
 _STATE: dict = {}
 SOURCES = ("kernels.cpp", "attend.cpp")  # quantized matmuls; single-query attention over the KV cache
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c")
 CACHE = Path(os.environ.get("ATTNLAB_CACHE", Path.home() / ".cache" / "attnlab")) / "kernels"
 
 
@@ -54,7 +55,7 @@ def _build() -> bool:
             print("attnlab: building the fused kernels (once per machine and torch version, about a minute)",
                   file=sys.stderr, flush=True)
         sources = [str(Path(__file__).with_name(f)) for f in SOURCES]
-        flags = ["-O3", "-mavx2", "-mfma", "-mf16c"]
+        flags = list(FLAGS)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:  # OpenMP: without it at::parallel_for in the extension runs on one thread
