@@ -55,8 +55,12 @@ def weights_read(model) -> int:
 
 
 class Ours:
-    def __init__(self, spec: str, compile_: bool, kv: str = "float32"):
+    def __init__(self, spec: str, compile_: bool, kv: str = "float32", fresh_graph: bool = True):
+        """fresh_graph (compiled only): a new compiled step for each depth's cache (a static capacity, as in a
+        process whose cache keeps one size), not the one compiled for an earlier depth, which dynamo
+        recompiles with the capacity dynamic on meeting a second size (`--shared-graph` measures that)."""
         import attnlab
+        self.fresh_graph = compile_ and fresh_graph
         self.name = spec + (" compiled" if compile_ else "") + {"float16": " kv16", "int8": " kv8"}.get(kv, "")
         dtype = "bfloat16" if spec == "bf16" else "float32"
         quant = None if spec in ("fp32", "bf16") else spec
@@ -73,14 +77,11 @@ class Ours:
         return self.kv_slot * length
 
     @torch.inference_mode()
-    def prepare(self, ids, steps, fresh_graph=False):
-        """fresh_graph: a new compiled step for this depth's cache (a static capacity, as in a process whose
-        cache keeps one size), not the one compiled for an earlier depth, which dynamo recompiles with the
-        capacity dynamic on meeting a second size (slower per step: `--shared-graph` measures that)."""
+    def prepare(self, ids, steps):
         cache = self.lm.new_cache(capacity=ids.shape[1] + steps + 1)
         self.lm.prefill(ids, cache)
         self.caches[ids.shape[1]] = cache
-        if self.compile_s is not None and fresh_graph and "compiled" in self.name:
+        if self.compile_s is not None and self.fresh_graph:
             self.lm.model.compile_decode()
             self.decode(ids.shape[1], 3)  # compiles: a hit in inductor's on-disk cache after the first depth
         if self.compile_s is None:  # the first step compiles (the write slot a dynamic size)
@@ -244,7 +245,7 @@ def main(argv=None) -> int:
     def load_variants():  # per thread count: compiled code and thread pools set up at that count
         vs = [Ours(s, False, kv) for s in args.variants.split(",") if s for kv in kvs if s != "bf16" or kv == kvs[0]]
         compiled_kvs = (args.compile_kv or args.kv).split(",")
-        vs += [Ours(s, True, kv) for s in args.compile.split(",") if s for kv in compiled_kvs]
+        vs += [Ours(s, True, kv, not args.shared_graph) for s in args.compile.split(",") if s for kv in compiled_kvs]
         if not args.no_transformers:
             vs.append(Transformers(path))
         return vs
@@ -272,10 +273,7 @@ def main(argv=None) -> int:
         for length in lengths:
             ids = torch.randint(0, 49152, (1, length), generator=gen)
             for v in allv:
-                if isinstance(v, Ours):
-                    v.prepare(ids, args.steps, fresh_graph=not args.shared_graph)
-                else:
-                    v.prepare(ids, args.steps)
+                v.prepare(ids, args.steps)
             med = interleaved(allv, lambda v: v.decode(length, args.steps), args.repeats)
             for v in allv:
                 v.release(length)
