@@ -6,10 +6,11 @@
 // the G query heads of a KV group share each key and value load, the softmax exponentials are
 // vectorised, and the cache may be stored in float16 (half the bytes, as llama.cpp's default
 // KV cache) or int8 with a float32 scale per 32 dimensions (llama.cpp's q8_0 cache, 1.125 bytes),
-// widened in registers. Values are read in blocks of rows, all dimensions of a block before the
-// next, so the cache is two sequential streams (keys, then values). With more than one thread a
-// head's rows are cut into stretches whose softmaxes merge by their maxima and sums (flash-decoding's
-// split), so 3 KV heads share out evenly over 2 threads.
+// widened in registers. The cache goes by in blocks of rows: a block's scores, their softmax against
+// the running maximum (flash attention's online softmax; the scores stay in L1), then its values, all
+// dimensions of a block before the next, so keys and values are read once each, in order. With more
+// than one thread a head's rows are cut into stretches whose softmaxes merge by their maxima and sums
+// (flash-decoding's split), so 3 KV heads share out evenly over 2 threads.
 //
 // q [B, Hq, 1, D] float32; k, v [B, Hkv, n, D] float32, float16 or int8 (then k_scale, v_scale
 // [B, Hkv, n, D/32] float32), innermost dimension contiguous (slices of the cache's preallocated
@@ -55,7 +56,7 @@ constexpr bool kInt8 = std::is_same_v<T, int8_t>;
 // the row kAhead ahead (reading past the end of the slice is harmless: a prefetch never faults).
 constexpr int64_t kAhead = 24;
 constexpr int64_t kMinStretch = 256;  // rows: below this, splitting a head costs more than it shares
-constexpr int64_t kBlock = 64;  // rows of V per block: 8 KB of float16 at D = 64, well inside L1
+constexpr int64_t kBlock = 64;  // rows per block: 8 KB of float16 values at D = 64, well inside L1
 template <class T>
 inline void prefetch_row(const T* p, int64_t n) {
   const char* c = reinterpret_cast<const char*>(p);
@@ -105,27 +106,35 @@ inline void pv(const float* P, int64_t ldp, const T* V, int64_t sv, Scales vs, i
     for (int j = 0; j < J; ++j) _mm256_storeu_ps(A + g * D + 8 * j, acc[g][j]);
 }
 
-// s[t] <- exp(s[t] - max s), in place; *m_out = max s, *l_out = the sum of the exponentials
-inline void softmax_numerators(float* s, int64_t n, float* m_out, float* l_out) {
+// One block of scores s[0..n) against the running softmax (max *m, sum *l, output rows o[D]): a new
+// maximum rescales the running sum and output, then s[t] <- e^(s[t] - *m) in place and *l grows by their sum.
+inline void softmax_block(float* s, int64_t n, float* m, float* l, float* o, int64_t D) {
   __m256 m8 = _mm256_set1_ps(s[0]);
   int64_t t = 0;
   for (; t + 8 <= n; t += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(s + t));
   float mx = hmax(m8);
   for (; t < n; ++t) mx = std::max(mx, s[t]);
-  const __m256 m = _mm256_set1_ps(mx);
+  if (mx > *m) {
+    if (*l > 0.f) {  // earlier blocks were weighed against a smaller maximum
+      const float c = std::exp(*m - mx);
+      *l *= c;
+      for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(o + d), _mm256_set1_ps(c)));
+    }
+    *m = mx;
+  }
+  const __m256 mm = _mm256_set1_ps(*m);
   __m256 sum = _mm256_setzero_ps();
   for (t = 0; t + 8 <= n; t += 8) {
-    const __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(s + t), m));
+    const __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(s + t), mm));
     _mm256_storeu_ps(s + t, e);
     sum = _mm256_add_ps(sum, e);
   }
   float total = hsum(sum);
   for (; t < n; ++t) {
-    s[t] = _mm_cvtss_f32(_mm256_castps256_ps128(exp_neg(_mm256_set1_ps(s[t] - mx))));
+    s[t] = _mm_cvtss_f32(_mm256_castps256_ps128(exp_neg(_mm256_set1_ps(s[t] - *m))));
     total += s[t];
   }
-  *m_out = mx;
-  *l_out = total;
+  *l += total;
 }
 
 // the four sums of a[0..3]'s lanes, in one transposed pass (4 horizontal sums would take twice the shuffles)
@@ -160,30 +169,33 @@ inline void scores(const float* Q, const T* K, int64_t sk, Scales ks, int64_t D,
 }
 
 // One KV head and the G (<= 3 per call) query heads Q[g * D ...] that read it, over the n rows of a
-// stretch of the cache: scores S[g][t], their maximum M[g], and the unnormalised softmax
-// O[g * D ...] = sum_t e^(S[g][t] - M[g]) V[t] with its denominator L[g] (stretches combine by these).
+// stretch of the cache: the softmax's maximum M[g] and sum L[g] and its unnormalised output
+// O[g * D ...] = sum_t e^(S[g][t] - M[g]) V[t] (stretches combine by these). Blocks of kBlock rows go
+// through scores, softmax and P.V in turn (flash attention's online softmax): the scores stay in L1
+// and the key and value streams alternate.
 template <int G, class T>
 void head(const float* Q, const T* K, const T* V, int64_t sk, int64_t sv, Scales ks, Scales vs, int64_t n, int64_t D,
-          float scale, float* S, float* O, float* M, float* L) {
-  // scores, R keys at a time: G x R independent FMA chains (one chain per score would leave the loop
-  // bound by the FMA latency), and each key row read once for the G queries
-  int64_t t = 0;
-  for (; t + 4 <= n; t += 4) scores<G, 4>(Q, K + t * sk, sk, ks.from(t), D, scale, S + t, n);
-  for (; t < n; ++t) scores<G, 1>(Q, K + t * sk, sk, ks.from(t), D, scale, S + t, n);
-  for (int g = 0; g < G; ++g) softmax_numerators(S + g * n, n, M + g, L + g);
+          float scale, float* O, float* M, float* L) {
+  alignas(32) float S[G][kBlock];
+  for (int g = 0; g < G; ++g) M[g] = -INFINITY, L[g] = 0.f;
   std::fill(O, O + G * D, 0.f);
-  // out = P . V in blocks of kBlock rows, all D dimensions of a block (32 at a time: G x 4 accumulators)
-  // before the next, so V is one sequential stream and each row is fetched once
   for (int64_t t0 = 0; t0 < n; t0 += kBlock) {
     const int64_t nb = std::min(kBlock, n - t0);
+    // scores, R keys at a time: G x R independent FMA chains (one chain per score would leave the loop
+    // bound by the FMA latency), and each key row read once for the G queries
+    int64_t t = 0;
+    for (; t + 4 <= nb; t += 4) scores<G, 4>(Q, K + (t0 + t) * sk, sk, ks.from(t0 + t), D, scale, S[0] + t, kBlock);
+    for (; t < nb; ++t) scores<G, 1>(Q, K + (t0 + t) * sk, sk, ks.from(t0 + t), D, scale, S[0] + t, kBlock);
+    for (int g = 0; g < G; ++g) softmax_block(S[g], nb, M + g, L + g, O + g * D, D);
+    // P.V, all D dimensions of the block (32 at a time: G x 4 accumulators), each row fetched once
     for (int64_t d0 = 0; d0 < D; d0 += 32) {
       const T* v = V + t0 * sv + d0;
       const Scales vsb = vs.from(t0, d0 / 32);
       switch (std::min<int64_t>(4, (D - d0) / 8)) {
-        case 4: pv<G, 4>(S + t0, n, v, sv, vsb, nb, O + d0, D); break;
-        case 3: pv<G, 3>(S + t0, n, v, sv, vsb, nb, O + d0, D); break;
-        case 2: pv<G, 2>(S + t0, n, v, sv, vsb, nb, O + d0, D); break;
-        default: pv<G, 1>(S + t0, n, v, sv, vsb, nb, O + d0, D);
+        case 4: pv<G, 4>(S[0], kBlock, v, sv, vsb, nb, O + d0, D); break;
+        case 3: pv<G, 3>(S[0], kBlock, v, sv, vsb, nb, O + d0, D); break;
+        case 2: pv<G, 2>(S[0], kBlock, v, sv, vsb, nb, O + d0, D); break;
+        default: pv<G, 1>(S[0], kBlock, v, sv, vsb, nb, O + d0, D);
       }
     }
   }
@@ -193,15 +205,13 @@ void head(const float* Q, const T* K, const T* V, int64_t sk, int64_t sv, Scales
 template <class T>
 void heads(const float* Q, const T* K, const T* V, int64_t sk, int64_t sv, Scales ks, Scales vs, int64_t n, int64_t D,
            int64_t G, float scale, float* O, float* M, float* L) {
-  thread_local std::vector<float> S;
-  if (static_cast<int64_t>(S.size()) < 3 * n) S.resize(3 * n);
   for (int64_t g = 0; g < G; g += 3) {  // query heads of the group in threes: accumulators stay in registers
     const int64_t r = std::min<int64_t>(3, G - g);
     const float* q = Q + g * D;
     float *o = O + g * D, *m = M + g, *l = L + g;
-    if (r == 3) head<3>(q, K, V, sk, sv, ks, vs, n, D, scale, S.data(), o, m, l);
-    else if (r == 2) head<2>(q, K, V, sk, sv, ks, vs, n, D, scale, S.data(), o, m, l);
-    else head<1>(q, K, V, sk, sv, ks, vs, n, D, scale, S.data(), o, m, l);
+    if (r == 3) head<3>(q, K, V, sk, sv, ks, vs, n, D, scale, o, m, l);
+    else if (r == 2) head<2>(q, K, V, sk, sv, ks, vs, n, D, scale, o, m, l);
+    else head<1>(q, K, V, sk, sv, ks, vs, n, D, scale, o, m, l);
   }
 }
 
