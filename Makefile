@@ -30,9 +30,16 @@ test-all: $(STAMP)
 fuzz: $(STAMP)  # FUZZ_CASES (10000), FUZZ_SEED, FUZZ_WORKERS, FUZZ_REPORT=file
 	nice -n 19 $(BIN)/python -m pytest -m fuzz -s tests/test_fuzz_models.py
 
+# README "Speed" and "Streaming": every format, then the KV-cache formats against llama.cpp's, then streaming
 bench: $(STAMP)
-	$(BIN)/python benchmarks/decode_speed.py --threads 1,2 --repeats 5 --compile
-	$(BIN)/python benchmarks/streaming.py --threads 1 --quant int4:32 --block 64 --compile --llamacpp-depth 16384
+	$(BIN)/python benchmarks/decode_speed.py --compile --kv float16 --lengths 128,1024,4096 --threads 1,2 \
+		--repeats 3 --json runs/bench/decode_all.json
+	$(BIN)/python benchmarks/decode_speed.py --variants fp32 --kv float32,float16,int8 --compile int4:32 \
+		--compile-kv float16,int8 --llamacpp-kv f16,q8_0 --lengths 128,1024,4096 --threads 1,2 --repeats 3 \
+		--no-transformers --json runs/bench/decode_kv.json
+	$(BIN)/python benchmarks/streaming.py --threads 1 --quant int4:32 --block 64 --compile --kv-dtype float16 \
+		--positions 1000,10000,16384,100000 --decode 16 --full-limit 16384 --llamacpp-depth 16384 \
+		--llamacpp-flash off --json runs/bench/streaming.json
 
 # Deja Vu end to end on the embedded model: activity, predictors, quality sweep, then speed and profile
 dejavu: $(STAMP)
