@@ -35,10 +35,12 @@ import importlib.util
 import re
 from pathlib import Path
 
+from attnlab.errors import AttnlabError
+
 __all__ = ["CorpusError", "SPLITS", "HELD_OUT", "corpus", "plays", "play_text"]
 
 
-class CorpusError(ValueError):
+class CorpusError(AttnlabError):
     """A user error in a corpus spec; the CLI prints it and exits with 2."""
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from attnlab.errors import AttnlabError
 from attnlab.kv.cache import KVCache
 from attnlab.model.llama import ModelConfig, Transformer
 from attnlab.model.loaders import load_model
@@ -24,7 +25,7 @@ DEFAULT_MODEL = "smollm2-135m"
 def set_threads(threads: int | None) -> None:
     if threads is not None:
         if threads < 1:
-            raise ValueError(f"threads must be >= 1, got {threads}")
+            raise AttnlabError(f"threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
 
 
@@ -50,9 +51,9 @@ class LM:
         reads it at that size), 'int8' in 1.125 bytes a number (a scale per 32, llama.cpp's q8_0 cache),
         default: the model's dtype."""
         if dtype not in DTYPES:
-            raise ValueError(f"unknown dtype {dtype!r}; choose from float32, bfloat16")
+            raise AttnlabError(f"unknown dtype {dtype!r}; choose from float32, bfloat16")
         if kv_dtype is not None and kv_dtype not in KV_DTYPES:
-            raise ValueError(f"unknown KV-cache dtype {kv_dtype!r}; choose from {', '.join(KV_DTYPES)}")
+            raise AttnlabError(f"unknown KV-cache dtype {kv_dtype!r}; choose from {', '.join(KV_DTYPES)}")
         if quant is not None:
             from attnlab.quant import QuantSpec
             quant = QuantSpec.parse(quant)  # a bad spec fails before the slow load
@@ -128,7 +129,7 @@ class LM:
         """
         ids = _as_ids(ids)
         if chunk < 1:
-            raise ValueError(f"chunk must be >= 1, got {chunk}")
+            raise AttnlabError(f"chunk must be >= 1, got {chunk}")
         policy = cache.policy
         if policy is not None and getattr(policy, "capacity", None):
             chunk = min(chunk, policy.chunk)  # a bounded cache has room for only policy.chunk new tokens per step
@@ -139,7 +140,7 @@ class LM:
             if progress is not None:
                 progress(part.shape[1])
         if not outs:
-            raise ValueError("prefill needs at least one token")
+            raise AttnlabError("prefill needs at least one token")
         return torch.cat(outs, dim=1) if all_logits else outs[-1][:, -1]
 
     # ---------------------------------------------------------------- text in, text out
@@ -155,7 +156,7 @@ class LM:
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         self._need_tokenizer()
         if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(f"the tokenizer of {self.source} has no chat template")
+            raise AttnlabError(f"the tokenizer of {self.source} has no chat template")
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
     def encode_rendered(self, text: str) -> list[int]:
@@ -165,7 +166,7 @@ class LM:
 
     def _need_tokenizer(self):
         if self.tokenizer is None:
-            raise ValueError(f"no tokenizer for {self.source}: {self.tokenizer_error}; pass token ids instead of text")
+            raise AttnlabError(f"no tokenizer for {self.source}: {self.tokenizer_error}; pass token ids instead of text")
 
     def stream(self, ids: list[int] | torch.Tensor, cache: KVCache, sampler: Sampler, max_new_tokens: int,
                chunk: int = 512, stop_at_eos: bool = True) -> Iterator[int]:
@@ -176,7 +177,7 @@ class LM:
         """
         from attnlab.session import Session
         if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+            raise AttnlabError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         session = Session(self, cache, chunk)
         session.feed(_as_ids(ids))
         return session.generate(sampler, max_new_tokens, stop_at_eos)
@@ -187,10 +188,10 @@ class LM:
         """Complete one prompt (returns str) or a batch (returns list[str], left-padded together)."""
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         if not prompts:
-            raise ValueError("no prompt given")
+            raise AttnlabError("no prompt given")
         enc = [self.chat_ids([{"role": "user", "content": p}]) if chat else self.encode(p) for p in prompts]
         if any(len(e) == 0 for e in enc):
-            raise ValueError("empty prompt: give at least one token of text")
+            raise AttnlabError("empty prompt: give at least one token of text")
         out = self.generate_ids(enc, max_new_tokens, Sampler(temperature, top_k, top_p, seed), policy)
         texts = [self.tokenizer.decode(o, skip_special_tokens=True) for o in out]
         return texts[0] if isinstance(prompt, str) else texts
@@ -199,7 +200,7 @@ class LM:
     def generate_ids(self, prompts: list[list[int]], max_new_tokens: int, sampler: Sampler, policy=None) -> list[list[int]]:
         """Batched decoding of left-padded prompts; each row stops at its own EOS."""
         if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+            raise AttnlabError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         width = max(len(p) for p in prompts)
         pad_id = self.cfg.eos_token_ids[0] if self.cfg.eos_token_ids else 0
         ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts])
@@ -226,7 +227,7 @@ def _as_ids(ids) -> torch.Tensor:
     if ids.dim() == 1:
         ids = ids[None]
     if ids.dim() != 2:
-        raise ValueError(f"token ids must be [batch, tokens], got shape {tuple(ids.shape)}")
+        raise AttnlabError(f"token ids must be [batch, tokens], got shape {tuple(ids.shape)}")
     return ids
 
 

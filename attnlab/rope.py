@@ -22,6 +22,8 @@ import math
 
 import torch
 
+from attnlab.errors import AttnlabError
+
 
 def _default(inv, d, base, s, seq_len):
     return inv, 1.0
@@ -82,7 +84,7 @@ def _llama3(inv, d, base, s, seq_len):  # low frequencies scaled, high kept, smo
 def _freq_factors(inv, d, base, s, seq_len):  # llama.cpp: theta_i = pos * inv_i / rope_freqs[i]
     factors = torch.tensor(s["factors"], dtype=torch.float64, device="cpu")
     if factors.shape != inv.shape:
-        raise ValueError(f"rope_freqs has {factors.numel()} entries, expected {inv.numel()}")
+        raise AttnlabError(f"rope_freqs has {factors.numel()} entries, expected {inv.numel()}")
     return inv / factors, 1.0
 
 
@@ -99,7 +101,7 @@ def scaling_type(scaling: dict | None) -> str:
     """The registry name of a scaling dict (Hugging Face spells it `rope_type` or `type`)."""
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type")) or "default"
     if kind not in SCALINGS:
-        raise ValueError(f"unsupported RoPE scaling {kind!r}; supported: {', '.join(SCALINGS)}")
+        raise AttnlabError(f"unsupported RoPE scaling {kind!r}; supported: {', '.join(SCALINGS)}")
     return kind
 
 
@@ -111,9 +113,9 @@ def rope_parameters(head_dim: int, base: float, scaling: dict | None = None,
     """
     kind = scaling_type(scaling)
     if kind != "default" and kind != "freq_factors" and float(scaling.get("factor", 0) or 0) <= 0:
-        raise ValueError(f"RoPE scaling {kind!r} needs a positive factor, got {scaling.get('factor')!r}")
+        raise AttnlabError(f"RoPE scaling {kind!r} needs a positive factor, got {scaling.get('factor')!r}")
     if kind in NEEDS_ORIGINAL and not scaling.get("original_max_position_embeddings"):
-        raise ValueError(f"RoPE scaling {kind!r} needs original_max_position_embeddings")
+        raise AttnlabError(f"RoPE scaling {kind!r} needs original_max_position_embeddings")
     return SCALINGS[kind](_base_inv(head_dim, base), head_dim, base, scaling or {}, seq_len)
 
 
@@ -131,13 +133,13 @@ def parse_rope(spec: str, context_length: int) -> dict | None:
         return None
     if name not in SCALINGS or name == "freq_factors":
         choices = "none, " + ", ".join(k for k in SCALINGS if k not in ("default", "freq_factors"))
-        raise ValueError(f"unknown RoPE scaling {spec!r}; use NAME:FACTOR with NAME one of {choices}")
+        raise AttnlabError(f"unknown RoPE scaling {spec!r}; use NAME:FACTOR with NAME one of {choices}")
     try:
         f = float(factor)
     except ValueError:
-        raise ValueError(f"RoPE scaling {spec!r} needs a numeric factor, e.g. {name}:4") from None
+        raise AttnlabError(f"RoPE scaling {spec!r} needs a numeric factor, e.g. {name}:4") from None
     if not f > 0:
-        raise ValueError(f"RoPE scaling factor must be > 0, got {spec!r}")
+        raise AttnlabError(f"RoPE scaling factor must be > 0, got {spec!r}")
     out = {"rope_type": name, "factor": f, "original_max_position_embeddings": int(context_length)}
     if name == "llama3":
         out.update(low_freq_factor=1.0, high_freq_factor=4.0)

@@ -5,17 +5,19 @@ import math
 
 import torch
 
+from attnlab.errors import AttnlabError
+
 
 class Sampler:
     """Turns logits [B, V] into token ids [B]. temperature 0 means greedy (argmax)."""
 
     def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None):
         if not (math.isfinite(temperature) and temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
+            raise AttnlabError(f"temperature must be a finite number >= 0, got {temperature}")
         if top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {top_k}")
+            raise AttnlabError(f"top_k must be >= 0, got {top_k}")
         if not 0.0 < top_p <= 1.0:  # NaN fails too
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+            raise AttnlabError(f"top_p must be in (0, 1], got {top_p}")
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.generator = torch.Generator()
         if seed is None:

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import torch
 
+from attnlab.errors import AttnlabError
 from attnlab.sampling import Sampler
 
 
@@ -33,7 +34,7 @@ class Session:
         ids = torch.as_tensor(ids, dtype=torch.long)
         ids = ids[None] if ids.dim() == 1 else ids
         if ids.dim() != 2 or ids.shape[0] != 1:
-            raise ValueError(f"a session feeds one row of token ids, got shape {tuple(ids.shape)}")
+            raise AttnlabError(f"a session feeds one row of token ids, got shape {tuple(ids.shape)}")
         if ids.shape[1] == 0:
             return
         if ids.shape[1] == 1:
@@ -49,7 +50,7 @@ class Session:
     def new_ids(self, text: str) -> list[int]:
         """Token ids of the part of the rendered `text` past what the cache holds."""
         if not self.matches(text):
-            raise ValueError("the prompt does not continue this session")
+            raise AttnlabError("the prompt does not continue this session")
         return self.lm.encode_rendered(text[len(self.text):]) if len(text) > len(self.text) else []
 
     def extend(self, text: str, ids: list[int] | None = None) -> int:
@@ -61,7 +62,7 @@ class Session:
 
     def sample(self, sampler: Sampler) -> int:
         if self.logits is None:
-            raise ValueError("nothing to continue from: empty prompt")
+            raise AttnlabError("nothing to continue from: empty prompt")
         return int(sampler(self.logits[None])[0])
 
     def generate(self, sampler: Sampler, max_new_tokens: int, stop_at_eos: bool = True) -> Iterator[int]:
@@ -70,7 +71,7 @@ class Session:
         When the generator ends or is closed early, `text` gains the reply tokens that were fed.
         """
         if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+            raise AttnlabError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         eos = self.lm.eos_ids if stop_at_eos else set()
         reply: list[int] = []
         try:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from attnlab.errors import AttnlabError
 from attnlab.stats import entropy
 from attnlab.stats import spearman as rank_correlation
 
@@ -71,7 +72,7 @@ def head_stats(probs: torch.Tensor, sinks: tuple[int, ...] = (1, 4), min_query: 
     (plus "received" [H, T]); every number is averaged over the batch."""
     B, H, T, L = probs.shape
     if T != L:
-        raise ValueError(f"expected square causal maps, got T={T}, L={L}")
+        raise AttnlabError(f"expected square causal maps, got T={T}, L={L}")
     t = torch.arange(T)
     out: dict[str, torch.Tensor] = {}
     for k in sinks:

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from attnlab.analysis.anatomy import row_entropy, run_with_probs
+from attnlab.errors import AttnlabError
 
 EARLY_EVALS = [2, 5, 10, 15, 20, 30, 40, 50, 60, 75]  # the entropy drop happens in the first ~50 minibatches
 WORKERS = 2  # runs trained in parallel processes (one torch thread each)
@@ -128,15 +129,15 @@ def run_attention_entropy(out, seed: int = 0, size: str = "full", progress: bool
     arch "postln" runs the paper's architecture instead (``run_postln``); for "llama", ``lr`` /
     ``steps`` > 0 replace the size's learning rates (no sweep) / minibatch count."""
     if arch not in ("llama", "postln"):
-        raise ValueError(f"unknown --arch {arch!r}; choose llama or postln")
+        raise AttnlabError(f"unknown --arch {arch!r}; choose llama or postln")
     if lr < 0 or steps < 0 or seeds < 1:
-        raise ValueError("--lr and --steps must be >= 0 and --seeds >= 1")
+        raise AttnlabError("--lr and --steps must be >= 0 and --seeds >= 1")
     try:
         depths = tuple(int(x) for x in layers.split(",") if x.strip())
     except ValueError:
-        raise ValueError(f"--layers must be comma-separated integers, got {layers!r}") from None
+        raise AttnlabError(f"--layers must be comma-separated integers, got {layers!r}") from None
     if any(d < 1 for d in depths):
-        raise ValueError("--layers must be >= 1")
+        raise AttnlabError("--layers must be >= 1")
     if arch == "postln":
         return run_postln(out, seed, size, progress, lr=lr, steps=steps, seeds=seeds, depths=depths)
     from attnlab.analysis import plots

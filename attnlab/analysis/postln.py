@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from attnlab.analysis.anatomy import row_entropy
+from attnlab.errors import AttnlabError
 
 
 @dataclass
@@ -80,7 +81,7 @@ class PostLNLM(nn.Module):
     def __init__(self, cfg: PostLNConfig):
         super().__init__()
         if cfg.dim % cfg.n_heads or cfg.dim % 2:
-            raise ValueError(f"dim {cfg.dim} must be even and divisible by n_heads {cfg.n_heads}")
+            raise AttnlabError(f"dim {cfg.dim} must be even and divisible by n_heads {cfg.n_heads}")
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(PostLNLayer(cfg) for _ in range(cfg.n_layers))

@@ -21,6 +21,7 @@ import math
 
 import torch
 
+from attnlab.errors import AttnlabError
 from attnlab.eval.perplexity import token_nll
 
 CASES = ("full", "keep", "drop", "replace")
@@ -51,9 +52,9 @@ def sink_experiment(model, ids, sinks: int = 4, window: int = 256, replace_id: i
     T = ids.numel()
     start = window + sinks
     if sinks < 1 or window < 1:
-        raise ValueError(f"sinks and window must be >= 1, got sinks={sinks}, window={window}")
+        raise AttnlabError(f"sinks and window must be >= 1, got sinks={sinks}, window={window}")
     if T < start + 2:
-        raise ValueError(f"need more than window + sinks + 1 = {start + 1} tokens, got {T}")
+        raise AttnlabError(f"need more than window + sinks + 1 = {start + 1} tokens, got {T}")
     replaced = ids.clone()
     replaced[:sinks] = replace_id
     setups = {"full": (ids, None), "keep": (ids, band_mask(T, window, sinks)),

@@ -15,6 +15,7 @@ import os
 import sys
 
 from attnlab.cli.common import UserError, add_model_args, add_sparsity_arg, load_lm, nonneg_int, positive_int
+from attnlab.errors import AttnlabError
 from attnlab.io import progress
 from attnlab.textstream import TextStream
 
@@ -266,10 +267,6 @@ def _quiet_stdout() -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    from attnlab.data import CorpusError
-    from attnlab.kv.cache import CacheFullError
-    from attnlab.model.loaders import ModelLoadError
-
     try:
         code = int(args.func(args) or 0)
         sys.stdout.flush()  # a closed pipe shows up here, not in the interpreter's exit
@@ -281,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `attnlab info | head`: the reader has what it wanted
         _quiet_stdout()
         return 141
-    except (UserError, ModelLoadError, CorpusError, CacheFullError, ValueError, OSError) as e:
+    except (AttnlabError, OSError) as e:  # anything else is a bug: its traceback stays
         if args.debug:
             raise
         print(f"attnlab: error: {_one_line(e)}", file=sys.stderr)

@@ -4,9 +4,10 @@ from __future__ import annotations
 import argparse
 
 from attnlab.engine import DEFAULT_MODEL
+from attnlab.errors import AttnlabError
 
 
-class UserError(ValueError):
+class UserError(AttnlabError):
     """Bad input from the user: printed as one line, exit code 2."""
 
 

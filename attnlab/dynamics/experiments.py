@@ -21,6 +21,8 @@ from .scan_snap import SequenceClasses, YZRuns, train_runs
 from .scan_snap_theory import (compare_late_fits, fit_two_phases, log_time_slope, relative_gain, scan_curve,
                                snap_curve)
 
+from attnlab.errors import AttnlabError
+
 S1_SIZES = {"quick": dict(iters=100, seeds=2, batch=128, context=128),
             "full": dict(iters=100, seeds=10, batch=128, context=128)}
 # The authors' Fig. 4 run (luckmatters ssl/real-dataset/scan_snap/figure_4.log: 2 queries x 1 next
@@ -91,7 +93,7 @@ def run_scan_snap(out: Path, seed: int = 0, size: str = "full", progress: bool =
     t0 = time.perf_counter()
     cfg = dict(S1_SIZES[size])
     if iters < 0:
-        raise ValueError(f"iters must be >= 0, got {iters}")
+        raise AttnlabError(f"iters must be >= 0, got {iters}")
     cfg["iters"] = iters or cfg["iters"]
     data = SequenceClasses(num_queries=2, next_per_query=next_per_query)
     gen = make_generator(seed)

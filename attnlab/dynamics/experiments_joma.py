@@ -18,6 +18,8 @@ from .hierarchy import (HierConfig, HierTransformer, LatentTree, cooccurrence_by
                         probe_references, train_hierarchy)
 from .joma import JointModel, TokenWeightSetup, train_joint, u_shape_stats, v_dynamics
 
+from attnlab.errors import AttnlabError
+
 J1_SIZES = {"quick": dict(steps=2000, seeds=3), "full": dict(steps=2000, seeds=5)}
 J2_SIZES = {"quick": dict(steps=5000), "full": dict(steps=5000)}
 # MLP width 400 = 4 x vocabulary and Adam lr 1e-4, wd 1e-4, batch 128 as in the authors' Table-1
@@ -105,7 +107,7 @@ def run_hierarchy(out: Path, seed: int = 0, size: str = "full", progress: bool =
     """
     t0 = time.perf_counter()
     if dim < 0 or steps < 0 or lr < 0:
-        raise ValueError(f"dim, steps and lr must be >= 0 (0 = the size's default), got {dim}, {steps}, {lr}")
+        raise AttnlabError(f"dim, steps and lr must be >= 0 (0 = the size's default), got {dim}, {steps}, {lr}")
     cfg = dict(J4_SIZES[size])
     cfg.update({k: v for k, v in (("dim", dim), ("steps", steps), ("lr", lr)) if v})
     per_seed, first = [], None

@@ -19,6 +19,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from attnlab.errors import AttnlabError
+
 
 class LatentTree:
     """Random generating hierarchy: classes -> level-1 -> level-0 latents -> leaf tokens.
@@ -39,7 +41,7 @@ class LatentTree:
         self.children: list[list[list[int]]] = []
         for lower, upper in zip(sizes[:-1], sizes[1:]):
             if math.comb(lower, fanout) < upper:
-                raise ValueError(f"cannot draw {upper} distinct {fanout}-subsets of {lower} nodes")
+                raise AttnlabError(f"cannot draw {upper} distinct {fanout}-subsets of {lower} nodes")
             seen: set[tuple[int, ...]] = set()
             level = []
             while len(level) < upper:
@@ -66,7 +68,7 @@ class LatentTree:
         for c in range(n_cls):
             leaves = self.active[0][c].nonzero().flatten()
             if len(leaves) > seq_len:
-                raise ValueError(f"class {c} has {len(leaves)} leaves > seq_len {seq_len}")
+                raise AttnlabError(f"class {c} has {len(leaves)} leaves > seq_len {seq_len}")
             self.sequences[c, seq_len - len(leaves):] = leaves
 
     def compact_sequences(self) -> tuple[torch.Tensor, int]:

@@ -23,6 +23,8 @@ import torch.nn.functional as F
 
 from .common import centred_cosine, entropy
 
+from attnlab.errors import AttnlabError
+
 
 @dataclass(frozen=True)
 class TokenWeightSetup:
@@ -42,7 +44,7 @@ class TokenWeightSetup:
     def weights(self, gen: torch.Generator) -> torch.Tensor:
         """(num_tokens, num_classes) column-stochastic matrix X."""
         if not 0 < self.num_bump <= self.num_tokens:
-            raise ValueError("num_bump must be in 1..num_tokens")
+            raise AttnlabError("num_bump must be in 1..num_tokens")
         Mc, K = self.num_tokens, self.num_classes
         X = torch.rand(Mc, K, generator=gen) * self.noise_max
         idx = torch.arange(self.num_bump, dtype=torch.float32)
@@ -63,7 +65,7 @@ class JointModel:
                  init_scale: float = 0.01):
         Mc, K = X.shape
         if dim < Mc + 1:
-            raise ValueError(f"embedding dim {dim} must be >= number of tokens + query ({Mc + 1})")
+            raise AttnlabError(f"embedding dim {dim} must be >= number of tokens + query ({Mc + 1})")
         self.X, self.T = X, temperature
         self.U = torch.eye(dim)[:, : Mc + 1]  # identity embeddings: orthonormal columns
         self.W = torch.randn(dim, K, generator=gen) * init_scale

@@ -19,6 +19,8 @@ import torch.nn.functional as F
 
 from .common import entropy
 
+from attnlab.errors import AttnlabError
+
 
 @dataclass
 class SequenceClasses:
@@ -43,7 +45,7 @@ class SequenceClasses:
 
     def __post_init__(self) -> None:
         if self.num_queries < 1 or self.next_per_query < 1 or self.num_distinct < 1:
-            raise ValueError("num_queries, next_per_query and num_distinct must be >= 1")
+            raise AttnlabError("num_queries, next_per_query and num_distinct must be >= 1")
         K, C, D = self.num_classes, self.num_common, self.num_distinct
         probs = torch.zeros(K, self.vocab_size, dtype=torch.float64)
         probs[:, :C] = self.common_weight

@@ -16,6 +16,8 @@ import torch
 
 from .scan_snap import SequenceClasses
 
+from attnlab.errors import AttnlabError
+
 
 def relative_gain(data: SequenceClasses, z_distinct: torch.Tensor, cls: int = 0) -> dict:
     """Theorem 3 check for class ``cls``, top distinct token l vs every other distinct l'.
@@ -113,7 +115,7 @@ def compare_late_fits(steps: torch.Tensor, B: torch.Tensor, start: float, train_
     fit_part = late & (t <= train_frac * t.max())
     held = t > train_frac * t.max()
     if int(fit_part.sum()) < 5 or int(held.sum()) < 5:
-        raise ValueError("too few recorded steps for the late-phase comparison")
+        raise AttnlabError("too few recorded steps for the late-phase comparison")
     out = {"start": float(start), "train_until": float(train_frac * t.max())}
     for name, curve in (("ln", scan_curve), ("lnln", snap_curve)):
         a, tau, b = _fit_curve(curve, t[late], y[late], taus)
@@ -133,5 +135,5 @@ def log_time_slope(steps: torch.Tensor, B: torch.Tensor, lo: float, hi: float) -
     t = steps.double()
     sel = (t >= lo) & (t <= hi)
     if int(sel.sum()) < 3:
-        raise ValueError(f"fewer than 3 recorded steps in [{lo}, {hi}]")
+        raise AttnlabError(f"fewer than 3 recorded steps in [{lo}, {hi}]")
     return _fit_linear(t[sel].log(), B.double()[sel])[0]

@@ -12,6 +12,7 @@ import re
 
 import torch
 
+from attnlab.errors import AttnlabError
 from attnlab.sampling import Sampler
 
 PREFIX = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -24,7 +25,7 @@ QUESTION = "\nWhat is the pass key? The pass key is"
 def passkey_prompt(lm, length: int, depth: float, key: str) -> list[int]:
     """Token ids of about `length` tokens (never more) with the needle after `depth` of the filler."""
     if not 0 <= depth <= 1:
-        raise ValueError(f"depth must be in [0, 1], got {depth}")
+        raise AttnlabError(f"depth must be in [0, 1], got {depth}")
 
     def n(text):
         return len(lm.encode_rendered(text))
@@ -33,7 +34,7 @@ def passkey_prompt(lm, length: int, depth: float, key: str) -> list[int]:
     per = n(FILLER * 16) / 16
     units = int((length - fixed - 8) / per)
     if units < 1:
-        raise ValueError(f"length {length} is too short for a passkey prompt (needs > {fixed + 8 + per:.0f} tokens)")
+        raise AttnlabError(f"length {length} is too short for a passkey prompt (needs > {fixed + 8 + per:.0f} tokens)")
     while True:
         before = round(depth * units)
         text = PREFIX + FILLER * before + NEEDLE.format(key=key) + FILLER * (units - before) + QUESTION
@@ -59,7 +60,7 @@ def passkey_eval(lm, lengths: list[int], depths: list[float], trials: int = 3, s
     """Accuracy per (length, depth) over `trials` random 5-digit keys (the same keys for every
     length and depth, so rows are paired). policy: one KV policy object or None (full cache)."""
     if trials < 1:
-        raise ValueError(f"trials must be >= 1, got {trials}")
+        raise AttnlabError(f"trials must be >= 1, got {trials}")
     keys = [str(random.Random(seed * 1000 + t).randint(10000, 99999)) for t in range(trials)]
     rows = []
     for length in lengths:

@@ -14,6 +14,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from attnlab.errors import AttnlabError
+
 
 def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """logits [B, T, V], targets [B, T] -> negative log-likelihood per token [B, T] (float32)."""
@@ -25,9 +27,9 @@ def perplexity(lm, ids: list[int] | torch.Tensor, window: int = 2048, chunk: int
     """-> {"ppl", "nll", "tokens", "seconds"} over ids (tokens = number scored = len(ids) - 1)."""
     ids = torch.as_tensor(ids, dtype=torch.long).flatten()
     if ids.numel() < 2:
-        raise ValueError(f"need at least 2 tokens to score, got {ids.numel()}")
+        raise AttnlabError(f"need at least 2 tokens to score, got {ids.numel()}")
     if window < 2 or chunk < 1:
-        raise ValueError(f"window must be >= 2 and chunk >= 1, got window={window}, chunk={chunk}")
+        raise AttnlabError(f"window must be >= 2 and chunk >= 1, got window={window}, chunk={chunk}")
     total, count, start = 0.0, 0, time.perf_counter()
     for w0 in range(0, ids.numel() - 1, window):
         win = ids[w0:w0 + window + 1]  # +1: the last token is only a target

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from attnlab.errors import AttnlabError
 from attnlab.eval.perplexity import token_nll
 from attnlab.io import save_figure, write_atomic
 from attnlab.kv.cache import cache_state, load_cache_state
@@ -43,14 +44,14 @@ def stream_nll(lm, ids: torch.Tensor, policy: Policy, mode: str = "decode", chun
         ids = ids[None]
     S, N = ids.shape
     if N < 2:
-        raise ValueError(f"need at least 2 tokens per stream, got {N}")
+        raise AttnlabError(f"need at least 2 tokens per stream, got {N}")
     if mode not in ("decode", "prefill", "chunk"):
-        raise ValueError(f"unknown mode {mode!r}; choose from decode, prefill, chunk")
+        raise AttnlabError(f"unknown mode {mode!r}; choose from decode, prefill, chunk")
     if mode == "prefill" and not isinstance(policy, Full):
-        raise ValueError("prefill mode is exact only for the full cache; use mode='chunk' to stream an evicting "
+        raise AttnlabError("prefill mode is exact only for the full cache; use mode='chunk' to stream an evicting "
                          "policy in chunks (eviction between chunks)")
     if mode == "chunk" and policy.capacity is not None and policy.chunk < chunk:
-        raise ValueError(f"the policy reserves {policy.chunk} slots per chunk, chunk is {chunk}")
+        raise AttnlabError(f"the policy reserves {policy.chunk} slots per chunk, chunk is {chunk}")
     step = 1 if mode == "decode" else chunk
     cache = lm.new_cache(S, capacity=min(N, 4096), policy=policy)
     nll = torch.zeros(S, N - 1)
@@ -61,11 +62,11 @@ def stream_nll(lm, ids: torch.Tensor, policy: Policy, mode: str = "decode", chun
             state = torch.load(ckpt, weights_only=True)  # plain tensors and numbers: no unpickling of code
             t, seconds, peak = int(state["t"]), float(state["seconds"]), int(state["peak_tokens"])
             if not 0 < t < N - 1:
-                raise ValueError(f"position {t} outside this run's {N - 1} tokens")
+                raise AttnlabError(f"position {t} outside this run's {N - 1} tokens")
             nll[:, :t] = state["nll"]
             load_cache_state(cache, state["cache"])
         except Exception as e:  # torch.load and the state raise many types on a damaged file
-            raise ValueError(f"checkpoint {ckpt} is corrupt or from another run ({type(e).__name__}: "
+            raise AttnlabError(f"checkpoint {ckpt} is corrupt or from another run ({type(e).__name__}: "
                              f"{' '.join(str(e).split())[:200]}); delete it (stream --force) to start over") from None
         if progress is not None:
             progress(S * t)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from attnlab.errors import AttnlabError
 from attnlab.quant import kernels
 from attnlab.quant.formats import dequantize_int8_blocks, int8_blocks
 from attnlab.rope import Rope, apply as rope_apply
@@ -55,7 +56,7 @@ def round_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return int8_blocks(x)
 
 
-class CacheFullError(RuntimeError):
+class CacheFullError(AttnlabError, RuntimeError):
     """Raised when a bounded cache has no room and no policy to make room."""
 
 
@@ -69,7 +70,7 @@ class LayerKV:
         self.rope, self.positions, self.max_capacity = rope, positions, max_capacity
         self.window = window  # sliding-window attention: keys more than window - 1 tokens back are masked
         if dtype == torch.int8 and head_dim % 32:
-            raise ValueError(f"an int8 KV cache needs a head size that is a multiple of 32, not {head_dim}")
+            raise AttnlabError(f"an int8 KV cache needs a head size that is a multiple of 32, not {head_dim}")
         self.k = torch.zeros(batch, heads, capacity, head_dim, dtype=dtype)
         self.v = torch.zeros_like(self.k)
         self.k_scale = self.v_scale = None
@@ -173,7 +174,7 @@ class KVCache:
                  dtype: torch.dtype = torch.float32, capacity: int = 256, positions: str = "original",
                  max_capacity: int | None = None, policy=None, window: int | None = None):
         if positions not in POSITIONS:
-            raise ValueError(f"unknown positions {positions!r}; choose from {', '.join(POSITIONS)}")
+            raise AttnlabError(f"unknown positions {positions!r}; choose from {', '.join(POSITIONS)}")
         self.layers = [LayerKV(batch, heads, head_dim, capacity, dtype, rope, positions, max_capacity, window)
                        for _ in range(n_layers)]
         for i, layer in enumerate(self.layers):
@@ -208,7 +209,7 @@ class KVCache:
         """Roll back to the first `length` tokens (reuse one prefill for several continuations).
         Only for a cache that never evicted nor padded: its slot j holds token j."""
         if not all(layer.natural for layer in self.layers) or not 0 <= length <= len(self):
-            raise ValueError(f"cannot truncate this cache to {length} tokens (evicted, padded or too short)")
+            raise AttnlabError(f"cannot truncate this cache to {length} tokens (evicted, padded or too short)")
         for layer in self.layers:
             layer.pos[:, :, length:layer.n] = -1
             layer.n = length
@@ -233,12 +234,12 @@ def cache_state(cache: KVCache) -> dict:
 def load_cache_state(cache: KVCache, state: dict) -> None:
     """Restore cache_state() output into a cache built the same way (same model, batch and policy)."""
     if state.get("keys") != KEY_FORMAT:
-        raise ValueError("the saved cache was written by an older attnlab (keys stored differently); rerun with --force")
+        raise AttnlabError("the saved cache was written by an older attnlab (keys stored differently); rerun with --force")
     for layer, s in zip(cache.layers, state["layers"], strict=True):
         layer._reserve(s["capacity"])
         n = s["n"]
         if set(layer.buffers()) != set(s) & {"k", "v", "k_scale", "v_scale"}:
-            raise ValueError("the saved cache was stored in another KV dtype than this one (int8 vs float)")
+            raise AttnlabError("the saved cache was stored in another KV dtype than this one (int8 vs float)")
         for name in (*layer.buffers(), "pos"):
             getattr(layer, name)[:, :, :n] = s[name]
         layer.pos[:, :, n:] = -1

@@ -33,6 +33,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
+from attnlab.errors import AttnlabError
 from attnlab.kv.cache import POSITIONS
 
 
@@ -56,18 +57,18 @@ class Policy:
 
     def __post_init__(self):
         if self.positions not in POSITIONS:
-            raise ValueError(f"unknown positions {self.positions!r}; choose from {', '.join(POSITIONS)}")
+            raise AttnlabError(f"unknown positions {self.positions!r}; choose from {', '.join(POSITIONS)}")
         if isinstance(self.budget, bool) or not isinstance(self.budget, (int, float)):
-            raise ValueError(f"budget must be a token count or a fraction, got {self.budget!r}")
+            raise AttnlabError(f"budget must be a token count or a fraction, got {self.budget!r}")
         if isinstance(self.budget, float):
             if not 0 < self.budget <= 1:
-                raise ValueError(f"a fractional budget must be in (0, 1], got {self.budget}")
+                raise AttnlabError(f"a fractional budget must be in (0, 1], got {self.budget}")
         elif self.budget < 1:
-            raise ValueError(f"budget must be >= 1 token, got {self.budget}")
+            raise AttnlabError(f"budget must be >= 1 token, got {self.budget}")
         if self.chunk < 1:
-            raise ValueError(f"chunk must be >= 1, got {self.chunk}")
+            raise AttnlabError(f"chunk must be >= 1, got {self.chunk}")
         if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 1:
-            raise ValueError(f"block must be an integer >= 1, got {self.block!r}")
+            raise AttnlabError(f"block must be an integer >= 1, got {self.block!r}")
         if isinstance(self.budget, int):
             self.check_budget(self.budget)
 
@@ -96,7 +97,7 @@ class Policy:
     @property
     def tokens(self) -> int:
         if isinstance(self.budget, float):
-            raise ValueError(f"budget {self.budget} is a fraction; call resolve(length) first")
+            raise AttnlabError(f"budget {self.budget} is a fraction; call resolve(length) first")
         return self.budget
 
     @property
@@ -198,9 +199,9 @@ class Sink(Policy):
 
     def check_budget(self, budget):
         if self.sinks < 0:
-            raise ValueError(f"n_sink must be >= 0, got {self.sinks}")
+            raise AttnlabError(f"n_sink must be >= 0, got {self.sinks}")
         if budget <= self.sinks:
-            raise ValueError(f"budget {budget} must exceed n_sink {self.sinks}")
+            raise AttnlabError(f"budget {budget} must exceed n_sink {self.sinks}")
 
     def n_sink(self, budget):
         return self.sinks
@@ -222,9 +223,9 @@ class H2O(Policy):
 
     def check_budget(self, budget):
         if not 0 <= self.recent_ratio <= 1:
-            raise ValueError(f"recent_ratio must be in [0, 1], got {self.recent_ratio}")
+            raise AttnlabError(f"recent_ratio must be in [0, 1], got {self.recent_ratio}")
         if budget < 2:
-            raise ValueError(f"{self.name} needs a budget of at least 2 tokens, got {budget}")
+            raise AttnlabError(f"{self.name} needs a budget of at least 2 tokens, got {budget}")
 
     def n_recent(self, budget):
         return max(1, budget - int(budget * (1 - self.recent_ratio)))
@@ -246,9 +247,9 @@ class SinkH2O(H2O):
     def check_budget(self, budget):
         super().check_budget(budget)
         if self.sinks < 0:
-            raise ValueError(f"n_sink must be >= 0, got {self.sinks}")
+            raise AttnlabError(f"n_sink must be >= 0, got {self.sinks}")
         if budget <= self.sinks + 1:
-            raise ValueError(f"budget {budget} must exceed n_sink {self.sinks} + 1")
+            raise AttnlabError(f"budget {budget} must exceed n_sink {self.sinks} + 1")
 
     def n_sink(self, budget):
         return self.sinks
@@ -288,7 +289,7 @@ class SnapKV(Policy):
 
     def check_budget(self, budget):
         if self.window < 1 or self.kernel < 1 or self.kernel % 2 == 0:
-            raise ValueError(f"window must be >= 1 and kernel odd, got {self.window}, {self.kernel}")
+            raise AttnlabError(f"window must be >= 1 and kernel odd, got {self.window}, {self.kernel}")
 
     def n_recent(self, budget):
         return min(self.window, budget // 2)
@@ -325,9 +326,9 @@ def parse_budget(text: str | int | float) -> int | float:
         else:
             return int(t)
     except ValueError:
-        raise ValueError(f"budget must be a token count (256) or a fraction (0.2, 20%), got {text!r}") from None
+        raise AttnlabError(f"budget must be a token count (256) or a fraction (0.2, 20%), got {text!r}") from None
     if not 0 < value <= 1:
-        raise ValueError(f"a fractional budget must be in (0, 1], got {text}")
+        raise AttnlabError(f"a fractional budget must be in (0, 1], got {text}")
     return value
 
 
@@ -336,6 +337,6 @@ def make_policy(name: str, budget: int | float | str = 256, positions: str = "ca
     """A policy by name ('full', 'window', 'sink', 'h2o', 'sink_h2o', 'tova', 'snapkv')."""
     cls = POLICIES.get(name)
     if cls is None:
-        raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
+        raise AttnlabError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
     extra = {"sinks": n_sink} if cls in (Sink, SinkH2O) else {}
     return cls(budget=parse_budget(budget), positions=positions, chunk=chunk, block=block, **extra)

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attnlab.errors import AttnlabError
 from attnlab.quant import kernels
 from attnlab.quant.formats import dequantize_int8_blocks
 from attnlab.rope import Rope, apply as rope_apply
@@ -49,7 +50,7 @@ class ModelConfig:
         if not self.head_dim:
             self.head_dim = self.dim // self.n_heads
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+            raise AttnlabError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
 
     @property
     def n_params(self) -> int:
@@ -249,7 +250,7 @@ class Transformer(nn.Module):
             return self.run(ids, Pass(self.rope.rotation(pos), mask=mask, observers=observers,
                                       sparsity=self.sparsity), last_only)
         if mask is not None:
-            raise ValueError("an explicit mask is for cache-less passes; a cache derives its own")
+            raise AttnlabError("an explicit mask is for cache-less passes; a cache derives its own")
         T = ids.shape[1]
         policy = cache.policy
         fast = (self.compiled is not None and T == 1 and not observers

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from attnlab.errors import AttnlabError
 from attnlab.model import validate
 from attnlab.model.llama import ModelConfig, Transformer
 from attnlab.rope import NEEDS_ORIGINAL, interleave_rows, parse_rope, scaling_type
@@ -23,7 +24,7 @@ GGUF_ARCHS = ("llama", "qwen2")
 HF_ARCHS = ("llama", "mistral", "qwen2")
 
 
-class ModelLoadError(ValueError):
+class ModelLoadError(AttnlabError):
     """A checkpoint the user pointed at cannot be loaded; the message says why, in one line."""
 
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from attnlab.errors import AttnlabError
+
 BLOCK = 32  # weights per 16-byte block of 4-bit codes
 
 
@@ -71,7 +73,7 @@ class Packed:
 def cat_rows(parts: list[Packed]) -> Packed:
     first = parts[0]
     if any(p.kind != first.kind or p.group != first.group or p.shape[1] != first.shape[1] for p in parts):
-        raise ValueError("cannot concatenate matrices of different formats")
+        raise AttnlabError("cannot concatenate matrices of different formats")
     fields = {k: torch.cat([p.tensors()[k] for p in parts]) for k in first.tensors()}
     return replace(first, shape=(sum(p.shape[0] for p in parts), first.shape[1]), **fields)
 
@@ -79,7 +81,7 @@ def cat_rows(parts: list[Packed]) -> Packed:
 def check_shape(w: torch.Tensor, group: int) -> None:
     N, K = w.shape
     if K % BLOCK or K % group:
-        raise ValueError(f"input size {K} is not a multiple of the group size {group} (and of {BLOCK})")
+        raise AttnlabError(f"input size {K} is not a multiple of the group size {group} (and of {BLOCK})")
 
 
 def int8_blocks(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,7 +120,7 @@ def quantize_kmeans(w: torch.Tensor, bits: int = 4, group: int | None = None, it
                     rows_per_chunk: int = 2048) -> Packed:
     """1-D k-means (Lloyd, quantile init) of each row's (or group's) values into 2**bits centroids."""
     if bits not in (2, 3, 4):
-        raise ValueError(f"k-means codebooks support 2-4 bits, got {bits}")
+        raise AttnlabError(f"k-means codebooks support 2-4 bits, got {bits}")
     N, K = w.shape
     group = group or K
     check_shape(w, group)

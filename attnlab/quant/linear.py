@@ -3,6 +3,8 @@
 At batch 1 the layer multiplies straight from the codes (a fused kernel, see
 `attnlab.quant.kernels`: int8 activations, k-means centroids rounded to int8);
 from `FUSED_MAX_ROWS` rows on (prefill, perplexity) it dequantises the weight
+
+from attnlab.errors import AttnlabError
 once and runs a float matmul, which is compute-bound anyway. `fused=False` keeps the talk's cautionary baseline: look the weights up,
 then matmul, at every call.
 """
@@ -45,24 +47,24 @@ class QuantSpec:
         try:
             nums = [int(n) for n in nums]
         except ValueError:
-            raise ValueError(f"bad --quant {text!r}: numbers expected after ':'") from None
+            raise AttnlabError(f"bad --quant {text!r}: numbers expected after ':'") from None
         if method == "int8" and len(nums) <= 1:
             group = nums[0] if nums else 0
             if group < 0 or group % 32:
-                raise ValueError(f"int8 group must be 0 (per row) or a multiple of 32, got {group}")
+                raise AttnlabError(f"int8 group must be 0 (per row) or a multiple of 32, got {group}")
             return cls("int8", 8, group, fused)
         if method == "int4" and len(nums) <= 1:
             group = nums[0] if nums else 32
             if group < 32 or group % 32:
-                raise ValueError(f"int4 group must be a multiple of 32, got {group}")
+                raise AttnlabError(f"int4 group must be a multiple of 32, got {group}")
             return cls("int4", 4, group, fused)
         if method == "kmeans" and len(nums) <= 2:
             bits = nums[0] if nums else 4
             group = nums[1] if len(nums) > 1 else 0
             if bits not in (2, 3, 4) or group < 0 or group % 32:
-                raise ValueError(f"kmeans needs 2-4 bits and a group that is 0 or a multiple of 32, got {text!r}")
+                raise AttnlabError(f"kmeans needs 2-4 bits and a group that is 0 or a multiple of 32, got {text!r}")
             return cls("kmeans", bits, group, fused)
-        raise ValueError(f"unknown --quant {text!r}; use int8, int4[:GROUP], kmeans[:BITS[:GROUP]] "
+        raise AttnlabError(f"unknown --quant {text!r}; use int8, int4[:GROUP], kmeans[:BITS[:GROUP]] "
                          "or kmeans-naive[:BITS[:GROUP]]")
 
     def __str__(self) -> str:
@@ -141,7 +143,7 @@ class QuantEmbedding(nn.Module):
     def __init__(self, head: QuantLinear):
         super().__init__()
         if head.kind != "int8":
-            raise ValueError("QuantEmbedding reads an int8 head")
+            raise AttnlabError("QuantEmbedding reads an int8 head")
         self.head = [head]  # a plain list: the head's buffers belong to the head, not saved twice
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from attnlab.errors import AttnlabError
 from attnlab.io import write_atomic, write_text
 from attnlab.quant.formats import Packed
 from attnlab.quant.linear import QuantEmbedding, QuantLinear, linear_names
@@ -37,7 +38,7 @@ def save_quantized(lm, out: str | Path) -> Path:
 
     model = lm.model
     if getattr(model, "quant", None) is None:
-        raise ValueError("the model is not quantized; load it with quant=... first")
+        raise AttnlabError("the model is not quantized; load it with quant=... first")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from attnlab.errors import AttnlabError
+
 KEEP = (0.05, 0.1, 0.2, 0.3, 0.5, 0.7)  # kept fractions at which concentration is reported
 
 
@@ -45,9 +47,9 @@ def collect(lm, ids, window: int = 1024, chunk: int = 256, progress=None) -> dic
     """
     ids = torch.as_tensor(ids, dtype=torch.long).flatten()
     if ids.numel() < 1:
-        raise ValueError("collect needs at least one token")
+        raise AttnlabError("collect needs at least one token")
     if getattr(lm.model, "sparsity", None) is not None:
-        raise ValueError("collect the dense model's activity: load it without --sparsity")
+        raise AttnlabError("collect the dense model's activity: load it without --sparsity")
     col = Collector(lm.cfg.n_layers)
     for w0 in range(0, ids.numel(), window):
         cache = lm.new_cache(capacity=min(window, ids.numel() - w0))

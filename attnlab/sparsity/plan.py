@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attnlab.errors import AttnlabError
 from attnlab.sparsity.predictors import Predictors
 
 METHODS = ("oracle", "threshold", "predictor", "lowbit")
@@ -45,15 +46,15 @@ class Plan:
 
     def __post_init__(self):
         if self.method not in METHODS:
-            raise ValueError(f"unknown sparsity method {self.method!r}; choose from {', '.join(METHODS)}")
+            raise AttnlabError(f"unknown sparsity method {self.method!r}; choose from {', '.join(METHODS)}")
         for name in ("sparsity", "head_sparsity"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
-                raise ValueError(f"{name.replace('_', ' ')} must be in [0, 1), got {v!r}")
+                raise AttnlabError(f"{name.replace('_', ' ')} must be in [0, 1), got {v!r}")
         if self.method in ("threshold", "predictor") and self.predictors is None:
-            raise ValueError(f"the {self.method} method needs trained predictors (attnlab dejavu train)")
+            raise AttnlabError(f"the {self.method} method needs trained predictors (attnlab dejavu train)")
         if self.method in ("threshold", "lowbit") and self.head_sparsity:
-            raise ValueError(f"the {self.method} method chooses MLP neurons only; use oracle or predictor for heads")
+            raise AttnlabError(f"the {self.method} method chooses MLP neurons only; use oracle or predictor for heads")
         self._prev = None
 
     def bind(self, model) -> "Plan":
@@ -67,7 +68,7 @@ class Plan:
         self._down = [bind_rows(d)[1] for d in self.down]                      # values -> sum of down rows
         if self.method == "lowbit":
             if getattr(model, "quant", None):
-                raise ValueError("the lowbit method scores with a 4-bit copy of float weights; on quantized "
+                raise AttnlabError("the lowbit method scores with a 4-bit copy of float weights; on quantized "
                                  "weights use the threshold method")
             from attnlab.quant import QuantLinear, QuantSpec
             self.low = [QuantLinear(QuantSpec.parse(LOWBIT).quantize(layer.mlp.w13.weight.detach().float()))
@@ -224,7 +225,7 @@ def parse(spec: str) -> tuple[str, str | None, float, float]:
         method, path = head, None
     method = method or "predictor"
     if method not in METHODS:
-        raise ValueError(f"bad --sparsity {spec!r}: unknown method {method!r} ({', '.join(METHODS)})")
+        raise AttnlabError(f"bad --sparsity {spec!r}: unknown method {method!r} ({', '.join(METHODS)})")
     if not nums:
         nums = [0.5]
     return method, path, nums[0], nums[1] if len(nums) > 1 else 0.0
@@ -239,6 +240,6 @@ def plan_from_spec(spec: str, model=None) -> Plan:
         try:
             pred = Predictors.load(p)
         except FileNotFoundError as e:
-            raise ValueError(str(e)) from None
+            raise AttnlabError(str(e)) from None
     plan = Plan(method, s, hs, pred)
     return plan.bind(model) if model is not None else plan

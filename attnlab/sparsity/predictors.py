@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, safe_open, save_file
 from torch import nn
 
+from attnlab.errors import AttnlabError
+
 FORMAT = "attnlab-dejavu/1"
 QUANTILES = 101  # gate quantile table: sparsity 0.00, 0.01, ..., 1.00
 
@@ -93,7 +95,7 @@ class Predictors(nn.Module):
         with safe_open(str(path), "pt") as f:
             meta = f.metadata() or {}
         if meta.get("format") != FORMAT:
-            raise ValueError(f"{path} is not an attnlab Deja Vu predictor file (format {meta.get('format')!r})")
+            raise AttnlabError(f"{path} is not an attnlab Deja Vu predictor file (format {meta.get('format')!r})")
         p = cls(**json.loads(meta["config"]))
         p.load_state_dict(load_file(str(path)))
         return p
@@ -102,7 +104,7 @@ class Predictors(nn.Module):
         want = {"n_layers": cfg.n_layers, "dim": cfg.dim, "hidden": cfg.hidden_dim, "n_heads": cfg.n_heads}
         got = {k: self.config[k] for k in want}
         if got != want:
-            raise ValueError(f"these predictors were trained for a model with {got}, not {want}")
+            raise AttnlabError(f"these predictors were trained for a model with {got}, not {want}")
 
 
 def top_labels(values: torch.Tensor, keep: float) -> torch.Tensor:
@@ -134,9 +136,9 @@ def train(lm, data: dict[str, torch.Tensor], rank: int = 64, head_rank: int = 16
     cfg = lm.cfg
     L, N, _ = data["mlp_in"].shape
     if L != cfg.n_layers:
-        raise ValueError(f"activity has {L} layers, the model {cfg.n_layers}")
+        raise AttnlabError(f"activity has {L} layers, the model {cfg.n_layers}")
     if N < batch:
-        raise ValueError(f"need at least {batch} collected tokens to train, got {N}")
+        raise AttnlabError(f"need at least {batch} collected tokens to train, got {N}")
     pred = Predictors(cfg.n_layers, cfg.dim, cfg.hidden_dim, cfg.n_heads, rank, head_rank, lookahead,
                       gate_quantiles(lm, data["mlp_in"]))
     g = torch.Generator().manual_seed(seed)

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attnlab.errors import AttnlabError
 from attnlab.quant import kernels
 from attnlab.quant.linear import QuantLinear
 
@@ -27,9 +28,9 @@ def _args(weight, v: torch.Tensor, idx: torch.Tensor, name: str):
         raise TypeError(f"rows ops take an nn.Linear or a QuantLinear, got {type(weight).__name__}")
     n = weight.in_features if name == "x" else idx.shape[0] if idx.dim() == 1 else -1
     if v.dim() != 1 or v.shape[0] != n:
-        raise ValueError(f"{name} must be a vector of size {n}, got shape {tuple(v.shape)}")
+        raise AttnlabError(f"{name} must be a vector of size {n}, got shape {tuple(v.shape)}")
     if idx.dim() != 1 or idx.dtype.is_floating_point:
-        raise ValueError(f"idx must be a 1-D integer tensor, got {idx.dtype} {tuple(idx.shape)}")
+        raise AttnlabError(f"idx must be a 1-D integer tensor, got {idx.dtype} {tuple(idx.shape)}")
     return v.float().contiguous(), idx.long().contiguous()
 
 

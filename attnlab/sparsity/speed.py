@@ -11,6 +11,8 @@ import time
 
 import torch
 
+from attnlab.errors import AttnlabError
+
 
 @torch.inference_mode()
 def decode_speed(lm, plans: dict, ids: torch.Tensor, depth: int = 128, steps: int = 32, repeats: int = 5,
@@ -20,11 +22,11 @@ def decode_speed(lm, plans: dict, ids: torch.Tensor, depth: int = 128, steps: in
     it leaves out the time other processes held the core). Returns rows {"variant", "tok_s", "runs",
     "mlp_mib_per_token", "speedup"}."""
     if clock not in ("wall", "cpu"):
-        raise ValueError(f"clock must be wall or cpu, got {clock!r}")
+        raise AttnlabError(f"clock must be wall or cpu, got {clock!r}")
     now = time.perf_counter if clock == "wall" else time.thread_time
     ids = torch.as_tensor(ids, dtype=torch.long).flatten()
     if ids.numel() < depth + steps:
-        raise ValueError(f"need {depth + steps} tokens, got {ids.numel()}")
+        raise AttnlabError(f"need {depth + steps} tokens, got {ids.numel()}")
     model = lm.model
     model.sparsity = None
     cache = lm.new_cache(capacity=depth + steps + 1)

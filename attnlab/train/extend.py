@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from attnlab.errors import AttnlabError
 from attnlab.rope import Rope, parse_rope
 
 METHODS = {"pi": "linear", "ntk": "ntk", "yarn": "yarn", "none": "none"}
@@ -20,9 +21,9 @@ METHODS = {"pi": "linear", "ntk": "ntk", "yarn": "yarn", "none": "none"}
 def extension_scaling(method: str, factor: float, original: int) -> dict | None:
     """The rope_scaling a method applies for `factor` over a model trained at `original` positions."""
     if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+        raise AttnlabError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
     if not factor >= 1:
-        raise ValueError(f"factor must be >= 1, got {factor}")
+        raise AttnlabError(f"factor must be >= 1, got {factor}")
     return parse_rope("none" if method == "none" else f"{METHODS[method]}:{factor}", original)
 
 
@@ -48,7 +49,7 @@ def extend(model_spec: str, out: str | Path, factor: float, method: str = "pi", 
     out = Path(out)
     lm = LM.load(model_spec)
     if lm.tokenizer is None:
-        raise ValueError(f"{model_spec} has no tokenizer to read the training text with")
+        raise AttnlabError(f"{model_spec} has no tokenizer to read the training text with")
     original = _trained_length(lm.cfg)
     scaling = extension_scaling(method, factor, original)
     apply_scaling(lm.model, scaling, round(original * factor))

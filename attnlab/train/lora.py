@@ -13,6 +13,8 @@ import math
 import torch
 from torch import nn
 
+from attnlab.errors import AttnlabError
+
 TARGETS = ("attn.wqkv", "attn.wo", "mlp.w13", "mlp.w2")
 
 
@@ -47,7 +49,7 @@ def add_lora(model: nn.Module, rank: int, alpha: float | None = None, seed: int 
     default 2 x rank; A drawn from `seed`, so a run is reproducible); only the adapters train.
     In place; returns the model."""
     if rank < 1:
-        raise ValueError(f"LoRA rank must be >= 1, got {rank}")
+        raise AttnlabError(f"LoRA rank must be >= 1, got {rank}")
     model.requires_grad_(False)
     generator = torch.Generator().manual_seed(seed)
     for parent, attr in _slots(model):

@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from collections import Counter
 
+from attnlab.errors import AttnlabError
+
 WORD_RE = re.compile(r"\n|\w+(?:'\w+)*|[^\w\s]")
 UNK = "<unk>"
 
@@ -20,7 +22,7 @@ class VocabTokenizer:
 
     def __init__(self, kind: str, vocab: list[str]):
         if kind not in ("word", "char"):
-            raise ValueError(f"unknown vocabulary tokenizer {kind!r}")
+            raise AttnlabError(f"unknown vocabulary tokenizer {kind!r}")
         self.kind, self.vocab = kind, list(vocab)
         self.index = {p: i for i, p in enumerate(self.vocab)}
 
@@ -30,7 +32,7 @@ class VocabTokenizer:
         keep = [p for p, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
         if vocab_size is not None:
             if vocab_size < 2:
-                raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
+                raise AttnlabError(f"vocab_size must be >= 2, got {vocab_size}")
             keep = keep[:vocab_size - 1]
         return cls(kind, [UNK] + keep)
 
@@ -65,7 +67,7 @@ class PretrainedTokenizer:
         self.source = str(source)
         self.tok = tok if tok is not None else load_tokenizer(resolve(self.source))
         if self.tok is None:
-            raise ValueError(f"{self.source} has no tokenizer")
+            raise AttnlabError(f"{self.source} has no tokenizer")
 
     @property
     def vocab_size(self) -> int:
@@ -87,7 +89,7 @@ def make_tokenizer(kind: str, text: str, vocab_size: int | None = None):
         return PretrainedTokenizer()
     if kind in ("word", "char"):
         return VocabTokenizer.fit(kind, text, vocab_size if kind == "word" else None)
-    raise ValueError(f"unknown tokenizer {kind!r}; choose from word, char, smollm2")
+    raise AttnlabError(f"unknown tokenizer {kind!r}; choose from word, char, smollm2")
 
 
 def tokenizer_from_dict(d: dict):

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from attnlab.errors import AttnlabError
 from attnlab.io import write_json, write_text
 from attnlab.model.llama import ModelConfig, Transformer
 from attnlab.train.tokenizers import make_tokenizer, tokenizer_from_dict
@@ -75,12 +76,12 @@ class TrainConfig:
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {self.schedule!r}; choose from {', '.join(SCHEDULES)}")
+            raise AttnlabError(f"unknown schedule {self.schedule!r}; choose from {', '.join(SCHEDULES)}")
         for name in ("dim", "n_layers", "n_heads", "hidden_dim", "context", "batch", "eval_every", "eval_batches"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise AttnlabError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.steps < 0 or self.warmup < 0 or self.lr <= 0:
-            raise ValueError("steps and warmup must be >= 0 and lr > 0")
+            raise AttnlabError("steps and warmup must be >= 0 and lr > 0")
 
     def lr_at(self, step: int) -> float:
         """Learning rate of update number `step` (0-based)."""
@@ -138,7 +139,7 @@ def load_checkpoint(path: str | Path):
         add_lora(model, state["train_config"]["lora_rank"], seed=state["train_config"]["seed"])
     missing, unexpected = model.load_state_dict(load_file(path / "model.safetensors"), strict=False)
     if unexpected or [m for m in missing if not (m == "lm_head.weight" and model.cfg.tie_embeddings)]:
-        raise ValueError(f"checkpoint {path} does not match its config: missing {missing}, unexpected {unexpected}")
+        raise AttnlabError(f"checkpoint {path} does not match its config: missing {missing}, unexpected {unexpected}")
     model.eval()
     return model, tokenizer_from_dict(state["tokenizer"]), state
 
@@ -166,16 +167,16 @@ class Trainer:
             if dataclasses.replace(saved, steps=cfg.steps) != cfg:
                 diff = [f.name for f in dataclasses.fields(cfg)
                         if f.name != "steps" and getattr(saved, f.name) != getattr(cfg, f.name)]
-                raise ValueError(f"--resume with a different configuration ({', '.join(diff)}); "
+                raise AttnlabError(f"--resume with a different configuration ({', '.join(diff)}); "
                                  "only --steps may change")
             self.tokenizer, self.model = tok, model
         elif latest.exists() and not resume:
-            raise ValueError(f"{self.out} already holds a run; pass --resume or choose another --out")
+            raise AttnlabError(f"{self.out} already holds a run; pass --resume or choose another --out")
         elif model is not None:
             if tokenizer is None:
-                raise ValueError("fine-tuning a pretrained model needs its tokenizer")
+                raise AttnlabError("fine-tuning a pretrained model needs its tokenizer")
             if tokenizer.vocab_size > model.cfg.vocab_size:
-                raise ValueError(f"tokenizer has {tokenizer.vocab_size} ids, the model {model.cfg.vocab_size}")
+                raise AttnlabError(f"tokenizer has {tokenizer.vocab_size} ids, the model {model.cfg.vocab_size}")
             self.tokenizer, self.model = tokenizer, model.float().requires_grad_(True)
             if cfg.lora_rank:
                 from attnlab.train.lora import add_lora
@@ -189,7 +190,7 @@ class Trainer:
         self.val_ids = torch.tensor(self.tokenizer.encode(corpus(cfg.val_corpus)), dtype=torch.long)
         need = cfg.context + 2
         if self.train_ids.numel() < need or self.val_ids.numel() < cfg.context + 1:
-            raise ValueError(f"corpus too short for context {cfg.context}")
+            raise AttnlabError(f"corpus too short for context {cfg.context}")
         self.opt = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                      weight_decay=cfg.weight_decay)
         self.step = 0
