@@ -1,10 +1,13 @@
-"""The inference engine: a loaded network, its tokenizer, and the decoding loop.
+"""The inference engine: a loaded network, its tokenizer, its options, and the decoding loop.
 
-Data flows one way: text -> token ids -> `LM` (network + KV cache + policy) ->
-logits -> a `Sampler` (generation) or an evaluator (perplexity, analysis).
+Data flows one way: text -> token ids -> `LM` (network + KV cache/policy + options) -> logits ->
+a `Sampler` (generation) or an evaluator (perplexity, analysis). The network (`Transformer`) is
+pure tensor work; the engine's step (`LM.forward`) owns what happens around it: the cache's
+bookkeeping before and after, and the choice among the compiled, the sparse and the eager path.
 """
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,13 +15,12 @@ import torch
 
 from attnlab.errors import AttnlabError
 from attnlab.kv.cache import KVCache
-from attnlab.model.llama import ModelConfig, Transformer
+from attnlab.model.llama import ModelConfig, Pass, Transformer
 from attnlab.model.loaders import load_model
 from attnlab.model.tokenizer import load_tokenizer
+from attnlab.options import DTYPES, KV_DTYPES, Options  # noqa: F401  (DTYPES, KV_DTYPES: part of the API)
 from attnlab.sampling import Sampler
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "int8": torch.int8}
 DEFAULT_MODEL = "smollm2-135m"
 
 
@@ -30,46 +32,34 @@ def set_threads(threads: int | None) -> None:
 
 
 class LM:
-    """A causal LM ready for inference. `model` is a plain `Transformer`; `tokenizer` a transformers tokenizer."""
+    """A causal LM ready for inference. `model` is a plain `Transformer`; `tokenizer` a transformers tokenizer.
+
+    sparsity: the Deja Vu plan every pass runs with (None = dense); `with_sparsity` gives a view of the
+    same weights under another plan. compiled: the compiled single-token step, if asked for."""
 
     def __init__(self, model: Transformer, tokenizer=None, source: Path | None = None, tokenizer_error: str = "",
-                 kv_dtype: torch.dtype | None = None):
+                 kv_dtype: torch.dtype | None = None, options: Options | None = None, sparsity=None):
         self.model, self.cfg, self.tokenizer, self.source = model, model.cfg, tokenizer, source
         self.tokenizer_error = tokenizer_error
         self.kv_dtype = kv_dtype  # KV-cache storage; None = the model's dtype
+        self.options = options or Options()
+        self.sparsity = sparsity
+        self.compiled = None
 
     @classmethod
-    def load(cls, spec: str | Path = DEFAULT_MODEL, dtype: str = "float32", threads: int | None = None,
-             tokenizer: bool = True, quant=None, compile: bool = False, rope: str | None = None,
-             sparsity: str | None = None, kv_dtype: str | None = None) -> "LM":
-        """quant: 'int8', 'int4:32', 'kmeans:4', ... (see attnlab.quant.QuantSpec); compile: compile the
-        single-token decode step with torch.compile (tens of seconds on first use; eager otherwise);
-        rope: a context-extension override, e.g. "yarn:4" or "linear:2" (see `attnlab.rope.parse_rope`);
-        sparsity: Deja Vu contextual sparsity, 'PATH[:MLP[:HEADS]]' with predictors from
-        `attnlab dejavu train`, 'threshold@PATH:0.5' or 'oracle:0.5' (see `attnlab.sparsity.plan.parse`);
-        kv_dtype: 'float16' stores the KV cache in half the bytes (llama.cpp's default; decode attention
-        reads it at that size), 'int8' in 1.125 bytes a number (a scale per 32, llama.cpp's q8_0 cache),
-        default: the model's dtype."""
-        if dtype not in DTYPES:
-            raise AttnlabError(f"unknown dtype {dtype!r}; choose from float32, bfloat16")
-        if kv_dtype is not None and kv_dtype not in KV_DTYPES:
-            raise AttnlabError(f"unknown KV-cache dtype {kv_dtype!r}; choose from {', '.join(KV_DTYPES)}")
-        if quant is not None:
-            from attnlab.quant import QuantSpec
-            quant = QuantSpec.parse(quant)  # a bad spec fails before the slow load
-        if sparsity is not None:
-            from attnlab.sparsity.plan import parse as parse_sparsity
-            parse_sparsity(sparsity)  # a bad spec fails before the slow load
-        set_threads(threads)
-        model, _, path = load_model(spec, DTYPES[dtype], quant, rope=rope)
-        if sparsity is not None:
+    def load(cls, spec: str | Path = DEFAULT_MODEL, options: Options | None = None, tokenizer: bool = True,
+             **fields) -> "LM":
+        """Load a model under `options` (or the same fields as keywords: dtype, threads, quant, compile, rope,
+        sparsity, kv_dtype, policy; see `attnlab.options.Options`). Bad options fail before the slow load."""
+        opts = Options(**fields) if options is None else options.but(**fields) if fields else options
+        set_threads(opts.threads)
+        model, _, path = load_model(spec, opts.torch_dtype, opts.quant, rope=opts.rope)
+        from attnlab.kernels import ops
+        ops.load()  # the fused kernels: built once per machine, loaded before any forward or trace
+        plan = None
+        if opts.sparsity is not None:
             from attnlab.sparsity.plan import plan_from_spec
-            plan_from_spec(sparsity, model)
-        if DTYPES[dtype] == torch.float32:
-            from attnlab.quant import kernels
-            kernels.available()  # fused decode attention: built once per machine, before any forward or trace
-        if compile:
-            model.compile_decode()
+            plan = plan_from_spec(opts.sparsity, model)
         tok, why = None, "tokenizer not loaded"
         if tokenizer:
             try:
@@ -77,7 +67,25 @@ class LM:
                 why = "" if tok is not None else "the folder has no tokenizer files"
             except Exception as e:  # e.g. a GGUF without tokenizer metadata: the weights still work
                 why = f"transformers could not build its tokenizer ({type(e).__name__}: {e})"
-        return cls(model, tok, path, why, KV_DTYPES[kv_dtype] if kv_dtype else None)
+        lm = cls(model, tok, path, why, opts.torch_kv_dtype, opts, plan)
+        if opts.compile:
+            lm.compile_decode()
+        return lm
+
+    def compile_decode(self, fullgraph: bool = False, options: dict | None = None) -> None:
+        """Compile the network for single-token decode steps (eager stays the reference and the fallback).
+
+        The cache length is a dynamic size (one graph for every length), the KV buffers are written in
+        place, and RoPE uses real cos/sin tables (inductor has no complex kernels). Steps in a situation
+        already compiled skip dynamo's guards (see `attnlab.model.compiled`). options: inductor settings."""
+        from attnlab.model.compiled import DecodeStep
+        self.compiled = DecodeStep(self.model, fullgraph, options)
+
+    def with_sparsity(self, plan) -> "LM":
+        """The same weights, cache settings and tokenizer under another sparsity plan (None = dense)."""
+        view = copy.copy(self)
+        view.sparsity = plan
+        return view
 
     @property
     def config(self) -> ModelConfig:
@@ -89,7 +97,7 @@ class LM:
 
     @property
     def quant(self) -> str | None:
-        return getattr(self.model, "quant", None)
+        return self.model.quant
 
     @property
     def eos_ids(self) -> set[int]:
@@ -101,28 +109,43 @@ class LM:
     # ---------------------------------------------------------------- forward passes
 
     def new_cache(self, batch: int = 1, capacity: int = 256, policy=None, positions: str = "original",
-                  max_capacity: int | None = None) -> KVCache:
-        """An empty cache; unless a policy bounds it, it grows (amortised doubling) up to max_capacity."""
-        if getattr(policy, "capacity", None):
-            capacity = max_capacity = policy.capacity
-            positions = getattr(policy, "positions", positions)
+                  max_capacity: int | None = None, pad: list[int] | None = None) -> KVCache:
+        """An empty cache; a policy with a budget sets its size, otherwise it grows up to max_capacity."""
         cfg = self.cfg
         return KVCache(cfg.n_layers, batch, cfg.n_kv_heads, cfg.head_dim, self.model.rope, self.kv_dtype or self.dtype,
-                       capacity, positions, max_capacity, policy, window=cfg.sliding_window)
+                       capacity, positions, max_capacity, policy, window=cfg.sliding_window, pad=pad)
+
+    def default_policy(self, length: int | None = None):
+        """A fresh policy of the options' default (None = full); a fractional budget needs `length`."""
+        return self.options.new_policy(length)
 
     @torch.inference_mode()
-    def logits(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [B, T] -> logits [B, T, vocab]: one full causal forward from position 0, no cache."""
-        return self.model(_as_ids(ids))
+    def logits(self, ids: torch.Tensor, observers=(), mask: torch.Tensor | None = None,
+               pos: torch.Tensor | None = None) -> torch.Tensor:
+        """ids [B, T] -> logits [B, T, vocab]: one full causal pass from position 0 (or at positions pos [B, T],
+        or under mask [T, T] bool), no cache. observers: recorders called inside the pass (see `Pass`)."""
+        ids = _as_ids(ids)
+        return self.model(ids, Pass.full(self.model.rope, ids, mask, observers, self.sparsity, pos))
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
-        """Append ids [B, T] to the cache and return their logits [B, T (or 1), vocab]."""
-        return self.model(_as_ids(ids), cache=cache, last_only=last_only)
+    def forward(self, ids: torch.Tensor, cache: KVCache, last_only: bool = False, observers=()) -> torch.Tensor:
+        """The engine's step: append ids [B, T] to the cache and return their logits [B, T (or 1), vocab].
+
+        Positions and room first (`cache.begin`), then the network, compiled for a plain single-token step
+        when compiled, eager otherwise, then counting and eviction (`cache.advance`)."""
+        ids = _as_ids(ids)
+        T = ids.shape[1]
+        observers = (*observers, *cache.observers)
+        fast = self.compiled is not None and T == 1 and not observers and self.sparsity is None
+        step = cache.begin(T, self.model.rope, real=fast)
+        ctx = Pass(step.rot, step, cache.layers, observers=observers, sparsity=self.sparsity)
+        logits = (self.compiled if fast and not step.padded else self.model)(ids, ctx, last_only)
+        cache.advance(T)
+        return logits
 
     @torch.inference_mode()
     def prefill(self, ids: torch.Tensor, cache: KVCache, chunk: int = 512, all_logits: bool = False,
-                progress=None) -> torch.Tensor:
+                progress=None, observers=()) -> torch.Tensor:
         """Feed ids [B, T] in chunks (bounded activation memory; a policy may evict between chunks).
 
         Returns the last position's logits [B, vocab], or all logits [B, T, vocab] if all_logits.
@@ -130,18 +153,37 @@ class LM:
         ids = _as_ids(ids)
         if chunk < 1:
             raise AttnlabError(f"chunk must be >= 1, got {chunk}")
-        policy = cache.policy
-        if policy is not None and getattr(policy, "capacity", None):
-            chunk = min(chunk, policy.chunk)  # a bounded cache has room for only policy.chunk new tokens per step
+        chunk = min(chunk, cache.max_chunk or chunk)
         outs = []
         for start in range(0, ids.shape[1], chunk):
             part = ids[:, start:start + chunk]
-            outs.append(self.model(part, cache=cache, last_only=not all_logits))
+            outs.append(self.forward(part, cache, last_only=not all_logits, observers=observers))
             if progress is not None:
                 progress(part.shape[1])
         if not outs:
             raise AttnlabError("prefill needs at least one token")
         return torch.cat(outs, dim=1) if all_logits else outs[-1][:, -1]
+
+    def decode(self, cache: KVCache, logits: torch.Tensor, sampler: Sampler, max_new_tokens: int,
+               stop_ids=()) -> Iterator[torch.Tensor]:
+        """The one decoding loop: sample from logits [B, vocab], yield the tokens [B], feed them, repeat.
+
+        Stops after max_new_tokens, or once every row has sampled one of stop_ids (a row that stopped
+        keeps being fed; its later tokens are the caller's to drop). The last token yielded is not fed,
+        so a caller can continue a conversation by feeding it with its next prompt (see `Session`)."""
+        if max_new_tokens < 0:
+            raise AttnlabError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if max_new_tokens == 0:
+            return
+        stop = torch.tensor(sorted(stop_ids), dtype=torch.long)
+        done = torch.zeros(logits.shape[0], dtype=torch.bool)
+        for i in range(max_new_tokens):
+            token = sampler(logits)
+            yield token
+            done |= torch.isin(token, stop)
+            if bool(done.all()) or i == max_new_tokens - 1:
+                return
+            logits = self.forward(token[:, None], cache, last_only=True)[:, -1]
 
     # ---------------------------------------------------------------- text in, text out
 
@@ -170,28 +212,29 @@ class LM:
 
     def stream(self, ids: list[int] | torch.Tensor, cache: KVCache, sampler: Sampler, max_new_tokens: int,
                chunk: int = 512, stop_at_eos: bool = True) -> Iterator[int]:
-        """Yield sampled token ids one by one (batch 1) after prefilling ids into cache.
-
-        The last sampled token is not fed to the cache, so a caller can continue a conversation
-        by feeding it (e.g. the EOS that closes a chat turn) with the next prompt (see `Session`).
-        """
-        from attnlab.session import Session
+        """Yield sampled token ids one by one (batch 1) after prefilling ids into cache (see `decode`)."""
         if max_new_tokens < 0:
             raise AttnlabError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        session = Session(self, cache, chunk)
-        session.feed(_as_ids(ids))
-        return session.generate(sampler, max_new_tokens, stop_at_eos)
+        ids = _as_ids(ids)
+        if ids.shape[0] != 1:
+            raise AttnlabError(f"stream takes one row of token ids, got shape {tuple(ids.shape)}")
+        logits = self.prefill(ids, cache, chunk)
+        for token in self.decode(cache, logits, sampler, max_new_tokens, self.eos_ids if stop_at_eos else ()):
+            yield int(token[0])
 
     def generate(self, prompt: str | list[str], max_new_tokens: int = 64, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None, chat: bool = False,
                  policy=None) -> str | list[str]:
-        """Complete one prompt (returns str) or a batch (returns list[str], left-padded together)."""
+        """Complete one prompt (returns str) or a batch (returns list[str], left-padded together).
+        policy: a KV-cache policy (default: the options' policy, full if none)."""
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         if not prompts:
             raise AttnlabError("no prompt given")
         enc = [self.chat_ids([{"role": "user", "content": p}]) if chat else self.encode(p) for p in prompts]
         if any(len(e) == 0 for e in enc):
             raise AttnlabError("empty prompt: give at least one token of text")
+        if policy is None:
+            policy = self.default_policy(max(map(len, enc)) + max_new_tokens)
         out = self.generate_ids(enc, max_new_tokens, Sampler(temperature, top_k, top_p, seed), policy)
         texts = [self.tokenizer.decode(o, skip_special_tokens=True) for o in out]
         return texts[0] if isinstance(prompt, str) else texts
@@ -204,21 +247,16 @@ class LM:
         width = max(len(p) for p in prompts)
         pad_id = self.cfg.eos_token_ids[0] if self.cfg.eos_token_ids else 0
         ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts])
-        cache = self.new_cache(len(prompts), capacity=width + max_new_tokens, policy=policy)
-        cache.pad = torch.tensor([width - len(p) for p in prompts])
+        cache = self.new_cache(len(prompts), capacity=width + max_new_tokens, policy=policy,
+                               pad=[width - len(p) for p in prompts])
         out: list[list[int]] = [[] for _ in prompts]
-        done = torch.zeros(len(prompts), dtype=torch.bool)
-        logits = self.prefill(ids, cache)
-        eos = torch.tensor(sorted(self.eos_ids)) if self.eos_ids else torch.tensor([], dtype=torch.long)
-        for step in range(max_new_tokens):
-            token = sampler(logits)
-            for b in range(len(prompts)):
+        done = [False] * len(prompts)
+        eos = self.eos_ids
+        for token in self.decode(cache, self.prefill(ids, cache), sampler, max_new_tokens, eos):
+            for b, t in enumerate(token.tolist()):
                 if not done[b]:
-                    out[b].append(int(token[b]))
-            done |= torch.isin(token, eos)
-            if bool(done.all()) or step == max_new_tokens - 1:
-                break
-            logits = self.model(token[:, None], cache=cache)[:, -1]
+                    out[b].append(t)
+                    done[b] = t in eos
         return out
 
 
@@ -231,12 +269,9 @@ def _as_ids(ids) -> torch.Tensor:
     return ids
 
 
-def load(spec: str | Path = DEFAULT_MODEL, dtype: str = "float32", threads: int | None = None,
-         quant=None, compile: bool = False, rope: str | None = None, sparsity: str | None = None,
-         kv_dtype: str | None = None) -> LM:
-    """Load a model: the embedded name 'smollm2-135m', a .gguf file, or a Hugging Face folder
-    (or a quantized folder written by `attnlab quantize`). See `LM.load` for quant, compile,
-    rope ("yarn:4", linear/ntk/dynamic/llama3:F, or "none" to remove the checkpoint's scaling)
-    and sparsity (Deja Vu: "runs/dejavu:0.5", "threshold@runs/dejavu:0.3", "lowbit:0.5")."""
-    return LM.load(spec, dtype=dtype, threads=threads, quant=quant, compile=compile, rope=rope, sparsity=sparsity,
-                   kv_dtype=kv_dtype)
+def load(spec: str | Path = DEFAULT_MODEL, options: Options | None = None, **fields) -> LM:
+    """Load a model: the embedded name 'smollm2-135m', a .gguf file, or a Hugging Face folder (or a
+    quantized folder written by `attnlab quantize`), under `options` or the same fields as keywords:
+    dtype, threads, quant ('int4:32'), compile, rope ('yarn:4'), sparsity ('runs/dejavu:0.5',
+    'lowbit:0.5'), kv_dtype ('float16'), policy ('sink:1024'). See `attnlab.options.Options`."""
+    return LM.load(spec, options, **fields)

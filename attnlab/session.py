@@ -1,9 +1,9 @@
 """One conversation on one KV cache: feed tokens, sample the next, repeat.
 
-Why it exists: `LM.stream`, `ChatSession` and the HTTP server all run the same loop
-(prefill a prompt, sample, feed the sample back) and the server must pause it between
-tokens to interleave clients. `Session` is that loop as an object whose state (cache,
-next-token logits, the rendered text the cache holds) outlives one request.
+Why it exists: `LM.stream`, `ChatSession` and the HTTP server hold a conversation whose
+state (cache, next-token logits, the rendered text the cache holds) outlives one request,
+and the server must pause decoding between tokens to interleave clients. The decoding
+loop itself is the engine's one loop (`LM.decode`); a session is its batch-1 caller.
 
 Invariant: after yielding token t, `generate` has fed every earlier reply token but not t;
 the caller continues the conversation by feeding t (e.g. the EOS that closes a chat turn)
@@ -37,10 +37,7 @@ class Session:
             raise AttnlabError(f"a session feeds one row of token ids, got shape {tuple(ids.shape)}")
         if ids.shape[1] == 0:
             return
-        if ids.shape[1] == 1:
-            self.logits = self.lm.model(ids, cache=self.cache)[0, -1]
-        else:
-            self.logits = self.lm.prefill(ids, self.cache, self.chunk)[0]
+        self.logits = self.lm.prefill(ids, self.cache, self.chunk)[0]
         self.fed += ids.shape[1]
 
     def matches(self, text: str) -> bool:
@@ -62,26 +59,28 @@ class Session:
 
     def sample(self, sampler: Sampler) -> int:
         if self.logits is None:
-            raise AttnlabError("nothing to continue from: empty prompt")
+            raise AttnlabError("nothing to continue from: feed a prompt (or the last reply token) first")
         return int(sampler(self.logits[None])[0])
 
     def generate(self, sampler: Sampler, max_new_tokens: int, stop_at_eos: bool = True) -> Iterator[int]:
         """Yield up to max_new_tokens sampled ids, stopping after an EOS; the last one is not fed.
 
-        When the generator ends or is closed early, `text` gains the reply tokens that were fed.
+        When the generator ends or is closed early, `text` gains the reply tokens that were fed, and
+        the session waits for its next feed (which starts with the last reply token).
         """
-        if max_new_tokens < 0:
-            raise AttnlabError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if self.logits is None and max_new_tokens:
+            raise AttnlabError("nothing to continue from: empty prompt")
         eos = self.lm.eos_ids if stop_at_eos else set()
         reply: list[int] = []
+        start = self.fed
         try:
-            for i in range(max_new_tokens):
-                token = self.sample(sampler)
-                reply.append(token)
-                yield token
-                if token in eos or i == max_new_tokens - 1:
-                    return
-                self.feed([token])
+            for token in self.lm.decode(self.cache, self.logits[None] if max_new_tokens else None, sampler,
+                                        max_new_tokens, eos):
+                self.fed = start + len(reply)  # every reply token but this one is in the cache
+                reply.append(int(token[0]))
+                yield reply[-1]
         finally:
+            if reply:
+                self.logits = None
             if len(reply) > 1 and self.lm.tokenizer is not None:
                 self.text += self.lm.tokenizer.decode(reply[:-1], skip_special_tokens=False)

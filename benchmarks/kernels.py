@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from attnlab.quant import kernels
+from attnlab.kernels import build as kernels
 from rows_kernels import D, H, linear  # benchmarks/ is on sys.path when this script runs
 
 # (name, out N, in K, format): SmolLM2-135M's batch-1 matvecs; the head is the tied int8 embedding
@@ -39,7 +39,10 @@ def build_baseline(rev: str) -> bool:
     build.mkdir(parents=True, exist_ok=True)
     sources = []
     for name in kernels.SOURCES + ("kernels_simd.h",):
-        got = subprocess.run(["git", "show", f"{rev}:attnlab/quant/{name}"], cwd=root, capture_output=True, text=True)
+        for folder in ("attnlab/kernels", "attnlab/quant"):  # the sources lived in quant/ before 22's move
+            got = subprocess.run(["git", "show", f"{rev}:{folder}/{name}"], cwd=root, capture_output=True, text=True)
+            if got.returncode == 0:
+                break
         if got.returncode != 0:  # a revision before that file
             continue
         src = got.stdout
@@ -61,7 +64,7 @@ def build_baseline(rev: str) -> bool:
 
 def attention_calls(ops, depth: int, kv: str, layers: int, g: torch.Generator):
     """decode_attention over `layers` distinct caches of `depth` rows (slices of larger buffers, as the cache's)."""
-    from attnlab.quant.formats import int8_blocks
+    from attnlab.kernels.reference import int8_blocks
     out = []
     for _ in range(layers):
         q = torch.randn(1, 9, 1, 64, generator=g)
@@ -101,7 +104,7 @@ def main() -> None:
     args = p.parse_args()
     clock = time.perf_counter if args.clock == "wall" else time.thread_time
     torch.set_num_threads(args.threads)
-    if not kernels.available():
+    if not kernels.load():
         raise SystemExit("fused kernels unavailable (no compiler or no AVX2)")
     impls = {"new": torch.ops.attnlab}
     if args.baseline and build_baseline(args.baseline):

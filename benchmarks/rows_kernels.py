@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnlab.quant import Packed, QuantLinear, QuantSpec, kernels
+from attnlab.kernels import ops
+from attnlab.quant import Packed, QuantLinear, QuantSpec
 from attnlab.sparsity.rows import rows_combine, rows_matvec
 
 D, H = 576, 1536  # SmolLM2-135M model and MLP widths
@@ -43,8 +44,8 @@ def gathered(layer: nn.Module, idx: torch.Tensor):
 def dense_mv(p: Packed, x: torch.Tensor) -> torch.Tensor:
     """The fused dense kernel on a packed matrix, as QuantLinear's batch-1 forward calls it."""
     if p.kind == "int8":
-        return kernels.q8_mm(x[None], p.q, p.scale, p.group)[0]
-    return kernels.q4_mm(x[None], p.qs, p.scale, p.min, p.group)[0]
+        return ops.q8_mm(x[None], p.q, p.scale, p.group)[0]
+    return ops.q4_mm(x[None], p.qs, p.scale, p.min, p.group)[0]
 
 
 def row_bytes(layer: nn.Module) -> float:
@@ -80,7 +81,7 @@ def main() -> None:
     args = p.parse_args()
     clock = time.perf_counter if args.clock == "wall" else time.thread_time
     torch.set_num_threads(1)
-    print(f"kernels: {kernels.available()}, threads 1, layers cycled {args.layers}, clock {args.clock}")
+    print(f"kernels: {ops.load()}, threads 1, layers cycled {args.layers}, clock {args.clock}")
     g = torch.Generator().manual_seed(0)
     rows = []
     for fmt in args.formats.split(","):

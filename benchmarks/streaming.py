@@ -43,7 +43,7 @@ def decode_latency(lm, cache, tokens: torch.Tensor) -> tuple[float, float]:
     times = []
     for i in range(tokens.shape[1]):
         t = time.perf_counter()
-        lm.model(tokens[:, i:i + 1], cache=cache)
+        lm.forward(tokens[:, i:i + 1], cache)
         times.append(time.perf_counter() - t)
     times = times[1:] if len(times) > 1 else times
     return statistics.median(times), min(times)

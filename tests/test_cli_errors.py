@@ -138,7 +138,7 @@ def test_model_load_status_line(monkeypatch, tiny_gguf, capsys):
 
 def test_piped_chat_keeps_turns_apart(smollm2, capsys, monkeypatch):
     """Piped input gets no `you> ` prompts run into the replies: each turn is echoed on its own line."""
-    monkeypatch.setattr("attnlab.cli.load_lm", lambda args, tokenizer=True: smollm2)
+    monkeypatch.setattr("attnlab.cli.load_lm", lambda args, **kw: smollm2)
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"Hello\nBye\n"), encoding="utf-8"))
     code, out, _ = run(capsys, "chat", "--max-new-tokens", "3")
     lines = out.splitlines()

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from attnlab.errors import AttnlabError
+from attnlab.model.llama import Pass
 from attnlab.stats import entropy
 from attnlab.stats import spearman as rank_correlation
 
@@ -52,7 +53,7 @@ def run_with_probs(model, ids: torch.Tensor, on_probs) -> torch.Tensor:
     if ids.dim() == 1:
         ids = ids[None]
     with torch.no_grad():
-        return model(ids, observers=[Recorder(on_probs)])
+        return model(ids, Pass.full(model.rope, ids, observers=[Recorder(on_probs)]))
 
 
 def attention_maps(model, ids: torch.Tensor) -> list[torch.Tensor]:

@@ -23,6 +23,7 @@ import torch
 
 from attnlab.errors import AttnlabError
 from attnlab.eval.perplexity import token_nll
+from attnlab.model.llama import Pass
 
 CASES = ("full", "keep", "drop", "replace")
 
@@ -38,7 +39,7 @@ def band_mask(T: int, window: int, sinks: int) -> torch.Tensor:
 def forward_masked(model, ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """The network's own forward under an arbitrary key mask. ids [B, T]; mask [T, T] bool
     (True = attend) or None for causal. Returns logits [B, T, vocab]."""
-    return model(ids, mask=mask)
+    return model(ids, Pass.full(model.rope, ids, mask))
 
 
 def sink_experiment(model, ids, sinks: int = 4, window: int = 256, replace_id: int = 198,

@@ -14,7 +14,8 @@ import math
 import os
 import sys
 
-from attnlab.cli.common import UserError, add_model_args, add_sparsity_arg, load_lm, nonneg_int, positive_int
+from attnlab.cli.common import (UserError, add_model_args, add_sparsity_arg, load_lm, model_options, nonneg_int,
+                                positive_int)
 from attnlab.errors import AttnlabError
 from attnlab.io import progress
 from attnlab.textstream import TextStream
@@ -108,16 +109,6 @@ def _add_sampling(p):
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: fresh entropy)")
 
 
-def _policy(args, length: int | None):
-    """The KV-cache policy of --policy/--budget/--positions/--n-sink (None for full)."""
-    if getattr(args, "policy", "full") == "full":
-        return None
-    from attnlab.cli.stream import build_policy
-    if length is None and any(c in args.budget for c in ".%eE"):
-        raise UserError("chat needs a budget in tokens (e.g. --budget 1024), not a fraction")
-    return build_policy(args.policy, args.budget, args.positions, args.n_sink, length, block=args.block)
-
-
 def _add_policy(p):
     try:
         from attnlab.cli.stream import add_policy_args
@@ -130,13 +121,10 @@ def cmd_generate(args) -> int:
     if not args.prompt:
         raise UserError("empty prompt: pass --prompt TEXT")
     utf8(args.prompt, "--prompt")
-    sampler = _sampler(args)  # options checked before the model load
-    if getattr(args, "policy", "full") != "full":  # names and budget syntax; a fraction is resolved later
-        from attnlab.cli.stream import build_policy
-        build_policy(args.policy, args.budget, args.positions, args.n_sink, None)
-    lm = load_lm(args)
+    opts, sampler = model_options(args), _sampler(args)  # options checked before the model load
+    lm = load_lm(args, options=opts)
     ids = lm.chat_ids([{"role": "user", "content": args.prompt}]) if args.chat else lm.encode(args.prompt)
-    policy = _policy(args, length=len(ids) + args.max_new_tokens)
+    policy = opts.new_policy(length=len(ids) + args.max_new_tokens)
     cache = lm.new_cache(capacity=min(len(ids) + args.max_new_tokens, 4096), policy=policy)
     stream = TextStream(lm.tokenizer, sys.stdout)
     if not args.chat:
@@ -151,9 +139,11 @@ def cmd_chat(args) -> int:
     """A multi-turn REPL; the KV cache carries the conversation, each turn feeds only its new tokens."""
     from attnlab.chat import ChatSession
 
-    policy, sampler = _policy(args, length=None), _sampler(args)
-    lm = load_lm(args)
-    session = ChatSession(lm, sampler, args.max_new_tokens, cache_factory=lambda: lm.new_cache(policy=policy))
+    opts, sampler = model_options(args), _sampler(args)
+    if opts.policy is not None and opts.policy.fractional:
+        raise UserError("chat needs a budget in tokens (e.g. --budget 1024), not a fraction")
+    lm = load_lm(args, options=opts)
+    session = ChatSession(lm, sampler, args.max_new_tokens, cache_factory=lambda: lm.new_cache(policy=opts.new_policy()))
     interactive = sys.stdin.isatty()
     print("attnlab chat: empty line or Ctrl-D to quit, /reset to start over", file=sys.stderr)
     while True:

@@ -49,13 +49,12 @@ def add_sparsity_arg(p: argparse.ArgumentParser) -> None:
                         "MLP/HEADS = fraction skipped, default 0.5), threshold@PATH[:MLP] or oracle[:MLP[:HEADS]]")
 
 
-def sparsity_spec(text: str) -> str:
+def sparsity_spec(text: str):
     from attnlab.sparsity.plan import parse
     try:
-        parse(text)
+        return parse(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-    return text
 
 
 def quant_spec(text: str):
@@ -66,10 +65,15 @@ def quant_spec(text: str):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def load_lm(args, tokenizer: bool = True):
+def model_options(args):
+    """The command's model options as one checked `attnlab.options.Options` (before any slow work)."""
+    from attnlab.options import Options
+    return Options.from_args(args)
+
+
+def load_lm(args, tokenizer: bool = True, options=None):
     from attnlab.engine import LM
     from attnlab.io import status
+    options = options or model_options(args)
     with status(f"loading {args.model}"):  # 10-20 s for SmolLM2: say so
-        return LM.load(args.model, dtype=args.dtype, threads=args.threads, tokenizer=tokenizer, rope=args.rope,
-                       quant=getattr(args, "quant", None), compile=getattr(args, "compile", False),
-                       sparsity=getattr(args, "sparsity", None), kv_dtype=getattr(args, "kv_dtype", None))
+        return LM.load(args.model, options, tokenizer=tokenizer)

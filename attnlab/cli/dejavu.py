@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from attnlab.cli.common import UserError, add_model_args, load_lm, positive_int
-from attnlab.sparsity.evaluate import SPARSITIES
+from attnlab.eval.dejavu import SPARSITIES
 
 
 def _ids(lm, text: str, tokens: int, what: str) -> list[int]:
@@ -54,7 +54,7 @@ def cmd_collect(args) -> int:
 
     from attnlab.io import progress, write_atomic, write_json
     from attnlab.sparsity.collect import collect, concentration
-    from attnlab.sparsity.evaluate import plot_concentration
+    from attnlab.eval.dejavu import plot_concentration
 
     out = Path(args.out)
     lm = load_lm(args)
@@ -95,7 +95,7 @@ def cmd_train(args) -> int:
 
 def cmd_eval(args) -> int:
     from attnlab.io import progress, write_json
-    from attnlab.sparsity.evaluate import plot, predictor_quality, summary_line, sweep
+    from attnlab.eval.dejavu import plot, predictor_quality, summary_line, sweep
 
     out = Path(args.out)
     preds = _predictors(out)
@@ -132,7 +132,7 @@ def cmd_eval(args) -> int:
 
 def cmd_bench(args) -> int:
     from attnlab.io import progress, write_json
-    from attnlab.sparsity.plan import METHODS, Plan
+    from attnlab.sparsity.plan import METHODS, make_plan
     from attnlab.sparsity.speed import decode_speed
 
     out = Path(args.out)
@@ -151,7 +151,7 @@ def cmd_bench(args) -> int:
     plans = {"dense": None}
     for s in _floats(args.sparsities, "--sparsities"):
         for m in methods:
-            plans[f"{m} {s:.0%}"] = Plan(m, s, 0.0, pred)
+            plans[f"{m} {s:.0%}"] = make_plan(m, s, 0.0, pred)
     with progress((args.repeats + 1) * len(plans), "dejavu bench", unit="run") as bar:
         rows = decode_speed(lm, plans, ids, depth=args.depth, steps=args.steps, repeats=args.repeats,
                             clock=args.clock, progress=bar.update)

@@ -18,11 +18,13 @@ Two position conventions (StreamingLLM section 3.2):
 An int8 cache (dtype torch.int8) stores each key and value row as int8 codes with one float32
 scale per 32 dimensions (the rule of `int8` weights, llama.cpp's q8_0 KV cache): 1.125 bytes per
 number instead of 2 (float16) or 4, and decode attention reads the codes directly (see
-`attnlab/quant/attend.cpp`). `update` then returns K and V as (codes, scales) pairs.
+`attnlab/kernels/attend.cpp`). `update` then returns K and V as (codes, scales) pairs.
 
-The per-step bookkeeping (`KVCache.begin` / `advance`: positions, growth,
-eviction) runs outside the layers, so a layer's `update` is tensor work only and
-a decode step can be compiled.
+The cache owns its eviction policy. The engine's step calls `begin` (positions, growth) before
+the network and `advance` (counting, eviction) after it, so a layer's `update` is tensor work
+only and a decode step can be compiled. A policy that scores by attention gets the
+probabilities because the cache observes the pass (`observers`, `record`), the same way the
+analysis recorders do.
 """
 from __future__ import annotations
 
@@ -31,8 +33,8 @@ from dataclasses import dataclass
 import torch
 
 from attnlab.errors import AttnlabError
-from attnlab.quant import kernels
-from attnlab.quant.formats import dequantize_int8_blocks, int8_blocks
+from attnlab.kernels import ops
+from attnlab.kernels.reference import dequantize_int8_blocks
 from attnlab.rope import Rope, apply as rope_apply
 
 POSITIONS = ("original", "cache")
@@ -47,13 +49,6 @@ class Step:
     rot: torch.Tensor        # RoPE tables for q_pos: complex [B, 1, T, D/2] or real [B, 1, T, D/2, 2]
     padded: bool             # the chunk contains left padding
     start: int               # first slot the chunk is written to (equal in every layer)
-
-
-def round_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys or values [..., D] -> int8 codes and a scale per 32 (`int8_blocks`; the fused op when built)."""
-    if kernels.ready():
-        return torch.ops.attnlab.quantize_kv(x.float())
-    return int8_blocks(x)
 
 
 class CacheFullError(AttnlabError, RuntimeError):
@@ -81,7 +76,8 @@ class LayerKV:
         self.n = 0            # filled slots, equal for every row and head
         self.natural = True   # slot j holds the j-th token of every row (no padding, no eviction)
         self.padded = False   # some slot holds left padding (position -1)
-        self.policy_state: dict = {}  # per-layer bookkeeping of a cache policy (scores, ...)
+        self.policy_state: dict = {}  # per-layer bookkeeping of a cache policy (scores, ...); per-slot
+        # tensors [..., capacity] follow their tokens when the cache is compacted
 
     @property
     def capacity(self) -> int:
@@ -122,8 +118,8 @@ class LayerKV:
             self.v[:, :, s] = v
             K, V = self.k[:, :, :n], self.v[:, :, :n]
         else:
-            self.k[:, :, s], self.k_scale[:, :, s] = round_int8(k)
-            self.v[:, :, s], self.v_scale[:, :, s] = round_int8(v)
+            self.k[:, :, s], self.k_scale[:, :, s] = ops.quantize_kv(k)
+            self.v[:, :, s], self.v_scale[:, :, s] = ops.quantize_kv(v)
             K, V = (self.k[:, :, :n], self.k_scale[:, :, :n]), (self.v[:, :, :n], self.v_scale[:, :, :n])
         self.pos[:, :, s] = step.pos[:, None, :]
         windowed = self.window is not None and int(step.pos.max()) - int(self.pos[:, :, :n].clamp_min(0).min()) >= self.window
@@ -154,11 +150,17 @@ class LayerKV:
                 kept["k"] = rope_apply(kept["k"], turn)
             else:  # rotate the dequantised keys, then round them again
                 keys = dequantize_int8_blocks(kept["k"], kept["k_scale"])
-                kept["k"], kept["k_scale"] = round_int8(rope_apply(keys, turn))
+                kept["k"], kept["k_scale"] = ops.quantize_kv(rope_apply(keys, turn))
         for name, t in kept.items():
             getattr(self, name)[:, :, :m] = t
         self.pos[:, :, :m] = torch.gather(self.pos[:, :, :self.n], 2, idx)
         self.pos[:, :, m:self.n] = -1
+        for value in self.policy_state.values():
+            if isinstance(value, torch.Tensor) and value.shape[-1] == self.capacity:
+                kept = torch.gather(value[..., :self.n], -1, idx.view(*idx.shape[:2], *[1] * (value.dim() - 3), -1)
+                                    .expand(*value.shape[:-1], m))
+                value.zero_()
+                value[..., :m] = kept
         self.n = m
         self.natural = False
 
@@ -168,20 +170,40 @@ class LayerKV:
 
 
 class KVCache:
-    """All layers' slots plus the bookkeeping that turns token counts into positions."""
+    """All layers' slots, the eviction policy, and the bookkeeping that turns token counts into positions.
+
+    A policy with a budget fixes the cache's size (`policy.capacity`) and position convention; without
+    one the cache grows (amortised doubling) up to max_capacity. pad: the left padding of each row of
+    a batch of prompts of unequal length (its slots hold position -1 and are never attended).
+    """
 
     def __init__(self, n_layers: int, batch: int, heads: int, head_dim: int, rope: Rope,
                  dtype: torch.dtype = torch.float32, capacity: int = 256, positions: str = "original",
-                 max_capacity: int | None = None, policy=None, window: int | None = None):
+                 max_capacity: int | None = None, policy=None, window: int | None = None,
+                 pad: list[int] | None = None):
+        if getattr(policy, "capacity", None):
+            capacity = max_capacity = policy.capacity
+            positions = policy.positions
         if positions not in POSITIONS:
             raise AttnlabError(f"unknown positions {positions!r}; choose from {', '.join(POSITIONS)}")
         self.layers = [LayerKV(batch, heads, head_dim, capacity, dtype, rope, positions, max_capacity, window)
                        for _ in range(n_layers)]
-        for i, layer in enumerate(self.layers):
-            layer.index = i
         self.batch, self.policy, self.positions = batch, policy, positions
         self.seen = 0                                   # tokens fed per row, padding included
-        self.pad = torch.zeros(batch, dtype=torch.long)  # left-padding length of each row
+        self.pad = torch.zeros(batch, dtype=torch.long) if pad is None else torch.as_tensor(pad, dtype=torch.long)
+        # the cache observes the forward pass only for a policy that scores by attention
+        self.observers = (self,) if policy is not None and policy.needs_probs else ()
+        self.needs_probs = bool(self.observers)
+
+    @property
+    def max_chunk(self) -> int | None:
+        """The most tokens one step may add: a bounded cache has room for one policy chunk (None = any)."""
+        return self.policy.chunk if getattr(self.policy, "capacity", None) else None
+
+    def record(self, i: int, name: str, t: torch.Tensor) -> None:
+        """Observer hook of the forward pass: layer i's attention probabilities go to the policy."""
+        if name == "probs":
+            self.policy.observe(self.layers[i], t)
 
     def begin(self, T: int, rope: Rope, real: bool = False) -> "Step":
         """Positions and rotation tables of the next T tokens, computed once for all layers; makes room."""
@@ -198,11 +220,11 @@ class KVCache:
         return Step(pos, q_pos, rope.rotation(q_pos, real=real), padded, start)
 
     def advance(self, T: int) -> None:
-        """After a step: count its tokens and let the policy evict (every layer's attention is done)."""
+        """After a step: count its tokens and evict what the policy drops (every layer's attention is done)."""
         for layer in self.layers:
             layer.n += T
-            if self.policy is not None:
-                self.policy.after_step(layer)
+            if self.policy is not None and self.policy.due(layer):
+                layer.keep(self.policy.to_keep(layer))
         self.seen += T
 
     def truncate(self, length: int) -> None:

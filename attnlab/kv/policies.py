@@ -13,11 +13,11 @@ layer keeps exactly `budget` slots (so all layers keep the same slot count),
 but which tokens it keeps is its own choice; attention-based scores of the G
 query heads of a grouped-query group are averaged into their KV head's score.
 
-The network calls `observe(kv, probs)` after a layer's attention when the policy
-`needs_probs` (the attention probabilities [B, Hq, T, n], computed in the same
-pass, see `attnlab.model.llama.attend`); once the step is done the cache calls
-`after_step(kv)` for every layer, which evicts down to `budget` when the layer
-holds budget + block slots or more. The cache thus holds at most budget +
+A policy is owned by its cache and never calls anything back: when it `needs_probs`, the cache
+is an observer of the forward pass and hands it each layer's attention probabilities
+(`observe(kv, probs)`, probs [B, Hq, T, n], see `attnlab.model.llama.attend`); once a step is
+done the cache asks `due(kv)` for every layer and, when the layer holds budget + block slots
+or more, compacts it to the slots `to_keep(kv)` names. The cache thus holds at most budget +
 block - 1 + one chunk slots (`capacity`), and frees memory for real.
 
 Positions (`positions`): "original" keeps every key rotated at its absolute
@@ -112,31 +112,21 @@ class Policy:
         return replace(self, budget=max(1, math.ceil(self.budget * length)))
 
     def observe(self, kv, probs: torch.Tensor) -> None:
-        """Called by the attention of layer kv.index with this step's probabilities (when needs_probs)."""
+        """This step's attention probabilities [B, Hq, T, n] over layer kv's slots (when needs_probs)."""
         B, Hq, T, n = probs.shape
         H = kv.pos.shape[1]
         probs = probs.view(B, H, Hq // H, T, n).mean(2)
         probs = probs * (kv.pos[:, :, n - T:n, None] >= 0)  # padding queries carry no evidence
         self.accumulate(kv, probs)
 
-    def after_step(self, kv) -> None:
-        """Called for every layer once a step is done: evicts down to the budget when the block is full."""
-        if kv.n > self.tokens + self.block - 1:
-            self.evict(kv)
+    def due(self, kv) -> bool:
+        """Whether layer kv must be compacted now: its block of slack is full."""
+        return kv.n > self.tokens + self.block - 1
 
-    def evict(self, kv) -> torch.Tensor:
-        """Keep the `budget` best slots of every row and KV head; returns the kept idx [B, H_kv, budget]."""
+    def to_keep(self, kv) -> torch.Tensor:
+        """The `budget` best slots of every row and KV head: ascending idx [B, H_kv, budget]."""
         budget = self.tokens
-        idx = select(kv.pos[:, :, :kv.n], self.score(kv), budget, self.n_sink(budget), self.n_recent(budget))
-        n = kv.n
-        kv.keep(idx)
-        for key, value in kv.policy_state.items():  # per-slot state follows its tokens
-            if isinstance(value, torch.Tensor) and value.shape[-1] == kv.capacity:
-                kept = torch.gather(value[..., :n], -1, idx.view(*idx.shape[:2], *[1] * (value.dim() - 3), -1)
-                                    .expand(*value.shape[:-1], idx.shape[-1]))
-                value.zero_()
-                value[..., :kept.shape[-1]] = kept
-        return idx
+        return select(kv.pos[:, :, :kv.n], self.score(kv), budget, self.n_sink(budget), self.n_recent(budget))
 
     def describe(self) -> str:
         block = f", block={self.block}" if self.block > 1 else ""
@@ -178,8 +168,8 @@ class Full(Policy):
     def capacity(self) -> None:
         return None
 
-    def after_step(self, kv) -> None:
-        pass
+    def due(self, kv) -> bool:
+        return False
 
 
 @dataclass

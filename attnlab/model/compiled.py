@@ -1,8 +1,8 @@
 """The compiled decode step, called without dynamo's per-step guard checks.
 
 Every decode step runs the same graph: only the token, its RoPE row, the write slot and the
-cache's buffers change, and the cache bookkeeping around `Transformer.run` (`KVCache.begin`)
-already decides which steps may take the compiled path. Dynamo still traces, guards and compiles:
+cache's buffers change, and the engine's step (`attnlab.engine.LM.forward`) decides which steps
+may take the compiled path and runs the cache's bookkeeping around it. Dynamo still traces, guards and compiles:
 a step in a new situation (first step, new cache, grown cache) goes
 through it, and the backend records which graph input is which tensor: a parameter or buffer of
 the model (by its path), the token ids, a RoPE table or a cache buffer. Later steps in the same
@@ -11,8 +11,8 @@ graph has ~500 tensor inputs; checking dynamo's guards on them cost about a fift
 
 A situation is what the recorded graph specialised on and the input list does not re-derive:
 token count, dtypes, cache geometry (capacity, heads, dtype, position convention, window,
-padding), the step's start slot if the graph took it as a constant, grad mode and the model's
-sparsity plan. The model's tensors must be the very objects recorded (a swapped module, e.g.
+padding), the step's start slot if the graph took it as a constant and grad mode (a step with a
+sparsity plan or observers never comes here). The model's tensors must be the very objects recorded (a swapped module, e.g.
 quantized after compiling, sends the step back through dynamo), and its dtype is part of the
 situation, so inductor's per-input size asserts are redundant here as they are under dynamo's
 guards, and are off by default. Anything the recorder cannot name (an input that is not a model
@@ -58,11 +58,11 @@ DYNAMIC = r"L\['ctx'\]\.step\.start"
 
 
 class DecodeStep:
-    """`torch.compile(run)` for single-token steps, with a guard-free fast path per situation."""
+    """`torch.compile(model.forward)` for single-token steps, with a guard-free fast path per situation."""
 
     def __init__(self, model: torch.nn.Module, fullgraph: bool = False, options: dict | None = None):
         self.model, self.options = model, {"size_asserts": False, "cpp_wrapper": True, **(options or {})}
-        self.dynamo = torch.compile(model.run, backend=self._backend, dynamic=None, fullgraph=fullgraph,
+        self.dynamo = torch.compile(model.forward, backend=self._backend, dynamic=None, fullgraph=fullgraph,
                                     isolate_recompiles=True)
         self.recipes: dict[tuple, tuple] = {}  # situation -> (graph, input builder, static start, model tensors)
         self.calls = {"dynamo": 0, "direct": 0, "compiles": 0}
@@ -83,7 +83,7 @@ class DecodeStep:
         return (tuple(ids.shape), ids.dtype, last_only, len(ctx.kvs), tuple(k.shape), k.stride(), k.dtype,
                 kv0.pos.shape[2], tuple(ctx.rot.shape), ctx.rot.dtype, kv0.positions, kv0.window,
                 any(layer.padded for layer in ctx.kvs), torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
-                id(self.model.sparsity), self.model.norm.weight.dtype)
+                self.model.norm.weight.dtype)
 
     def __call__(self, ids: torch.Tensor, ctx, last_only: bool = False) -> torch.Tensor:
         key = self.situation(ids, ctx, last_only)

@@ -5,10 +5,12 @@ or untied head. The q/k/v and gate/up projections are fused into one matmul
 each: at batch 1 decoding is memory-bound, and fewer, larger reads are faster.
 RoPE rotates adjacent pairs of q/k dimensions (one complex multiply, see
 `attnlab.rope.apply`); loaders interleave Hugging Face's half-split q/k rows to match.
-Everything a pass carries beside the activations (RoPE tables, the cache and its
-policy, an analysis mask, observers, a sparsity plan) travels in one `Pass`
-object, so KV policies, recorders and Deja Vu sparsity plug into this one forward
-instead of re-implementing the layer loop.
+Everything a pass carries beside the activations (RoPE tables, the cache's slots for
+this step, an analysis mask, observers, a sparsity plan) travels in one `Pass` object,
+so KV policies, recorders and Deja Vu sparsity plug into this one forward instead of
+re-implementing the layer loop. The network is pure: it never runs the cache's
+bookkeeping, calls a policy or chooses how it is executed; the engine's step does
+(`attnlab.engine.LM.forward`).
 """
 from __future__ import annotations
 
@@ -21,8 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnlab.errors import AttnlabError
-from attnlab.quant import kernels
-from attnlab.quant.formats import dequantize_int8_blocks
+from attnlab.kernels import ops
+from attnlab.kernels.reference import dequantize_int8_blocks
 from attnlab.rope import Rope, apply as rope_apply
 
 
@@ -84,19 +86,19 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, need_probs: 
     The G = Hq/Hkv query heads of a group are folded into the query axis, so every head of a
     group reads the same K/V. Returns out [B, Hq, T, D] and, if need_probs, the attention
     probabilities of every query head: [B, Hq, T, L] (float32; query head h reads KV head h // G).
-    A decode step (one query over a whole cache) goes through the fused kernel when it is built:
-    one pass over the cache's bytes, float32, float16 or int8 (see `attnlab/quant/attend.cpp`).
+    A decode step (one query over a whole cache) goes through `ops.decode_attention`: one pass
+    over the cache's bytes, float32, float16 or int8 (see `attnlab/kernels/attend.cpp`).
     """
     B, Hq, T, D = q.shape
-    fused = T == 1 and mask is None and not need_probs and q.dtype == torch.float32 and D % 8 == 0 and kernels.ready()
-    if isinstance(k, tuple):  # an int8 cache
-        if fused:
-            return torch.ops.attnlab.decode_attention(q, k[0], v[0], 1 / math.sqrt(D), k[1], v[1]), None
+    if T == 1 and mask is None and not need_probs and q.dtype == torch.float32 and D % 8 == 0:
+        if isinstance(k, tuple):  # an int8 cache
+            return ops.decode_attention(q, k[0], v[0], 1 / math.sqrt(D), k[1], v[1]), None
+        if k.dtype in (torch.float32, torch.float16):
+            return ops.decode_attention(q, k, v, 1 / math.sqrt(D)), None
+    if isinstance(k, tuple):
         k, v = dequantize_int8_blocks(*k, q.dtype), dequantize_int8_blocks(*v, q.dtype)
     Hkv, L = k.shape[1], k.shape[2]
     G = Hq // Hkv
-    if fused and k.dtype in (torch.float32, torch.float16):
-        return torch.ops.attnlab.decode_attention(q, k, v, 1 / math.sqrt(D)), None
     if k.dtype != q.dtype:  # a float16 cache under float32 activations, off the fused path
         k, v = k.to(q.dtype), v.to(q.dtype)
     if mask == "causal" and window is not None and L > window:
@@ -122,14 +124,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, need_probs: 
 
 @dataclass
 class Pass:
-    """What one forward pass carries through the layers (built by `Transformer.forward`).
+    """What one forward pass carries through the layers (built by the engine's step, or `Pass.full`).
 
-    rot: RoPE tables of the chunk's positions. step/kvs/policy: the cache's view of this chunk
+    rot: RoPE tables of the chunk's positions. step/kvs: the cache's view of this chunk
     (None without a cache). mask: an explicit key mask [T, L] bool for a cache-less pass
     (analysis, e.g. StreamingLLM's banded masks); None = causal. observers: objects with
-    `record(layer, name, tensor)` (and optionally `needs_probs = True`), called at the named
-    points below. sparsity: a plan deciding per layer which MLP neurons and heads run
-    (see `attnlab.sparsity.plan`).
+    `record(layer, name, tensor)` (and optionally `needs_probs = True`: recorders, and a cache
+    whose policy scores by attention), called at the named points below. sparsity: a plan
+    deciding per layer which MLP neurons and heads run (see `attnlab.sparsity.plan`).
 
     Recorded names: "attn_in" [B, T, dim] (normed attention input), "probs" [B, Hq, T, L]
     (only if some observer needs_probs), "heads" [B, Hq, T, D] (per-head outputs before wo),
@@ -138,15 +140,21 @@ class Pass:
     rot: torch.Tensor
     step: Any = None
     kvs: list | None = None
-    policy: Any = None
     mask: torch.Tensor | None = None
     observers: tuple = ()
     sparsity: Any = None
 
     def __post_init__(self):
         self.observers = tuple(self.observers)
-        self.policy_probs = self.policy is not None and self.policy.needs_probs
-        self.needs_probs = self.policy_probs or any(getattr(o, "needs_probs", False) for o in self.observers)
+        self.needs_probs = any(getattr(o, "needs_probs", False) for o in self.observers)
+
+    @classmethod
+    def full(cls, rope: Rope, ids: torch.Tensor, mask: torch.Tensor | None = None, observers=(),
+             sparsity=None, pos: torch.Tensor | None = None) -> "Pass":
+        """A cache-less pass over ids [B, T] at positions pos [B, T] (default 0..T-1): causal, or under
+        mask [T, T] bool."""
+        pos = torch.arange(ids.shape[1]).expand(ids.shape[0], -1) if pos is None else pos
+        return cls(rope.rotation(pos), mask=mask, observers=observers, sparsity=sparsity)
 
     def record(self, i: int, name: str, t: torch.Tensor) -> None:
         for o in self.observers:
@@ -176,8 +184,6 @@ class Attention(nn.Module):
             k, v, mask = kv.update(k, v, ctx.step)
         out, probs = attend(q, k, v, mask, need_probs=ctx.needs_probs, window=self.cfg.sliding_window)
         if ctx.needs_probs:
-            if ctx.policy_probs:
-                ctx.policy.observe(kv, probs)
             ctx.record(i, "probs", probs)
         if ctx.sparsity is not None:
             out = ctx.sparsity.heads(i, x, out)
@@ -232,55 +238,18 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.rope = Rope(cfg.head_dim, cfg.rope_base, cfg.rope_scaling)  # tables built lazily, on demand
+        self.quant: str | None = None  # the weight format once quantized ("int4:32", ...), see attnlab.quant
 
-    sparsity = None  # a Deja Vu plan applied to every pass (see attnlab.sparsity); None = dense
+    def forward(self, ids: torch.Tensor, ctx: Pass | None = None, last_only: bool = False) -> torch.Tensor:
+        """ids [B, T] through the pass ctx -> logits [B, T, vocab] float32 ([B, 1, vocab] if last_only).
 
-    def forward(self, ids: torch.Tensor, pos: torch.Tensor | None = None, cache=None,
-                last_only: bool = False, mask: torch.Tensor | None = None, observers=()) -> torch.Tensor:
-        """ids: [B, T] -> logits [B, T, vocab] (or [B, 1, vocab] if last_only).
-
-        Without a cache this is one full causal forward from position 0 (or under `mask`, a
-        [T, T] bool key mask). With a KVCache the chunk is appended to it (positions continue
-        from what the cache has seen); the cache's bookkeeping (positions, eviction) runs
-        around `run`, so `run` is tensor work only and a single-token step can go through its
-        compiled form (see `compile_decode`). observers: see `Pass`.
+        Without ctx: one full causal pass from position 0. Tensor work only: the cache's
+        bookkeeping around a step belongs to the engine (`attnlab.engine.LM.forward`).
         """
-        if cache is None:
-            pos = torch.arange(ids.shape[1]).expand(ids.shape[0], -1) if pos is None else pos
-            return self.run(ids, Pass(self.rope.rotation(pos), mask=mask, observers=observers,
-                                      sparsity=self.sparsity), last_only)
-        if mask is not None:
-            raise AttnlabError("an explicit mask is for cache-less passes; a cache derives its own")
-        T = ids.shape[1]
-        policy = cache.policy
-        fast = (self.compiled is not None and T == 1 and not observers
-                and not (policy is not None and policy.needs_probs)
-                and getattr(self.sparsity, "compilable", self.sparsity is None))
-        step = cache.begin(T, self.rope, real=fast)
-        fast = fast and not step.padded
-        ctx = Pass(step.rot, step, cache.layers, policy, observers=observers, sparsity=self.sparsity)
-        logits = (self.compiled if fast else self.run)(ids, ctx, last_only)
-        cache.advance(T)
-        return logits
-
-    def run(self, ids: torch.Tensor, ctx: Pass, last_only: bool = False) -> torch.Tensor:
-        """The layers and the head: ids [B, T] through the pass `ctx`."""
+        ctx = Pass.full(self.rope, ids) if ctx is None else ctx
         x = self.embed(ids)
         for i, layer in enumerate(self.layers):
             x = layer(x, ctx, i)
         if last_only:
             x = x[:, -1:]
         return self.lm_head(self.norm(x)).float()
-
-    compiled = None
-
-    def compile_decode(self, fullgraph: bool = False, options: dict | None = None) -> None:
-        """Compile `run` for single-token decode steps (eager stays the reference and the fallback).
-
-        The cache length is a dynamic size (one graph for every length), the KV buffers are
-        written in place, and RoPE uses real cos/sin tables (inductor has no complex kernels).
-        Steps in a situation already compiled skip dynamo's guards (see `attnlab.model.compiled`).
-        options: inductor settings, as for torch.compile.
-        """
-        from attnlab.model.compiled import DecodeStep
-        self.compiled = DecodeStep(self, fullgraph, options)

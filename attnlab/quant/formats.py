@@ -16,22 +16,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from attnlab.errors import AttnlabError
-
-BLOCK = 32  # weights per 16-byte block of 4-bit codes
-
-
-def pack4(codes: torch.Tensor) -> torch.Tensor:
-    """codes [N, K] in 0..15 -> [N, K/2] uint8 (byte j of a block: code j low, code j+16 high)."""
-    N, K = codes.shape
-    b = codes.to(torch.uint8).view(N, K // BLOCK, 2, BLOCK // 2)
-    return (b[:, :, 0] | (b[:, :, 1] << 4)).reshape(N, K // 2)
-
-
-def unpack4(qs: torch.Tensor) -> torch.Tensor:
-    """[N, K/2] uint8 -> codes [N, K] uint8."""
-    N = qs.shape[0]
-    b = qs.view(N, -1, BLOCK // 2)
-    return torch.stack([b & 15, b >> 4], dim=2).reshape(N, -1)
+from attnlab.kernels.reference import (  # noqa: F401  (the formats' shared rules)
+    BLOCK, dequantize_int4, dequantize_int8_blocks, int8_blocks, pack4, round_activations, unpack4)
 
 
 @dataclass
@@ -64,9 +50,9 @@ class Packed:
         N, K = self.shape
         if self.kind == "int8":
             return dequantize_int8_blocks(self.q, self.scale)
-        codes = unpack4(self.qs).view(N, K // self.group, self.group)
         if self.kind == "int4":
-            return (codes.float() * self.scale[..., None] + self.min[..., None]).view(N, K)
+            return dequantize_int4(self.qs, self.scale, self.min, self.group)
+        codes = unpack4(self.qs).view(N, K // self.group, self.group)
         return torch.gather(self.codebook, 2, codes.long()).view(N, K)
 
 
@@ -82,20 +68,6 @@ def check_shape(w: torch.Tensor, group: int) -> None:
     N, K = w.shape
     if K % BLOCK or K % group:
         raise AttnlabError(f"input size {K} is not a multiple of the group size {group} (and of {BLOCK})")
-
-
-def int8_blocks(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., K] -> int8 codes [..., K] and float32 scales [..., K/group], x ~ q * scale (symmetric).
-    The rule of `int8` weights and of the int8 KV cache (`attnlab.kv.cache`)."""
-    g = x.float().unflatten(-1, (-1, group))
-    scale = g.abs().amax(-1).clamp_min(1e-12) / 127
-    q = (g / scale[..., None]).round().clamp(-127, 127).to(torch.int8)
-    return q.flatten(-2), scale
-
-
-def dequantize_int8_blocks(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """int8_blocks' inverse: codes [..., K], scales [..., K/group] -> [..., K]."""
-    return (q.to(dtype).unflatten(-1, (scale.shape[-1], -1)) * scale[..., None].to(dtype)).flatten(-2)
 
 
 def quantize_int8(w: torch.Tensor, group: int | None = None) -> Packed:
@@ -167,11 +139,3 @@ def from_gguf_q8_0(blocks, shape: tuple[int, int]) -> Packed:
     q = raw[..., 2:].contiguous().view(torch.int8).reshape(N, K)
     return Packed("int8", (N, K), BLOCK, 8, q=q, scale=d)
 
-
-def round_activations(x: torch.Tensor) -> torch.Tensor:
-    """What the integer kernels (int8, int4) multiply instead of x [M, K]: x rounded to int8 with one
-    scale per 32 values (llama.cpp's Q8 activations), returned dequantised. For tests and docs."""
-    b = x.float().reshape(-1, BLOCK)
-    amax = b.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
-    return ((b * inv).round() * (amax / 127)).view(x.shape)

@@ -1,10 +1,8 @@
 """A linear layer whose weight stays quantized, and the swap that puts it into a network.
 
 At batch 1 the layer multiplies straight from the codes (a fused kernel, see
-`attnlab.quant.kernels`: int8 activations, k-means centroids rounded to int8);
+`attnlab.kernels`: int8 activations, k-means centroids rounded to int8);
 from `FUSED_MAX_ROWS` rows on (prefill, perplexity) it dequantises the weight
-
-from attnlab.errors import AttnlabError
 once and runs a float matmul, which is compute-bound anyway. `fused=False` keeps the talk's cautionary baseline: look the weights up,
 then matmul, at every call.
 """
@@ -16,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnlab.quant import kernels
+from attnlab.errors import AttnlabError
+from attnlab.kernels import ops
 from attnlab.quant.formats import Packed, quantize_int4, quantize_int8, quantize_kmeans
 
 FUSED_MAX_ROWS = 8
@@ -91,7 +90,7 @@ class QuantLinear(nn.Module):
         super().__init__()
         self.kind, self.group, self.bits, self.fused = packed.kind, packed.group, packed.bits, fused
         if fused:
-            kernels.available()  # build now, never inside a torch.compile trace
+            ops.load()  # build now, never inside a torch.compile trace
         self.out_features, self.in_features = packed.shape
         for name, t in packed.tensors().items():
             self.register_buffer(name, t.contiguous())
@@ -117,14 +116,14 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).float()
-        if self.fused and x2.shape[0] <= self.max_rows and kernels.available():
+        if self.fused and x2.shape[0] <= self.max_rows and ops.enabled():
             x2 = x2.contiguous()
             if self.kind == "int8":
-                y = kernels.q8_mm(x2, self.q, self.scale, self.group)
+                y = ops.q8_mm(x2, self.q, self.scale, self.group)
             elif self.kind == "int4":
-                y = kernels.q4_mm(x2, self.qs, self.scale, self.min, self.group)
+                y = ops.q4_mm(x2, self.qs, self.scale, self.min, self.group)
             else:
-                y = kernels.lut4_mm(x2, self.qs, self.lut, self.lut_scale, self.group)
+                y = ops.lut4_mm(x2, self.qs, self.lut, self.lut_scale, self.group)
             if self.bias is not None:
                 y = y + self.bias
         else:

@@ -37,7 +37,7 @@ def save_quantized(lm, out: str | Path) -> Path:
     from safetensors.torch import save_file
 
     model = lm.model
-    if getattr(model, "quant", None) is None:
+    if model.quant is None:
         raise AttnlabError("the model is not quantized; load it with quant=... first")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -48,14 +48,14 @@ def collect(lm, ids, window: int = 1024, chunk: int = 256, progress=None) -> dic
     ids = torch.as_tensor(ids, dtype=torch.long).flatten()
     if ids.numel() < 1:
         raise AttnlabError("collect needs at least one token")
-    if getattr(lm.model, "sparsity", None) is not None:
+    if lm.sparsity is not None:
         raise AttnlabError("collect the dense model's activity: load it without --sparsity")
     col = Collector(lm.cfg.n_layers)
     for w0 in range(0, ids.numel(), window):
         cache = lm.new_cache(capacity=min(window, ids.numel() - w0))
         for c0 in range(w0, min(w0 + window, ids.numel()), chunk):
             part = ids[c0:min(c0 + chunk, w0 + window, ids.numel())]
-            lm.model(part[None], cache=cache, last_only=True, observers=[col])
+            lm.forward(part[None], cache, last_only=True, observers=[col])
             if progress is not None:
                 progress(part.numel())
     return col.tensors()
@@ -89,7 +89,7 @@ def concentration(lm, ids, keep=KEEP, max_tokens: int = 1024) -> dict:
                 self.heads[i] = t[0].float()  # [Hq, T, D]
 
     obs = Full()
-    lm.model(ids[None], observers=[obs])
+    lm.logits(ids[None], observers=[obs])
     cfg = lm.cfg
     H, D = cfg.n_heads, cfg.head_dim
     rows = []

@@ -4,7 +4,7 @@ Decoding one token is memory-bound, so skipping inactive neurons pays only in by
 Gathering the active rows (`index_select`) and then multiplying reads them twice and writes them
 once, which loses to the dense matvec at moderate sparsity; these functions stream each selected
 row straight from the weight's storage (fp32, int8 and int4 through the fused kernels of
-`attnlab.quant.kernels`, dequantised in registers). Hold gate/up as they are (one neuron = one row)
+`attnlab.kernels.ops`, dequantised in registers). Hold gate/up as they are (one neuron = one row)
 and the down projection transposed, [N neurons, K model dim], so a neuron is one contiguous row in
 both. Bias is ignored (SwiGLU MLPs have none). Without the kernels, or for bf16 and k-means
 weights, a torch fallback gives the numbers of dequantise-then-matmul.
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnlab.errors import AttnlabError
-from attnlab.quant import kernels
+from attnlab.kernels import ops
 from attnlab.quant.linear import QuantLinear
 
 
@@ -35,9 +35,7 @@ def _args(weight, v: torch.Tensor, idx: torch.Tensor, name: str):
 
 
 def _kernel(weight) -> str | None:
-    """Which fused op family serves this weight: 'f32', 'q8', 'q4' or None (torch fallback)."""
-    if not kernels.available():
-        return None
+    """Which row-op family serves this weight: 'f32', 'q8', 'q4' or None (dequantise the rows)."""
     if isinstance(weight, nn.Linear):
         w = weight.weight
         return "f32" if w.dtype == torch.float32 and w.is_contiguous() else None
@@ -85,9 +83,8 @@ def bind_rows(weight: nn.Linear | QuantLinear) -> tuple:
     small row op. Inputs must already be contiguous float32 / int64 vectors (the plan's own tensors are)."""
     kind = _kernel(weight)
     if kind is not None:
-        ops = _operands(weight, kind)
-        mv, axpy = getattr(torch.ops.attnlab, f"{kind}_rows_mv"), getattr(torch.ops.attnlab, f"{kind}_rows_axpy")
-        return (lambda x, idx: mv(x, *ops, idx)), (lambda a, idx: axpy(a, *ops, idx))
+        if kind != "f32" or ops.enabled():
+            return ops.bound_rows(kind, _operands(weight, kind))
     if isinstance(weight, nn.Linear) and weight.weight.dtype == torch.float32:
         start = torch.zeros(1, dtype=torch.long)
         # a weighted bag of rows: torch streams each row once, no gathered copy

@@ -28,27 +28,23 @@ def decode_speed(lm, plans: dict, ids: torch.Tensor, depth: int = 128, steps: in
     if ids.numel() < depth + steps:
         raise AttnlabError(f"need {depth + steps} tokens, got {ids.numel()}")
     model = lm.model
-    model.sparsity = None
+    lm = lm.with_sparsity(None)
     cache = lm.new_cache(capacity=depth + steps + 1)
     lm.prefill(ids[None, :depth], cache)
     bound = {name: (p.bind(model) if p is not None else None) for name, p in plans.items()}
-    model.sparsity = None
+    engines = {name: lm.with_sparsity(p) for name, p in bound.items()}
     names = list(plans)
     times = {n: [] for n in names}
-    try:
-        for r in range(repeats + 1):  # the first round warms up (allocations, first kernel calls)
-            for name in names[r % len(names):] + names[:r % len(names)]:
-                cache.truncate(depth)
-                model.sparsity = bound[name]
-                t = now()
-                for j in range(steps):
-                    lm.forward(ids[None, depth + j:depth + j + 1], cache)
-                if r:
-                    times[name].append(steps / (now() - t))
-                if progress is not None:
-                    progress(1)
-    finally:
-        model.sparsity = None
+    for r in range(repeats + 1):  # the first round warms up (allocations, first kernel calls)
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            cache.truncate(depth)
+            t = now()
+            for j in range(steps):
+                engines[name].forward(ids[None, depth + j:depth + j + 1], cache)
+            if r:
+                times[name].append(steps / (now() - t))
+            if progress is not None:
+                progress(1)
     dense_row = None
     rows = []
     for name in names:

@@ -4,7 +4,7 @@ import torch
 
 from attnlab.kv import make_policy
 from attnlab.kv.cache import cache_state, load_cache_state
-from attnlab.quant.formats import dequantize_int8_blocks, int8_blocks
+from attnlab.kernels.reference import dequantize_int8_blocks, int8_blocks
 from tests.conftest import tiny_lm
 
 

@@ -78,10 +78,10 @@ def test_sink_and_window_keep_exactly_what_they_promise(lm, ids):
 class RecordingH2O(H2O):
     """H2O that checks, at every eviction, that the kept heavy hitters outscore every evicted token."""
 
-    def evict(self, kv):
+    def to_keep(self, kv):
         n, budget = kv.n, self.tokens
         score, pos = self.score(kv).clone(), kv.pos[:, :, :n].clone()
-        idx = super().evict(kv)
+        idx = super().to_keep(kv)
         kept = torch.zeros_like(pos, dtype=torch.bool).scatter_(2, idx, True)
         free = pos < pos.max(-1, keepdim=True).values - self.n_recent(budget) + 1  # not in the recent window
         lo = score.masked_fill(~(kept & free), float("inf")).min(-1).values

@@ -75,8 +75,8 @@ def smol():
 def cli(smol, monkeypatch):
     import attnlab.cli as main_cli
     import attnlab.cli.stream as kv_cli
-    monkeypatch.setattr(kv_cli, "load_lm", lambda args, tokenizer=True: smol)
-    monkeypatch.setattr(main_cli, "load_lm", lambda args, tokenizer=True: smol)
+    monkeypatch.setattr(kv_cli, "load_lm", lambda args, **kw: smol)
+    monkeypatch.setattr(main_cli, "load_lm", lambda args, **kw: smol)
     return main_cli.main
 
 

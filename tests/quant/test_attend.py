@@ -1,4 +1,5 @@
-"""The fused single-query attention kernel (attnlab/quant/attend.cpp) against torch's SDPA."""
+"""The fused single-query attention kernel (attnlab/kernels/attend.cpp) against torch's SDPA."""
+import contextlib
 import math
 
 import pytest
@@ -6,11 +7,11 @@ import torch
 import torch.nn.functional as F
 
 from attnlab.kv import make_policy
-from attnlab.quant import kernels
-from attnlab.quant.formats import dequantize_int8_blocks, int8_blocks
+from attnlab.kernels import ops
+from attnlab.kernels.reference import dequantize_int8_blocks, int8_blocks
 from tests.conftest import tiny_lm
 
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="fused kernels not built (no compiler or AVX2)")
+pytestmark = pytest.mark.skipif(not ops.load(), reason="fused kernels not built (no compiler or AVX2)")
 
 
 def reference(q, k, v):
@@ -138,15 +139,11 @@ def test_decode_attention_rejects_bad_input(bad):
 
 
 def _decode(lm, ids, fused, kv_dtype=None):
-    ok = kernels._STATE["ok"]
-    kernels._STATE["ok"] = fused
-    try:
-        lm.kv_dtype = kv_dtype
+    lm.kv_dtype = kv_dtype
+    with (contextlib.nullcontext() if fused else ops.disabled()):
         cache = lm.new_cache(policy=make_policy("sink", 12, positions="cache", n_sink=2, chunk=8, block=4))
         lm.prefill(ids[:, :8], cache)
         return torch.cat([lm.forward(ids[:, t:t + 1], cache) for t in range(8, ids.shape[1])], 1)
-    finally:
-        kernels._STATE["ok"] = ok
 
 
 def test_model_decode_through_the_kernel_equals_sdpa():

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from attnlab.quant import QuantLinear, QuantSpec, kernels
+from attnlab.kernels import ops
+from attnlab.quant import QuantLinear, QuantSpec
 from attnlab.quant.formats import pack4, quantize_int4, quantize_int8, quantize_kmeans, round_activations, unpack4
 from attnlab.quant.linear import FUSED_MAX_ROWS
 
@@ -77,7 +78,7 @@ def test_layer_equals_dequantised_matmul(w, spec, rows):
     x = torch.randn(2, rows, 256)
     ref = torch.nn.functional.linear(x, layer.dequantize(), bias)
     got = layer(x)
-    integer = s.fused and 2 * rows <= FUSED_MAX_ROWS and kernels.available()
+    integer = s.fused and 2 * rows <= FUSED_MAX_ROWS and ops.enabled()
     if integer:
         torch.testing.assert_close(got, _integer_reference(layer, x, bias), atol=1e-4, rtol=1e-5)
         assert (got - ref).norm() / (ref - bias).norm() < 3e-2  # int8 activations: about 1% on random data
@@ -89,7 +90,7 @@ def test_fused_kernels_are_built():
     """CI machines have a compiler and AVX2: the fused path must really be there, not the fallback."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         pytest.skip("no AVX2 on this CPU")
-    assert kernels.available()
+    assert ops.load() and ops.enabled()
 
 
 @pytest.mark.parametrize("text,expected", [("int8", "int8"), ("int8:32", "int8:32"), ("int4", "int4:32"), ("INT4:64", "int4:64"),

@@ -80,7 +80,7 @@ def test_compiled_decode_step_equals_eager(spec, kv):
         lm.kv_dtype = kv
         if spec:
             quantize_model(lm.model, spec)
-    fast.model.compile_decode(fullgraph=True)  # a graph break would raise here
+    fast.compile_decode(fullgraph=True)  # a graph break would raise here
     ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(0))
     outs = []
     for lm in (eager, fast):
@@ -89,7 +89,7 @@ def test_compiled_decode_step_equals_eager(spec, kv):
         lm.prefill(ids[:, :8], cache)
         outs.append(torch.cat([lm.forward(ids[:, t:t + 1], cache) for t in range(8, 40)], 1))
         assert len(cache) <= 12 + 3
-    assert fast.model.compiled.calls["direct"] >= 24  # past the first steps, dynamo's guards are skipped
+    assert fast.compiled.calls["direct"] >= 24  # past the first steps, dynamo's guards are skipped
     if spec != "int4:32" and kv is None:
         torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=1e-5)
     else:
@@ -105,17 +105,17 @@ def test_compiled_step_skips_dynamo_only_where_it_recorded_the_inputs():
     eager, fast = tiny_lm(dim=64, hidden_dim=128), tiny_lm(dim=64, hidden_dim=128)
     for lm in (eager, fast):
         quantize_model(lm.model, "kmeans-naive:4")  # a float path: compiled and eager agree to rounding
-    fast.model.compile_decode()
+    fast.compile_decode()
     ids = torch.randint(0, 97, (1, 30), generator=torch.Generator().manual_seed(1))
 
     def decode(lm, cache, a, b, last_only=False):
-        return torch.cat([lm.model(ids[:, t:t + 1], cache=cache, last_only=last_only) for t in range(a, b)], 1)
+        return torch.cat([lm.forward(ids[:, t:t + 1], cache, last_only=last_only) for t in range(a, b)], 1)
 
     caches = {}
     for lm in (eager, fast):
         caches[lm] = lm.new_cache(capacity=8)  # grows to 16 and 32 on the way
         lm.prefill(ids[:, :4], caches[lm])
-    calls = fast.model.compiled.calls
+    calls = fast.compiled.calls
     torch.testing.assert_close(decode(fast, caches[fast], 4, 20), decode(eager, caches[eager], 4, 20),
                                atol=2e-5, rtol=1e-5)
     assert calls["direct"] >= 8 and calls["dynamo"] >= 3  # first steps, then one per capacity

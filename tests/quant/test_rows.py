@@ -3,13 +3,14 @@ import pytest
 import torch
 from torch import nn
 
-from attnlab.quant import QuantLinear, QuantSpec, kernels
-from attnlab.quant.formats import round_activations
+from attnlab.kernels import ops
+from attnlab.quant import QuantLinear, QuantSpec
+from attnlab.kernels.reference import round_activations
 from attnlab.sparsity.rows import rows_combine, rows_matvec
 
 N = 3072
 FORMATS = ["fp32", "bf16", "int8", "int8:32", "int4:32"]
-needs_kernels = pytest.mark.skipif(not kernels.available(), reason="fused kernels not built (no AVX2/compiler)")
+needs_kernels = pytest.mark.skipif(not ops.load(), reason="fused kernels not built (no AVX2/compiler)")
 
 
 @pytest.fixture(scope="module", params=[576, 1536])
@@ -48,7 +49,7 @@ def test_matvec_equals_dense_matvec_at_idx(weights, fmt, k):
     x, idx = torch.randn(K), pick(k, k)
     got = rows_matvec(layer, x, idx)
     assert got.shape == (k,) and got.dtype == torch.float32
-    if isinstance(layer, QuantLinear) and kernels.available():
+    if isinstance(layer, QuantLinear) and ops.enabled():
         assert torch.equal(got, layer(x[None])[0, idx])
     else:
         torch.testing.assert_close(got, (dense(layer) @ x)[idx], atol=1e-5, rtol=1e-5)
@@ -83,8 +84,8 @@ def test_fallback_agrees_with_kernels_within_activation_rounding(weights, fmt, m
     layer, K = weights[fmt], weights[fmt].in_features
     x, a, idx = torch.randn(K), torch.randn(300), pick(300, 3)
     fast_mv, fast_comb = rows_matvec(layer, x, idx), rows_combine(layer, a, idx)
-    monkeypatch.setattr(kernels, "available", lambda: False)
-    slow_mv, slow_comb = rows_matvec(layer, x, idx), rows_combine(layer, a, idx)
+    with ops.disabled():
+        slow_mv, slow_comb = rows_matvec(layer, x, idx), rows_combine(layer, a, idx)
     w = dense(layer)[idx]
     torch.testing.assert_close(slow_mv, w @ x, atol=1e-5, rtol=1e-5)
     bound = w.abs() @ (x - round_activations(x)).abs() if fmt.startswith("int") else torch.zeros(300)
@@ -114,7 +115,7 @@ def test_bias_is_ignored():
 @pytest.mark.parametrize("use_kernels", [True, False])
 def test_user_errors_raise(weights, use_kernels, monkeypatch):
     if not use_kernels:
-        monkeypatch.setattr(kernels, "available", lambda: False)
+        monkeypatch.setattr(ops, "_OFF", [True])  # the fallback path for the rest of this test
     layer = weights["int4:32"]
     K = layer.in_features
     with pytest.raises(ValueError, match="vector of size"):

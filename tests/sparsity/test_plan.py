@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from attnlab.sparsity.collect import collect
-from attnlab.sparsity.plan import Plan, parse, plan_from_spec
+from attnlab.engine import LM
+from attnlab.sparsity.plan import make_plan, parse, plan_from_spec
 from attnlab.sparsity.predictors import Predictors, train
 from tests.conftest import tiny_lm
 
@@ -46,12 +47,9 @@ IDS = torch.randint(0, 97, (24,), generator=torch.Generator().manual_seed(5))
 def test_everything_selected_equals_dense(tiny_pred, method):
     lm, pred, _ = tiny_pred
     dense_full, dense_dec = lm.logits(IDS[None])[0], decode(lm, IDS)
-    Plan(method, 0.0, 0.0, pred).bind(lm.model)
-    try:
-        torch.testing.assert_close(lm.logits(IDS[None])[0], dense_full, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(decode(lm, IDS), dense_dec, atol=1e-5, rtol=1e-5)
-    finally:
-        lm.model.sparsity = None
+    sp = lm.with_sparsity(make_plan(method, 0.0, 0.0, pred).bind(lm.model))
+    torch.testing.assert_close(sp.logits(IDS[None])[0], dense_full, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(decode(sp, IDS), dense_dec, atol=1e-5, rtol=1e-5)
 
 
 @torch.inference_mode()
@@ -61,14 +59,12 @@ def test_sparse_decode_equals_zeroed_weights(tiny_pred, method, hs):
     wo columns of the unused heads are zeroed, fed the same token on its own cache."""
     lm, pred, _ = tiny_pred
     masks = Masks()
-    plan = Plan(method, 0.6, hs, pred).bind(lm.model)
+    plan = make_plan(method, 0.6, hs, pred).bind(lm.model)
+    sp = lm.with_sparsity(plan)
     cache, got, used = lm.new_cache(capacity=len(IDS)), [], []
-    try:
-        for t in range(len(IDS)):
-            got.append(lm.model(IDS[t:t + 1][None], cache=cache, observers=[masks])[0])
-            used.append((dict(masks.mlp), dict(masks.heads)))
-    finally:
-        lm.model.sparsity = None
+    for t in range(len(IDS)):
+        got.append(sp.forward(IDS[t:t + 1][None], cache, observers=[masks])[0])
+        used.append((dict(masks.mlp), dict(masks.heads)))
     assert plan.sparse_exec
     H, D, hid = lm.cfg.n_heads, lm.cfg.head_dim, lm.cfg.hidden_dim
     ref_cache, ref = lm.new_cache(capacity=len(IDS)), []
@@ -82,7 +78,7 @@ def test_sparse_decode_equals_zeroed_weights(tiny_pred, method, hs):
             if method != "threshold":
                 assert int(mlp[i].sum()) == plan.keep(hid, 0.6)
                 assert int(heads[i].sum()) == plan.keep(H, hs)
-        ref.append(m(IDS[t:t + 1][None], cache=ref_cache)[0])
+        ref.append(LM(m).forward(IDS[t:t + 1][None], ref_cache)[0])
     torch.testing.assert_close(torch.cat(got), torch.cat(ref), atol=1e-4, rtol=1e-4)
     assert 0.1 < sum(kept) / len(kept) < 0.7  # a real choice was made
 
@@ -93,13 +89,10 @@ def test_masked_prefill_equals_sparse_decode(tiny_pred, method):
     """The two executions share one semantics: a full masked forward = token-by-token sparse steps."""
     lm, pred, ahead = tiny_pred
     p = ahead if method == "lookahead" else pred
-    Plan("predictor" if method == "lookahead" else method, 0.5, 0.0, p).bind(lm.model)
-    try:
-        full = lm.logits(IDS[None])[0]
-        dense_gap = (full - tiny_lm(seed=1).logits(IDS[None])[0]).abs().max()
-        torch.testing.assert_close(decode(lm, IDS), full, atol=1e-4, rtol=1e-4)
-    finally:
-        lm.model.sparsity = None
+    sp = lm.with_sparsity(make_plan("predictor" if method == "lookahead" else method, 0.5, 0.0, p).bind(lm.model))
+    full = sp.logits(IDS[None])[0]
+    dense_gap = (full - tiny_lm(seed=1).logits(IDS[None])[0]).abs().max()
+    torch.testing.assert_close(decode(sp, IDS), full, atol=1e-4, rtol=1e-4)
     assert dense_gap > 1e-3  # sparsity changed the output
 
 
@@ -114,15 +107,8 @@ def test_predictors_save_and_reload(tiny_pred, tmp_path):
         assert torch.equal(back.head_scores(i, x), pred.head_scores(i, x))
         assert back.threshold(i, 0.37) == pred.threshold(i, 0.37)
     plan = plan_from_spec(f"{tmp_path}:0.5", lm.model)
-    try:
-        a = lm.logits(IDS[None])
-    finally:
-        lm.model.sparsity = None
-    Plan("predictor", 0.5, 0.0, pred).bind(lm.model)
-    try:
-        assert torch.equal(lm.logits(IDS[None]), a)
-    finally:
-        lm.model.sparsity = None
+    a = lm.with_sparsity(plan).logits(IDS[None])
+    assert torch.equal(lm.with_sparsity(make_plan("predictor", 0.5, 0.0, pred).bind(lm.model)).logits(IDS[None]), a)
     assert plan.method == "predictor"
 
 
@@ -134,9 +120,9 @@ def test_spec_parsing_and_errors(tmp_path):
     with pytest.raises(ValueError, match="unknown method"):
         parse("magic@x:0.5")
     with pytest.raises(ValueError, match=r"\[0, 1\)"):
-        Plan("oracle", 1.0)
+        make_plan("oracle", 1.0)
     with pytest.raises(ValueError, match="needs trained predictors"):
-        Plan("threshold", 0.5)
+        make_plan("threshold", 0.5)
     with pytest.raises(ValueError, match="dejavu train"):
         plan_from_spec(f"{tmp_path}:0.5")
     (tmp_path / "predictors.safetensors").write_bytes(b"not a safetensors file")
@@ -153,16 +139,14 @@ def test_sparse_decode_on_quantized_weights(tiny_pred, spec):
     _, pred, _ = tiny_pred
     lm = tiny_lm(seed=1)
     quantize_model(lm.model, spec)
-    plan = Plan("predictor", 0.5, 0.0, pred).bind(lm.model)
-    try:
-        sparse = decode(lm, IDS)
-        plan.sparse_exec = False
-        for layer, down in zip(lm.model.layers, plan.down):
-            layer.mlp.w2 = torch.nn.Linear(down.in_features, down.out_features, bias=False)
-            layer.mlp.w2.weight.data = down.dequantize().T.contiguous()
-        masked = decode(lm, IDS)
-    finally:
-        lm.model.sparsity = None
+    plan = make_plan("predictor", 0.5, 0.0, pred).bind(lm.model)
+    sp = lm.with_sparsity(plan)
+    sparse = decode(sp, IDS)
+    plan.sparse_exec = False
+    for layer, down in zip(lm.model.layers, plan.down):
+        layer.mlp.w2 = torch.nn.Linear(down.in_features, down.out_features, bias=False)
+        layer.mlp.w2.weight.data = down.dequantize().T.contiguous()
+    masked = decode(sp, IDS)
     # int8 activation rounding is a step function: 1e-7 differences in summation order can move one
     # rounded value by a step (1/254), which the int4 model amplifies to ~1e-2 in a few logits
     tol = 2e-3 if spec == "int8" else 5e-2
@@ -177,15 +161,13 @@ def test_sparsity_composes_with_kv_policies(tiny_pred, policy):
     from attnlab.kv.policies import make_policy
     lm, pred, _ = tiny_pred
     ids = torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(9))
-    plan = Plan("predictor", 0.5, 0.25, pred).bind(lm.model)
+    plan = make_plan("predictor", 0.5, 0.25, pred).bind(lm.model)
+    sp = lm.with_sparsity(plan)
     outs = []
-    try:
-        for sparse in (True, False):
-            plan.sparse_exec = sparse
-            cache = lm.new_cache(policy=make_policy(policy, 12, n_sink=2, chunk=4, block=3))
-            lm.prefill(ids[None, :8], cache, chunk=4)
-            outs.append(torch.cat([lm.forward(ids[None, t:t + 1], cache)[0] for t in range(8, 40)]))
-            assert len(cache) <= 12 + 3 - 1 + 4
-    finally:
-        lm.model.sparsity = None
+    for sparse in (True, False):
+        plan.sparse_exec = sparse
+        cache = lm.new_cache(policy=make_policy(policy, 12, n_sink=2, chunk=4, block=3))
+        sp.prefill(ids[None, :8], cache, chunk=4)
+        outs.append(torch.cat([sp.forward(ids[None, t:t + 1], cache)[0] for t in range(8, 40)]))
+        assert len(cache) <= 12 + 3 - 1 + 4
     torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)

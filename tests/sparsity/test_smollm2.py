@@ -6,7 +6,7 @@ import torch
 
 from attnlab.data import corpus
 from attnlab.sparsity.collect import collect
-from attnlab.sparsity.evaluate import predictor_quality
+from attnlab.eval.dejavu import predictor_quality
 from attnlab.sparsity.predictors import Predictors, gate_quantiles
 
 

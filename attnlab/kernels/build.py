@@ -1,16 +1,15 @@
-"""The fused kernels (kernels.cpp, its SIMD arithmetic in kernels_simd.h; attend.cpp, single-query
-attention over the KV cache), built on first use, with a pure-torch fallback.
+"""Building and loading the C++ kernels (kernels.cpp with its SIMD arithmetic in kernels_simd.h:
+quantized matmuls and row-sparse ops; attend.cpp: single-query attention over the KV cache).
 
-Why a C++ kernel: the point of quantized weights is reading fewer bytes per token,
-which pays only if dequantisation happens in registers. torch's own int4/int8
-kernels want bf16 activations and are compute-bound on AVX2 CPUs, and inductor
-turns a codebook lookup into scalar gathers (5 ms for a 1536x576 matvec, 40x
-slower than float). The kernels multiply in integers, llama.cpp's way. The build needs a
-C++ compiler and AVX2; without them `available()` is False and every format falls
-back to dequantise-then-matmul, the same numbers, only slower.
+Why a C++ kernel: the point of quantized weights is reading fewer bytes per token, which pays only if
+dequantisation happens in registers. torch's own int4/int8 kernels want bf16 activations and are
+compute-bound on AVX2 CPUs, and inductor turns a codebook lookup into scalar gathers. The kernels
+multiply in integers, llama.cpp's way. The build needs a C++ compiler and AVX2; without them `load()`
+is False and every op of `attnlab.kernels.ops` takes its pure-torch fallback.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 import warnings
@@ -24,18 +23,13 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c")
 CACHE = Path(os.environ.get("ATTNLAB_CACHE", Path.home() / ".cache" / "attnlab")) / "kernels"
 
 
-def available() -> bool:
-    """True once the extension is built and loaded (built at most once per process; the build is
-    kept under ~/.cache/attnlab/kernels and redone only when kernels.cpp or kernels_simd.h changes:
-    ninja tracks the include)."""
+def load() -> bool:
+    """True once the extension is built and loaded: built at most once per process (kept under
+    ~/.cache/attnlab/kernels, redone only when a source changes: ninja tracks the include); False
+    without a compiler or AVX2, or with ATTNLAB_NO_KERNELS set."""
     if "ok" not in _STATE:
         _STATE["ok"] = _build()
     return _STATE["ok"]
-
-
-def ready() -> bool:
-    """True if the extension is already loaded; never builds (safe inside a forward or a trace)."""
-    return _STATE.get("ok", False)
 
 
 def _build() -> bool:
@@ -45,7 +39,10 @@ def _build() -> bool:
         return False
     try:
         from torch.utils.cpp_extension import load
-        build = CACHE / f"torch-{torch.__version__}"
+        # one build folder per source folder: ninja rebuilds whenever the sources' paths change, so two
+        # checkouts sharing a folder would rebuild each other's kernels on every load
+        here = hashlib.sha1(str(Path(__file__).resolve().parent).encode()).hexdigest()[:10]
+        build = CACHE / f"torch-{torch.__version__}-{here}"
         build.mkdir(parents=True, exist_ok=True)
         lock = build / "lock"  # left behind by a build that was killed: torch would wait on it forever
         if lock.exists() and time.time() - lock.stat().st_mtime > 600:
@@ -92,19 +89,3 @@ def _register_fakes() -> None:
     torch.library.register_fake("attnlab::quantize_kv")(
         lambda x: (torch.empty_like(x, dtype=torch.int8), x.new_empty(*x.shape[:-1], x.shape[-1] // 32)))
 
-
-def q4_mm(x, qs, scale, min_, group):
-    return torch.ops.attnlab.q4_mm(x, qs, scale, min_, group)
-
-
-def lut4_mm(x, qs, lut, lut_scale, group):
-    return torch.ops.attnlab.lut4_mm(x, qs, lut, lut_scale, group)
-
-
-def q8_mm(x, q, scale, group):
-    return torch.ops.attnlab.q8_mm(x, q, scale, group)
-
-
-# Row-sparse ops (Deja Vu's sparse MLP) are called as torch.ops.attnlab.{f32,q8,q4}_rows_{mv,axpy} through
-# attnlab.sparsity.rows: idx [k] int64 selects rows of a weight [N, K] (q4: codes [N, K/2]);
-# *_rows_mv(x [K]) -> [k] = (w[idx] @ x), *_rows_axpy(a [k]) -> [K] = sum_j a_j w[idx_j].

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from attnlab.eval.perplexity import perplexity
 from attnlab.io import save_figure, write_json
-from attnlab.sparsity.plan import METHODS, Plan
+from attnlab.sparsity.plan import METHODS, make_plan
 from attnlab.sparsity.predictors import Predictors, recall
 
 SPARSITIES = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
@@ -38,7 +38,7 @@ def sweep(lm, predictors: dict[str, Predictors], ids, out: Path, sparsities=SPAR
         if s == 0:
             continue
         jobs.append(("oracle", None, s, 0.0))
-        if not getattr(lm.model, "quant", None):
+        if not lm.quant:
             jobs.append(("lowbit", None, s, 0.0))
         if first is not None:
             jobs.append(("threshold", first, s, 0.0))
@@ -55,13 +55,10 @@ def sweep(lm, predictors: dict[str, Predictors], ids, out: Path, sparsities=SPAR
         if rid in done:
             rows.append(done[rid])
         else:
-            lm.model.sparsity = None
+            plan = None
             if method != "dense":
-                Plan(method if method in METHODS else "predictor", s, hs, pred, sparse_exec=False).bind(lm.model)
-            try:
-                r = perplexity(lm, ids, window=window)
-            finally:
-                lm.model.sparsity = None
+                plan = make_plan(method if method in METHODS else "predictor", s, hs, pred, sparse_exec=False)
+            r = perplexity(lm.with_sparsity(plan and plan.bind(lm.model)), ids, window=window)
             rows.append({"method": method, "sparsity": s, "head_sparsity": hs, "ppl": r["ppl"], "nll": r["nll"],
                          "tokens": r["tokens"]})
             write_json(path, {"key": key, "rows": rows + [r for i, r in done.items() if i not in
@@ -91,9 +88,8 @@ def predictor_quality(lm, predictors: dict[str, Predictors], held: dict[str, tor
     first = next(iter(predictors.values()))
     from attnlab.sparsity.collect import _weight
     lowbit = None
-    if not getattr(lm.model, "quant", None):
-        lowbit = Plan("lowbit", sparsity).bind(lm.model)
-        lm.model.sparsity = None
+    if not lm.quant:
+        lowbit = make_plan("lowbit", sparsity).bind(lm.model)
         res["recall"]["lowbit"] = []
     res["recall"]["threshold"] = []
     for i, layer in enumerate(lm.model.layers):
@@ -103,7 +99,7 @@ def predictor_quality(lm, predictors: dict[str, Predictors], held: dict[str, tor
         res["threshold_sparsity"].append(float((g <= first.threshold(i, sparsity)).float().mean()))
         res["recall"]["threshold"].append(recall(g, act, 1 - sparsity))  # the gate's ranking at the same k
         if lowbit is not None:
-            res["recall"]["lowbit"].append(recall(lowbit._lowbit(i, x), act, 1 - sparsity))
+            res["recall"]["lowbit"].append(recall(lowbit.scores(i, ffn, x, x), act, 1 - sparsity))
     return res
 
 

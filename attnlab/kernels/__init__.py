@@ -1,0 +1,1 @@
+"""attnlab's CPU kernels: C++ sources built on first use, called only through `attnlab.kernels.ops`."""

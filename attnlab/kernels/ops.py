@@ -1,0 +1,123 @@
+"""Every fused op attnlab runs: one typed function each, the C++ kernel when built, else pure torch.
+
+Callers never reach `torch.ops.attnlab` themselves, so which path runs is decided here alone: the
+kernels are built and loaded once per process on first use (`build.load`), and `disabled()` pins the
+fallback for a block of code (tests compare the two paths that way, in any order).
+
+Matrix ops take activations x [M, K] float32 and a weight's packed operands (N output rows):
+  q8_mm (int8 codes q [N, K], scale [N, K/group]), q4_mm (codes qs [N, K/2], scale and min [N, K/group]),
+  lut4_mm (k-means codes qs [N, K/2] through int8 codebooks lut [N, K/group, 16], lut_scale [N, K/group]).
+  The kernels round x to int8 per 32 values (`reference.round_activations`); the fallback multiplies
+  the dequantised matrix in float.
+Row ops (Deja Vu's sparse MLP) pick rows idx [k] int64 of a weight given as `operands(kind)`:
+  rows_mv(x [K]) -> [k] = w[idx] @ x; rows_axpy(a [k]) -> [K] = sum_j a_j w[idx_j].
+"""
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+
+from attnlab.kernels import build
+from attnlab.kernels.reference import (dequantize_int4, dequantize_int8_blocks, dequantize_lut4, int8_blocks)
+
+_OFF = [False]
+
+
+def enabled() -> bool:
+    """Whether the C++ kernels serve the ops (building them on the first call of the process)."""
+    return not _OFF[0] and build.load()
+
+
+def load() -> bool:
+    """Build/load the kernels now (before any torch.compile trace); True if they are available."""
+    return build.load()
+
+
+@contextmanager
+def disabled():
+    """Run the block on the pure-torch fallbacks."""
+    before, _OFF[0] = _OFF[0], True
+    try:
+        yield
+    finally:
+        _OFF[0] = before
+
+
+# ---------------------------------------------------------------- attention over the KV cache
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """One query per head over a whole cache: q [B, Hq, 1, D] float32; k, v [B, Hkv, L, D] float32 or
+    float16, or int8 codes with k_scale, v_scale [B, Hkv, L, D/32]. Returns [B, Hq, 1, D] float32.
+    Query head h reads KV head h // (Hq / Hkv); every key and value is read once for its group."""
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if enabled():
+        extra = () if k_scale is None else (k_scale, v_scale)
+        return torch.ops.attnlab.decode_attention(q, k, v, scale, *extra)
+    if k_scale is not None:
+        k, v = dequantize_int8_blocks(k, k_scale, q.dtype), dequantize_int8_blocks(v, v_scale, q.dtype)
+    return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), scale=scale, enable_gqa=True)
+
+
+def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys or values [..., D] -> int8 codes [..., D] and float32 scales [..., D/32] (`int8_blocks`)."""
+    if enabled():
+        return torch.ops.attnlab.quantize_kv(x.float())
+    return int8_blocks(x)
+
+
+# ---------------------------------------------------------------- quantized matmuls
+
+def q8_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    if enabled():
+        return torch.ops.attnlab.q8_mm(x, q, scale, group)
+    return x @ dequantize_int8_blocks(q, scale).T
+
+
+def q4_mm(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor, group: int) -> torch.Tensor:
+    if enabled():
+        return torch.ops.attnlab.q4_mm(x, qs, scale, min_, group)
+    return x @ dequantize_int4(qs, scale, min_, group).T
+
+
+def lut4_mm(x: torch.Tensor, qs: torch.Tensor, lut: torch.Tensor, lut_scale: torch.Tensor, group: int) -> torch.Tensor:
+    if enabled():
+        return torch.ops.attnlab.lut4_mm(x, qs, lut, lut_scale, group)
+    return x @ dequantize_lut4(qs, lut, lut_scale, group).T
+
+
+# ---------------------------------------------------------------- row-sparse ops
+
+ROW_KINDS = ("f32", "q8", "q4")  # operands: (w [N, K],) | (q, scale, group) | (qs, scale, min, group)
+
+
+def _rows(kind: str, operands: tuple, idx: torch.Tensor) -> torch.Tensor:
+    """The selected rows as float32 [k, K]."""
+    if kind == "f32":
+        return operands[0].index_select(0, idx).float()
+    picked = [t.index_select(0, idx) for t in operands[:-1]]
+    if kind == "q8":
+        return dequantize_int8_blocks(*picked)
+    return dequantize_int4(*picked, operands[-1])
+
+
+def bound_rows(kind: str, operands: tuple) -> tuple:
+    """(mv(x, idx), axpy(a, idx)) for one weight with the path and op looked up once, for a loop that
+    calls them every token (the checks of a one-shot call cost as much as a small row op)."""
+    if enabled():
+        mv, axpy = getattr(torch.ops.attnlab, f"{kind}_rows_mv"), getattr(torch.ops.attnlab, f"{kind}_rows_axpy")
+        return (lambda x, idx: mv(x, *operands, idx)), (lambda a, idx: axpy(a, *operands, idx))
+    return (lambda x, idx: _rows(kind, operands, idx) @ x), (lambda a, idx: a @ _rows(kind, operands, idx))
+
+
+def rows_mv(kind: str, x: torch.Tensor, operands: tuple, idx: torch.Tensor) -> torch.Tensor:
+    """x [K] float32, idx [k] int64 -> [k]: w[idx] @ x, each selected row read once."""
+    return bound_rows(kind, operands)[0](x, idx)
+
+
+def rows_axpy(kind: str, a: torch.Tensor, operands: tuple, idx: torch.Tensor) -> torch.Tensor:
+    """a [k] float32, idx [k] int64 -> [K]: sum_j a_j w[idx_j] (repeated indices add up)."""
+    return bound_rows(kind, operands)[1](a, idx)

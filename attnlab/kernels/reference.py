@@ -1,0 +1,63 @@
+"""The number formats the kernels compute in, as plain torch: their reference and their fallback.
+
+Why here: the int8 block rounding is shared by int8 weights (`attnlab.quant.formats`), the activations
+of the integer matmuls and the int8 KV cache (`attnlab.kv.cache`); the 4-bit nibble layout is what the
+C++ kernels read. Keeping the definitions beside the kernels lets `quant/` and `kv/` use them without
+importing each other.
+"""
+from __future__ import annotations
+
+import torch
+
+BLOCK = 32  # values per int8 scale, and weights per 16-byte block of 4-bit codes
+
+
+def pack4(codes: torch.Tensor) -> torch.Tensor:
+    """codes [N, K] in 0..15 -> [N, K/2] uint8 (byte j of a block: code j low, code j+16 high)."""
+    N, K = codes.shape
+    b = codes.to(torch.uint8).view(N, K // BLOCK, 2, BLOCK // 2)
+    return (b[:, :, 0] | (b[:, :, 1] << 4)).reshape(N, K // 2)
+
+
+def unpack4(qs: torch.Tensor) -> torch.Tensor:
+    """[N, K/2] uint8 -> codes [N, K] uint8."""
+    N = qs.shape[0]
+    b = qs.view(N, -1, BLOCK // 2)
+    return torch.stack([b & 15, b >> 4], dim=2).reshape(N, -1)
+
+
+def int8_blocks(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] -> int8 codes [..., K] and float32 scales [..., K/group], x ~ q * scale (symmetric).
+    The rule of `int8` weights and of the int8 KV cache (`attnlab.kv.cache`)."""
+    g = x.float().unflatten(-1, (-1, group))
+    scale = g.abs().amax(-1).clamp_min(1e-12) / 127
+    q = (g / scale[..., None]).round().clamp(-127, 127).to(torch.int8)
+    return q.flatten(-2), scale
+
+
+def dequantize_int8_blocks(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """int8_blocks' inverse: codes [..., K], scales [..., K/group] -> [..., K]."""
+    return (q.to(dtype).unflatten(-1, (scale.shape[-1], -1)) * scale[..., None].to(dtype)).flatten(-2)
+
+
+def round_activations(x: torch.Tensor) -> torch.Tensor:
+    """What the integer kernels (int8, int4) multiply instead of x [M, K]: x rounded to int8 with one
+    scale per 32 values (llama.cpp's Q8 activations), returned dequantised. For tests and docs."""
+    b = x.float().reshape(-1, BLOCK)
+    amax = b.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    return ((b * inv).round() * (amax / 127)).view(x.shape)
+
+
+def dequantize_int4(qs: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor, group: int) -> torch.Tensor:
+    """int4 codes [N, K/2] with scale and min [N, K/group] -> [N, K] float32: w = c * s + m (Q4_1's rule)."""
+    N = qs.shape[0]
+    codes = unpack4(qs).view(N, -1, group)
+    return (codes.float() * scale[..., None] + min_[..., None]).view(N, -1)
+
+
+def dequantize_lut4(qs: torch.Tensor, lut: torch.Tensor, lut_scale: torch.Tensor, group: int) -> torch.Tensor:
+    """k-means codes [N, K/2] through per-group int8 codebooks lut [N, K/group, 16] (scale [N, K/group])."""
+    N = qs.shape[0]
+    codes = unpack4(qs).view(N, -1, group).long()
+    return (torch.gather(lut.float(), 2, codes) * lut_scale[..., None]).view(N, -1)

@@ -1,0 +1,126 @@
+"""How to run a model: one object, parsed and checked once, shared by the CLI, the server and `attnlab.load`.
+
+Why: the same choices (weight format, compile, RoPE override, Deja Vu sparsity, KV-cache dtype and
+eviction policy) reach the engine from three front ends; each used to parse and check them itself,
+some more than once. A bad value fails here, before the slow model load, with a one-line error.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from attnlab.errors import AttnlabError
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "int8": torch.int8}
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """A KV-cache policy by name and parameters (`attnlab.kv.policies`); `build` makes a fresh one per cache.
+
+    budget: tokens ("1024", 1024) or a fraction of the stream ("0.2", "20%"), resolved by `build(length)`."""
+    name: str = "full"
+    budget: int | float | str = 1024
+    n_sink: int = 4
+    positions: str = "cache"
+    block: int = 1
+    chunk: int = 512
+
+    def __post_init__(self):
+        self.build(length=None if self.fractional else 0)  # every check of the policy itself, now
+
+    @classmethod
+    def parse(cls, text: "str | PolicySpec | None") -> "PolicySpec | None":
+        """'sink:1024', 'h2o:0.2', 'full' or None (= full) -> a spec."""
+        if text is None or isinstance(text, PolicySpec):
+            return text
+        name, _, budget = str(text).strip().partition(":")
+        return cls(name, budget or 1024)
+
+    @property
+    def fractional(self) -> bool:
+        from attnlab.kv.policies import parse_budget
+        return isinstance(parse_budget(self.budget), float)
+
+    def build(self, length: int | None = None):
+        """A new Policy (None for full); a fractional budget needs the stream's length in tokens."""
+        from attnlab.kv.policies import make_policy
+        if self.name == "full":
+            return None
+        p = make_policy(self.name, self.budget, positions=self.positions, n_sink=self.n_sink, chunk=self.chunk,
+                        block=self.block)
+        if length:
+            p = p.resolve(length)
+            p.check_budget(p.tokens)
+        elif length is not None and self.fractional:
+            raise AttnlabError(f"policy {self.name} needs a budget in tokens here (e.g. 1024), not {self.budget}")
+        return p
+
+    def describe(self) -> dict:
+        return {"policy": self.name, "budget": None if self.name == "full" else self.budget, "n_sink": self.n_sink,
+                "positions": self.positions, "block": self.block}
+
+
+@dataclass(frozen=True)
+class Options:
+    """dtype: float32 | bfloat16. threads: torch threads (None: leave torch's). quant: 'int8', 'int4:32',
+    'kmeans:4', ... (`attnlab.quant.QuantSpec`). compile: compile the single-token decode step.
+    rope: a context-extension override ('yarn:4', 'linear:2', 'none'; `attnlab.rope.parse_rope`).
+    sparsity: Deja Vu, 'PATH[:MLP[:HEADS]]', 'threshold@PATH:0.5', 'oracle:0.5', 'lowbit:0.5'
+    (`attnlab.sparsity.plan.parse`). kv_dtype: KV-cache storage float32 | float16 | int8 (default: dtype).
+    policy: the default KV-cache policy of generation and serving ('sink:1024' or a PolicySpec; None = full)."""
+    dtype: str = "float32"
+    threads: int | None = None
+    quant: object = None
+    compile: bool = False
+    rope: str | None = None
+    sparsity: object = None  # a --sparsity string, parsed once into a SparsitySpec
+    kv_dtype: str | None = None
+    policy: PolicySpec | None = field(default=None)
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise AttnlabError(f"unknown dtype {self.dtype!r}; choose from float32, bfloat16")
+        if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
+            raise AttnlabError(f"unknown KV-cache dtype {self.kv_dtype!r}; choose from {', '.join(KV_DTYPES)}")
+        if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
+                                         or self.threads < 1):
+            raise AttnlabError(f"threads must be an integer >= 1, got {self.threads!r}")
+        if self.quant is not None:
+            from attnlab.quant import QuantSpec
+            object.__setattr__(self, "quant", QuantSpec.parse(self.quant))
+        if self.sparsity is not None:
+            from attnlab.sparsity.plan import parse
+            object.__setattr__(self, "sparsity", parse(self.sparsity))
+        if self.rope is not None:
+            from attnlab.rope import parse_rope
+            parse_rope(self.rope, 2048)
+        object.__setattr__(self, "policy", PolicySpec.parse(self.policy))
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def torch_kv_dtype(self) -> torch.dtype | None:
+        return KV_DTYPES[self.kv_dtype] if self.kv_dtype else None
+
+    def new_policy(self, length: int | None = None):
+        """A fresh cache policy of `policy` (None = full); a fractional budget needs the stream's `length`."""
+        return self.policy.build(length) if self.policy is not None else None
+
+    def but(self, **changes) -> "Options":
+        """A copy with some fields changed (checked again)."""
+        return replace(self, **changes)
+
+    @classmethod
+    def from_args(cls, args) -> "Options":
+        """The CLI's model options (`attnlab.cli.common.add_model_args` and friends)."""
+        policy = None
+        if getattr(args, "policy", "full") not in ("full", None) and "," not in args.policy:
+            policy = PolicySpec(args.policy, args.budget, args.n_sink, args.positions, args.block)
+        return cls(dtype=args.dtype, threads=args.threads, quant=getattr(args, "quant", None),
+                   compile=getattr(args, "compile", False), rope=args.rope, sparsity=getattr(args, "sparsity", None),
+                   kv_dtype=getattr(args, "kv_dtype", None), policy=policy)
