@@ -110,7 +110,7 @@ def test_probe_forward_catches_what_the_range_check_lets_through(tmp_path, monke
     ({"vocab_size": 49}, "model.embed_tokens.weight has shape [48, 32], the config implies [49, 32]"),
     ({"num_key_value_heads": 3}, "not a multiple"),
     ({"head_dim": 7}, "odd"),
-    ({"rms_norm_eps": -1}, "rms_norm_eps = -1 is out of range"),
+    ({"rms_norm_eps": -1}, "rms_norm_eps = -1.0 is out of range"),
     ({"rope_theta": "big"}, "rope_theta must be a finite number, got str"),
     ({"rope_scaling": [1, 2]}, "rope_scaling must be an object"),
     ({"rope_parameters": 7}, "rope_parameters must be an object, got int"),  # found by the fuzzer

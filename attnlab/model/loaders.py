@@ -114,11 +114,9 @@ def read_hf_folder(path: Path):
     """-> (ModelConfig, {hf_name: tensor}) from config.json + *.safetensors (sharded or not)."""
     from safetensors.torch import load_file
 
-    hf = metadata.read_json(path)
-    files = metadata.hf_files(path)
-    cfg = metadata.hf_config(path, hf, files)  # types, ranges and tensor shapes before any data is read
+    cfg = metadata.hf_config(path, metadata.read_json(path))  # types, ranges and tensor shapes before any data is read
     tensors = {}
-    for f in files:
+    for f in metadata.hf_files(path):
         try:
             tensors.update(load_file(str(f)))
         except Exception as e:

@@ -38,7 +38,7 @@ def read_config(spec: str | Path) -> tuple[ModelConfig, Path]:
     hf = read_json(path)
     if "attnlab" in hf:
         return quantized_config(path, hf), path
-    return hf_config(path, hf, hf_files(path)), path
+    return hf_config(path, hf), path
 
 
 # ---------------------------------------------------------------- GGUF
@@ -133,7 +133,7 @@ def hf_files(path: Path) -> list[Path]:
     return files
 
 
-def hf_config(path: Path, hf: dict, files: list[Path]) -> ModelConfig:
+def hf_config(path: Path, hf: dict) -> ModelConfig:
     """config.json (+ safetensors headers, for shapes and tying) -> ModelConfig. Mistral keeps its sliding window."""
     if not isinstance(hf, dict):
         raise error(path, f"config.json must hold a JSON object, got {validate.shown(hf)}")
@@ -141,7 +141,7 @@ def hf_config(path: Path, hf: dict, files: list[Path]) -> ModelConfig:
     if arch not in HF_ARCHS:
         shown = arch if isinstance(arch, str) or arch is None else validate.shown(arch)
         raise error(path, f"unsupported architecture {shown!r}; supported: {', '.join(HF_ARCHS)}")
-    d = validate.check_hf(path, hf, files)
+    d = validate.check_hf(path, hf, hf_files(path))
     get = partial(validate.field, path, hf)
     params = validate.scaling_fields(path, hf.get("rope_parameters"), "rope_parameters") or {}
     raw = validate.scaling_fields(path, hf.get("rope_scaling"), "rope_scaling") or params or None
