@@ -7,8 +7,10 @@ and compute NaN. So, before any tensor is read:
 
 - a GGUF header is walked (`gguf_header.scan_gguf`) with every count and length checked
   against the bytes left in the file (the `gguf` reader would build whatever it claims);
-- every config value has the right type and a sane range, and caps bound what a
-  header may claim;
+- every config value has the right type and a sane range (`field`: the builders in
+  `metadata.py` read every value through it, at every level, so `5`, `null`, a string
+  for an int or an array for a scalar is a clean error), and caps bound what a header
+  may claim;
 - every tensor the network needs exists with the shape the config implies, and a GGUF
   tensor's data lies inside the file;
 
@@ -182,12 +184,13 @@ def check_rope_scaling(path, scaling, head_dim: int, base: float = 10000.0) -> N
         return
     scaling_fields(path, scaling, "rope_scaling")
     from attnlab.rope import inv_frequencies
+    brief = {k: v for k, v in scaling.items() if k != "factors"}  # rope_freqs' values would fill the line
     try:
         inv = inv_frequencies(head_dim, base, scaling)
     except (ValueError, TypeError, KeyError, ZeroDivisionError, OverflowError) as e:
-        raise error(path, f"rope_scaling {scaling!r} is not usable: {type(e).__name__}: {e}") from None
+        raise error(path, f"rope_scaling {brief!r} is not usable: {type(e).__name__}: {e}") from None
     if not bool(inv.isfinite().all()) or not bool((inv > 0).all()):
-        raise error(path, f"rope_scaling {scaling!r} gives non-finite or non-positive frequencies")
+        raise error(path, f"rope_scaling {brief!r} gives non-finite or non-positive frequencies")
 
 
 # ---------------------------------------------------------------- per format
