@@ -1,8 +1,10 @@
 """Checkpoint loaders: GGUF files, Hugging Face folders and the embedded default.
 
 Both formats are read into Hugging Face tensor names and layout first, so the
-network is built one way whatever the source. Nothing is unpickled: folders must
-hold safetensors; GGUF tensors are dequantised with the `gguf` package.
+network is built one way whatever the source. The ModelConfig comes from the
+format's builder in `metadata.py`, the one `attnlab info` uses, before any tensor data
+is read. Nothing is unpickled: folders must hold safetensors; GGUF tensors are
+dequantised with the `gguf` package.
 """
 from __future__ import annotations
 
