@@ -17,12 +17,12 @@ _GGUF_BLOCK = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_
                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 
 
-def tiny_tensors(seed: int = 0, tied: bool = False, **kw) -> dict[str, np.ndarray]:
-    """Hugging Face-named float32 weights of a tiny llama."""
+def tiny_tensors(seed: int = 0, tied: bool = False, bias: bool = False, **kw) -> dict[str, np.ndarray]:
+    """Hugging Face-named float32 weights of a tiny llama (bias: Qwen2's q/k/v biases)."""
     from attnlab.model.validate import Dims, expected_shapes
     c = {**TINY, **kw}
     d = Dims(c["layers"], c["dim"], c["heads"], c["kv_heads"], c["hidden"], c["dim"] // c["heads"], c["vocab"],
-             False, tied)
+             bias, tied)
     rng = np.random.default_rng(seed)
     return {name: (1.0 + 0.05 * rng.standard_normal(shape) if len(shape) == 1 else 0.2 * rng.standard_normal(shape))
             .astype(np.float32) for name, shape in expected_shapes(d).items()}
@@ -37,25 +37,30 @@ def gguf_name(hf: str) -> str:
     return f"blk.{i}.{_GGUF_BLOCK['.'.join(rest[:-1])]}.{rest[-1]}"
 
 
-def write_gguf(path: Path, tensors: dict | None = None, meta: dict | None = None, qtype: str = "F32") -> Path:
-    """A llama GGUF; meta overrides config values by GGUF key suffix (e.g. {'block_count': 3})."""
+def write_gguf(path: Path, tensors: dict | None = None, meta: dict | None = None, qtype: str = "F32",
+               extra_tensors: dict | None = None) -> Path:
+    """A llama GGUF; meta overrides config values by GGUF key suffix (e.g. {'block_count': 3}), or by full
+    key for general.* and tokenizer.* keys; a value's Python type picks the GGUF type (int: uint32, float:
+    float32, str, bool, list: array), so tests can write values of the wrong type. None drops the key.
+    extra_tensors: GGUF-named tensors written as they are (e.g. rope_freqs.weight)."""
     import gguf
     c = {"block_count": TINY["layers"], "context_length": TINY["context"], "embedding_length": TINY["dim"],
          "feed_forward_length": TINY["hidden"], "attention.head_count": TINY["heads"],
-         "attention.head_count_kv": TINY["kv_heads"]}
+         "attention.head_count_kv": TINY["kv_heads"], "attention.layer_norm_rms_epsilon": 1e-5,
+         "rope.freq_base": 10000.0, "tokenizer.ggml.eos_token_id": 0}
     c.update(meta or {})
+    arch = c.pop("general.architecture", "llama")
     w = gguf.GGUFWriter(str(path), "llama")
+    if arch != "llama":  # the writer already added general.architecture = "llama": rewrite it, any type
+        w.kv_data[0].pop("general.architecture")
+        if arch is not None:
+            _add(w, "general.architecture", arch)
     for key, value in c.items():
-        if value is None:
-            continue
-        if isinstance(value, float):
-            w.add_float32(f"llama.{key}", value)
-        else:
-            w.add_uint32(f"llama.{key}", value)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(10000.0)
-    w.add_eos_token_id(0)
+        if value is not None:
+            _add(w, key if key.startswith(("general.", "tokenizer.")) else f"llama.{key}", value)
     q = gguf.GGMLQuantizationType[qtype]
+    for name, a in (extra_tensors or {}).items():
+        w.add_tensor(name, a)
     for name, a in (tensors if tensors is not None else tiny_tensors()).items():
         if a.ndim == 2 and q != gguf.GGMLQuantizationType.F32:
             w.add_tensor(gguf_name(name), gguf.quants.quantize(a, q), raw_dtype=q)
@@ -66,6 +71,19 @@ def write_gguf(path: Path, tensors: dict | None = None, meta: dict | None = None
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _add(w, key: str, value) -> None:
+    if isinstance(value, bool):
+        w.add_bool(key, value)
+    elif isinstance(value, float):
+        w.add_float32(key, value)
+    elif isinstance(value, int):
+        w.add_uint32(key, value)
+    elif isinstance(value, str):
+        w.add_string(key, value)
+    else:
+        w.add_array(key, list(value))
 
 
 def write_hf(folder: Path, tensors: dict | None = None, config: dict | None = None) -> Path:

@@ -4,14 +4,19 @@ A seeded mutation loop over a tiny random llama written here (tests/model_files.
 flips and interesting integers in the GGUF header, weight bytes, truncations, metadata
 rewritten through gguf.GGUFWriter with wrong values or types, config.json fields set to
 hostile JSON, safetensors header and data bytes; a quarter of the cases load with
---quant int8 (GGUF Q8_0 tensors kept packed). Every case runs in a worker process
+--quant int8 (GGUF Q8_0 tensors kept packed). A third of the cases are type-confused but
+valid (tests/fuzz_confused.py): config.json that is not an object, any value at any depth
+replaced by another JSON type (an array for a scalar, a string for an int, an object for a
+flag, a nested null), GGUF metadata written with the wrong type, rope_freqs of the wrong
+length or values, and attnlab's own quantized folder (config.json and tensors) likewise. Every case runs in a worker process
 (spawned once, reused) whose data segment is capped at its start-up size + 1 GiB and
 whose case must finish within CASE_SECONDS: a subprocess is the only way to stop a
 hang or survive a blow-up without taking pytest down, and one long-lived worker keeps
 the per-case cost at milliseconds (torch is imported once). A worker that dies or times
 out is replaced and the case counted as a failure.
 
-Default suite: 300 cases (~20 s). `make fuzz` (pytest -m fuzz) runs FUZZ_CASES (10,000).
+Default suite: 300 cases (~25 s). `make fuzz` (pytest -m fuzz) runs FUZZ_CASES (10,000);
+the report counts outcomes per mutation family.
 """
 from __future__ import annotations
 
@@ -28,7 +33,10 @@ from pathlib import Path
 
 import pytest
 
+from tests import fuzz_confused
+
 CASE_SECONDS = 20
+SCHEDULE = (0, 1, 2, 0, 1, 3, 0, 1, 4)  # family per case: bytes and fields two thirds, type-confused one third
 MEMORY_HEADROOM = 1 << 30
 INTERESTING = [0, 1, 2, 3, 7, 8, 9, 12, 13, 255, 256, 65535, 65536, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**62,
                2**63 - 1, 2**63, 2**64 - 1]
@@ -92,7 +100,8 @@ def _bases(tmp: Path) -> dict:
     hf = write_hf(tmp / "hf")
     return {"gguf": gguf_path.read_bytes(), "gguf_header": scan_gguf(gguf_path).data_offset,
             "gguf_q8": gguf_q8.read_bytes(), "gguf_q8_header": scan_gguf(gguf_q8).data_offset,
-            "config": json.loads((hf / "config.json").read_text()), "st": (hf / "model.safetensors").read_bytes()}
+            "config": json.loads((hf / "config.json").read_text()), "st": (hf / "model.safetensors").read_bytes(),
+            **fuzz_confused.bases(tmp)}
 
 
 def _flip(data: bytearray, lo: int, hi: int, rng: random.Random) -> None:
@@ -201,39 +210,47 @@ def fuzz(n_cases: int, seed: int, workers: int = 1) -> tuple[Counter, list]:
     ctx = mp.get_context("spawn")
     rng = random.Random(seed)
     counts, failures = Counter(), []
+    pool = _new_pool(ctx, workers)
     with tempfile.TemporaryDirectory() as tmp:
         base = _bases(Path(tmp))
-    pool = _new_pool(ctx, workers)
+        base.update(pool.apply(fuzz_confused.quantized_base, (tmp,)))  # in a worker: quantized loads need its setup
+    families = [("gguf", gguf_case), ("hf", hf_case), ("gguf-confused", fuzz_confused.gguf_case),
+                ("hf-confused", fuzz_confused.hf_case), ("quantized-confused", fuzz_confused.quantized_case)]
     try:
         i = 0
         while i < n_cases:
             batch = []
             for j in range(i, min(n_cases, i + 8 * workers)):
-                case = gguf_case(base, rng) if j % 2 == 0 else hf_case(base, rng)
-                batch.append((j, (case, "int8" if rng.random() < 0.25 else None)))  # a quarter load quantized
+                family, make = families[SCHEDULE[j % len(SCHEDULE)]]
+                case = make(base, rng)
+                quant = "int8" if family != "quantized-confused" and rng.random() < 0.25 else None  # a quarter quantized
+                batch.append((j, family, (case, quant)))
             i += len(batch)
-            queue = [(j, case, pool.apply_async(run_case, case)) for j, case in batch]
+            queue = [(j, family, case, pool.apply_async(run_case, case)) for j, family, case in batch]
             while queue:
-                j, case, res = queue.pop(0)
+                j, family, case, res = queue.pop(0)
                 try:
                     outcome, detail = res.get(timeout=CASE_SECONDS)
                 except mp.TimeoutError:
                     outcome, detail = "hang", f"no answer within {CASE_SECONDS} s (or the worker died)"
                 counts[outcome] += 1
+                counts[f"{family} {outcome}"] += 1
                 if outcome not in ("loaded", "rejected"):
                     failures.append((j, outcome, detail))
                     print(f"fuzz case {j}: {outcome}: {detail[-600:]}", file=sys.stderr, flush=True)
                     if outcome == "hang":  # a stuck or dead worker: start fresh, resubmit the rest of the batch
                         pool.terminate()
                         pool = _new_pool(ctx, workers)
-                        queue = [(k, c, pool.apply_async(run_case, c)) for k, c, _ in queue]
+                        queue = [(k, f, c, pool.apply_async(run_case, c)) for k, f, c, _ in queue]
     finally:
         pool.terminate()
     return counts, failures
 
 
 def _report(counts: Counter, failures: list, seconds: float) -> str:
-    lines = [f"{sum(counts.values())} cases in {seconds:.0f} s: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))]
+    total = {k: v for k, v in counts.items() if " " not in k}
+    lines = [f"{sum(total.values())} cases in {seconds:.0f} s: " + ", ".join(f"{k} {v}" for k, v in sorted(total.items()))]
+    lines += ["  " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()) if " " in k)]
     lines += [f"  case {j}: {o}: {d[:400]}" for j, o, d in failures[:10]]
     return "\n".join(lines)
 
@@ -245,6 +262,8 @@ def test_fuzz_default_suite():
     print(report)
     assert not failures, report
     assert counts["loaded"] > 10 and counts["rejected"] > 100, report  # the mutations reach both outcomes
+    for family in ("gguf-confused", "hf-confused", "quantized-confused"):  # and so do the type-confused ones
+        assert counts[f"{family} loaded"] > 0 and counts[f"{family} rejected"] > 5, report
 
 
 @pytest.mark.fuzz

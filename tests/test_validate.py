@@ -42,7 +42,7 @@ def test_valid_tiny_files_load(kind, tmp_path):
     ({"feed_forward_length": 96}, "blk.0.ffn_gate.weight has shape"),
     ({"embedding_length": None}, "llama.embedding_length is missing"),
     ({"block_count": 2.5}, "llama.block_count must be an integer"),
-    ({"context_length": 0}, "context length"),
+    ({"context_length": 0}, "llama.context_length = 0 is out of range"),
 ])
 def test_gguf_bad_config_names_field(meta, field, tmp_path):
     path = write_gguf(tmp_path / "m.gguf", meta=meta)
@@ -110,8 +110,8 @@ def test_probe_forward_catches_what_the_range_check_lets_through(tmp_path, monke
     ({"vocab_size": 49}, "model.embed_tokens.weight has shape [48, 32], the config implies [49, 32]"),
     ({"num_key_value_heads": 3}, "not a multiple"),
     ({"head_dim": 7}, "odd"),
-    ({"rms_norm_eps": -1}, "epsilon"),
-    ({"rope_theta": "big"}, "RoPE base"),
+    ({"rms_norm_eps": -1}, "rms_norm_eps = -1.0 is out of range"),
+    ({"rope_theta": "big"}, "rope_theta must be a finite number, got str"),
     ({"rope_scaling": [1, 2]}, "rope_scaling must be an object"),
     ({"rope_parameters": 7}, "rope_parameters must be an object, got int"),  # found by the fuzzer
     ({"rope_scaling": {"rope_type": "linear"}}, "rope_scaling"),

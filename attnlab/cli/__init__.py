@@ -87,7 +87,8 @@ def cmd_info(args) -> int:
             ("layers", c.n_layers), ("hidden size", c.dim), ("MLP size", c.hidden_dim),
             ("attention heads", f"{c.n_heads} query / {c.n_kv_heads} key-value (GQA group {c.n_heads // c.n_kv_heads})"),
             ("head dim", c.head_dim), ("vocabulary", c.vocab_size), ("context length", c.context_length),
-            ("RoPE base", c.rope_base), ("RoPE scaling", c.rope_scaling or "none"), ("q/k/v bias", c.qkv_bias),
+            ("RoPE base", c.rope_base), ("RoPE scaling", c.rope_scaling or "none"),
+            ("sliding window", c.sliding_window or "none"), ("q/k/v bias", c.qkv_bias),
             ("tied embeddings", c.tie_embeddings), ("dtype", args.dtype),
             ("KV cache per token", f"{2 * c.n_layers * c.n_kv_heads * c.head_dim * element} bytes")]
     width = max(len(k) for k, _ in rows)

