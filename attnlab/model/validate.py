@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from attnlab.model.files import _GGUF_BLOCK, _GGUF_NAMES, GGUF_ARCHS
 from attnlab.model.gguf_header import GGUFArray, GGUFHeader, error, scan_gguf  # noqa: F401  (scan_gguf re-exported)
 
 # Caps on what a header may claim: far above any released Llama-family model, far below
@@ -196,7 +197,6 @@ def check_rope_scaling(path, scaling, head_dim: int, base: float = 10000.0) -> N
 # ---------------------------------------------------------------- per format
 
 def hf_name(gguf_name: str) -> str | None:
-    from attnlab.model.loaders import _GGUF_BLOCK, _GGUF_NAMES
     if gguf_name in _GGUF_NAMES:
         return _GGUF_NAMES[gguf_name]
     parts = gguf_name.split(".")
@@ -206,7 +206,6 @@ def hf_name(gguf_name: str) -> str | None:
 
 
 def _gguf_name(hf_name: str) -> str:
-    from attnlab.model.loaders import _GGUF_BLOCK, _GGUF_NAMES
     fixed = {v: k for k, v in _GGUF_NAMES.items()}
     if hf_name in fixed:
         return fixed[hf_name]
@@ -216,12 +215,11 @@ def _gguf_name(hf_name: str) -> str:
 
 def check_gguf(path, head: GGUFHeader) -> Dims:
     """Config sense and tensor shapes of a scanned GGUF, before the gguf reader sees the file."""
-    from attnlab.model.loaders import GGUF_ARCHS as archs
     arch = head.meta.get("general.architecture")
     if not isinstance(arch, str):
         raise error(path, f"general.architecture must be a string, got {shown(arch)}")
-    if arch not in archs:
-        raise error(path, f"unsupported architecture {arch!r}; supported: {', '.join(archs)}")
+    if arch not in GGUF_ARCHS:
+        raise error(path, f"unsupported architecture {arch!r}; supported: {', '.join(GGUF_ARCHS)}")
     meta = head.meta
     shapes = {}
     for gname, info in head.tensors.items():
