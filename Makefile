@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m attnlab.demo --threads $(THREADS)
+	$(BIN)/python -m attnlab.cli.demo --threads $(THREADS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

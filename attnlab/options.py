@@ -29,7 +29,7 @@ class PolicySpec:
     chunk: int = 512
 
     def __post_init__(self):
-        self.build(length=None if self.fractional else 0)  # every check of the policy itself, now
+        self._make()  # every check of the policy itself, now
 
     @classmethod
     def parse(cls, text: "str | PolicySpec | None") -> "PolicySpec | None":
@@ -44,18 +44,22 @@ class PolicySpec:
         from attnlab.kv.policies import parse_budget
         return isinstance(parse_budget(self.budget), float)
 
-    def build(self, length: int | None = None):
-        """A new Policy (None for full); a fractional budget needs the stream's length in tokens."""
+    def _make(self):
         from attnlab.kv.policies import make_policy
         if self.name == "full":
             return None
-        p = make_policy(self.name, self.budget, positions=self.positions, n_sink=self.n_sink, chunk=self.chunk,
-                        block=self.block)
-        if length:
-            p = p.resolve(length)
-            p.check_budget(p.tokens)
-        elif length is not None and self.fractional:
+        return make_policy(self.name, self.budget, positions=self.positions, n_sink=self.n_sink, chunk=self.chunk,
+                           block=self.block)
+
+    def build(self, length: int | None = None):
+        """A new Policy (None for full); a fractional budget is resolved against the stream's `length` tokens."""
+        p = self._make()
+        if p is None or not self.fractional:
+            return p
+        if not length:
             raise AttnlabError(f"policy {self.name} needs a budget in tokens here (e.g. 1024), not {self.budget}")
+        p = p.resolve(length)
+        p.check_budget(p.tokens)
         return p
 
     def describe(self) -> dict:

@@ -18,7 +18,7 @@ POLICIES = ["full", "window", "sink", "h2o", "sink_h2o"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m attnlab.demo")
+    p = argparse.ArgumentParser(prog="python -m attnlab.cli.demo")
     p.add_argument("--threads", type=positive_int, default=1, help="torch threads (1: see the README's measurement)")
     p.add_argument("--tokens", type=positive_int, default=256, help="tokens per stream")
     p.add_argument("--streams", type=positive_int, default=8, help="parallel passages of the test plays")
