@@ -88,7 +88,8 @@ def assert_loopback(ray) -> None:
 
 
 def _task(fn: str, params: dict, threads: int) -> dict:
-    return execute(fn, params, threads)
+    import ray
+    return {**execute(fn, params, threads), "node": ray.get_runtime_context().get_node_id()}
 
 
 class RayBackend:

@@ -44,13 +44,15 @@ class Cell:
     params: dict
     ident: dict = field(default_factory=dict)
     readable: str = ""
+    keyed: dict | None = None  # what the key covers instead of params (leaving out e.g. thread counts)
 
     @property
     def key(self) -> str:
-        return cell_key(self.fn, self.params, self.ident, self.readable)
+        return cell_key(self.fn, self.params if self.keyed is None else self.keyed, self.ident, self.readable)
 
     def identity(self) -> dict:
-        return json.loads(canonical({"fn": self.fn, "params": self.params, "ident": self.ident}))
+        params = self.params if self.keyed is None else self.keyed
+        return json.loads(canonical({"fn": self.fn, "params": params, "ident": self.ident}))
 
 
 def resolve(fn: str) -> Callable:

@@ -69,7 +69,10 @@ def run_cli(argv: list[str], family: str) -> dict:
             argv.append("--json")
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            rc = main(argv)
+            try:
+                rc = main(argv)
+            except SystemExit as e:  # argparse refused the command line
+                rc = e.code if isinstance(e.code, int) else 2
         if rc:
             tail = " ".join((err.getvalue() or out.getvalue()).split())[-400:]
             raise AttnlabError(f"`attnlab {' '.join(argv)}` exited {rc}: {tail}")
@@ -84,6 +87,18 @@ def run_cli(argv: list[str], family: str) -> dict:
         return {"stdout_json": parsed, "files": files, "stdout": text[-2000:]}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def check_argv(argv: list[str]) -> None:
+    """Parse a cell's command line as the CLI would, so a typo fails before any cell runs."""
+    from attnlab.cli import build_parser
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            build_parser().parse_args(argv)
+    except SystemExit:
+        msg = " ".join(err.getvalue().split()).removeprefix("attnlab: error: ")
+        raise AttnlabError(f"cell `attnlab {' '.join(argv)}`: {msg}") from None
 
 
 def _file_identity(path: Path) -> list:
@@ -127,10 +142,11 @@ def sweep_cells(spec: Spec, threads: int = 1) -> list[tuple[dict, Cell]]:
         keyed = {k: v for k, v in {**spec.fixed, **params}.items() if k not in NOT_IN_KEY or k == "out"}
         if FAMILIES.get(name, Family()).out == "redirect":
             keyed.pop("out", None)
+        check_argv(spec.argv(params) + (["--json"] if FAMILIES.get(name, Family()).json_flag else []))
         readable = "_".join(f"{k}={v}" for k, v in params.items())
         cell = Cell("attnlab.scale.sweep:run_cli", {"argv": spec.argv(params), "family": name},
                     ident={"command": spec.command, "options": keyed, **input_identity(spec, params)},
-                    readable=readable)
+                    readable=readable, keyed={"family": name})
         out.append((params, cell))
     return out
 
