@@ -104,10 +104,11 @@ class Report:
     seconds: float
 
 
-def run_cells(cells: Iterable[Cell], store: CellStore, backend=None, desc: str = "cells",
-              threads: int = 1, show_progress: bool = True) -> Report:
+def run_cells(cells: Iterable[Cell], store, backend=None, desc: str = "cells", threads: int = 1) -> Report:
     """Compute every cell not already in `store` on `backend` (default: serial, in this process).
 
+    store: a CellStore, or any object with load(cell) -> record | None and save(cell, payload)
+    -> record (stream keeps its own file layout this way).
     Results are saved as they arrive, in completion order; the bar counts cells (finished ones
     included). A cell that fails raises after the others in flight are saved."""
     from attnlab.scale.backends import LocalBackend
