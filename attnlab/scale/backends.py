@@ -39,7 +39,7 @@ class LocalBackend:
         errors = []
         for cell in cells:
             try:
-                payload = execute(cell.fn, cell.params, threads)
+                payload = execute(cell.fn, cell.params, threads, cell.func)
             except (AttnlabError, OSError, RuntimeError, ValueError) as e:
                 errors.append((cell.key, " ".join(str(e).split()) or type(e).__name__))
                 continue

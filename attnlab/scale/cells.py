@@ -45,6 +45,7 @@ class Cell:
     ident: dict = field(default_factory=dict)
     readable: str = ""
     keyed: dict | None = None  # what the key covers instead of params (leaving out e.g. thread counts)
+    func: Callable | None = field(default=None, compare=False, repr=False)  # local backend: call this, not fn
 
     @property
     def key(self) -> str:
@@ -60,13 +61,13 @@ def resolve(fn: str) -> Callable:
     return getattr(importlib.import_module(module), name)
 
 
-def execute(fn: str, params: dict, threads: int = 1) -> dict:
+def execute(fn: str, params: dict, threads: int = 1, func: Callable | None = None) -> dict:
     """What a worker runs: the call, with `threads` torch threads, timed; -> {result, seconds, host, pid}."""
     import torch
     if threads:
         torch.set_num_threads(threads)
     t0 = time.perf_counter()
-    result = resolve(fn)(**params)
+    result = (func or resolve(fn))(**params)
     return {"result": result, "seconds": round(time.perf_counter() - t0, 4), "host": socket.gethostname(),
             "pid": os.getpid()}
 
