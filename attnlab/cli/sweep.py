@@ -53,9 +53,9 @@ def add_parser(sub) -> None:
     p.add_argument("spec", nargs="?", default=None, help="sweep spec, TOML or YAML (command, axes, fixed, plot)")
     p.add_argument("--command", dest="command_line", default=None, type=str.split,
                    help='the attnlab command to sweep, e.g. "stream" or "dynamics scan-snap" (instead of a spec)')
-    p.add_argument("--axis", action="append", default=[], metavar="NAME=V1,V2",
+    p.add_argument("--axis", action="append", default=None, metavar="NAME=V1,V2",
                    help="an axis of the grid (repeatable; adds to the spec's)")
-    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+    p.add_argument("--set", action="append", default=None, metavar="NAME=VALUE",
                    help="a fixed option of every cell (repeatable; true = a flag)")
     p.add_argument("--out", default=None, help="sweep folder: cells/, results.csv, results.json, results.png "
                                                "(default runs/sweep/COMMAND)")
