@@ -40,7 +40,7 @@ class LocalBackend:
         for cell in cells:
             try:
                 payload = execute(cell.fn, cell.params, threads, cell.func)
-            except (AttnlabError, OSError, RuntimeError, ValueError) as e:
+            except (AttnlabError, OSError) as e:  # anything else is a bug: its traceback stays
                 errors.append((cell.key, " ".join(str(e).split()) or type(e).__name__))
                 continue
             yield cell, payload
