@@ -82,8 +82,8 @@ def test_worker_node_removed_mid_sweep(cluster, serial, tmp_path):
     assert removed.is_set(), "the node was not removed during the sweep"
     assert report.computed == 8 and len(list((tmp_path / "cells").glob("*.json"))) == 8
     assert comparable(merged["rows"]) == serial  # every cell, equal to the serial run's
-    nodes = {json.loads(p.read_text())["node"] for p in (tmp_path / "cells").glob("*.json")}
-    assert len(nodes) >= 2
+    # (which node finished which cell varies: when the survivor lands the first cell, the victim's
+    # cell in flight is killed and retried on the survivor, and every cell may come from one node)
     workers.remove(victim)
     workers.append(c.add_node(num_cpus=1, node_ip_address="127.0.0.1"))  # back to 2 workers (main thread only)
     c.wait_for_nodes()
