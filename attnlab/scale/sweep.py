@@ -133,7 +133,8 @@ def sweep_cells(spec: Spec, threads: int = 1) -> list[tuple[dict, Cell]]:
     """(axis values, cell) per grid point; the key leaves out options that do not change results."""
     name, _ = family_of(spec.command)
     fixed = dict(spec.fixed)
-    fixed.setdefault("threads", threads)
+    if threads:  # 0: each command's own default
+        fixed.setdefault("threads", threads)
     if spec.command[0] == "dynamics":
         fixed.setdefault("no-progress", True)
     spec = Spec(spec.command, spec.axes, fixed, spec.plot)
