@@ -6,7 +6,7 @@ STAMP := $(VENV)/.attnlab-installed
 # 1 thread by measurement: on a busy 2-core machine 2 threads decoded 3x slower (README)
 THREADS ?= 1
 
-.PHONY: setup demo test test-all fuzz bench bench-llamacpp clean
+.PHONY: setup demo test test-all test-scale fuzz bench bench-llamacpp clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -26,6 +26,11 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -m ''
+
+# Ray cluster (head + 2 loopback worker nodes: node loss, driver kill) and DDP (gloo) tests: a few minutes
+test-scale: $(STAMP)
+	$(BIN)/pip install -q 'ray[default]>=2.60'
+	$(BIN)/python -m pytest -m cluster tests/scale
 
 fuzz: $(STAMP)  # FUZZ_CASES (10000), FUZZ_SEED, FUZZ_WORKERS, FUZZ_REPORT=file
 	nice -n 19 $(BIN)/python -m pytest -m fuzz -s tests/test_fuzz_models.py

@@ -156,17 +156,46 @@ def ppl_by_position(model, ids: list[int], window: int, bucket: int) -> dict:
     return {f"{i * bucket}-{(i + 1) * bucket - 1}": math.exp(float(v) / n) for i, v in enumerate(sums)}
 
 
+def score_key(p: dict, arm: str) -> dict:
+    return p if ARMS[arm][1] else {k: v for k, v in p.items() if k != "ft_seed"}  # shared by replicates
+
+
+class ScoreStore:
+    """OUT/scores/ARM.json, the cells of attnlab.scale for this benchmark (reused when the config matches)."""
+
+    def __init__(self, out: Path):
+        self.out = out
+
+    def load(self, cell) -> dict | None:
+        q = cell.params
+        path = self.out / "scores" / f"{run_name(q['p'], q['arm'])}.json"
+        if not path.exists():
+            return None
+        cached = json.loads(path.read_text())
+        ok = cached.get("config") == score_key(q["p"], q["arm"]) and "by_position" in cached
+        return {"result": cached} if ok and ("passkey" in cached or not q["passkey"]) else None
+
+    def save(self, cell, payload: dict) -> dict:
+        from attnlab.io import write_json
+        write_json(self.out / "scores" / f"{run_name(cell.params['p'], cell.params['arm'])}.json", payload["result"])
+        return payload
+
+
+def score_arms(p: dict, out: Path, arms: list[str], passkey: bool) -> dict:
+    """Each arm one cell (attnlab.scale: skipped when scored, written atomically), in order."""
+    from attnlab.scale import Cell, run_cells
+    cells = [Cell("benchmarks/pi_repro.py:score", dict(p=p, out=str(out), arm=arm, passkey=passkey), readable=arm,
+                  func=score) for arm in arms]
+    report = run_cells(cells, ScoreStore(out), desc="pi arms", threads=0)
+    return {arm: r["result"] for arm, r in zip(arms, report.records)}
+
+
 def score(p: dict, out: Path, arm: str, passkey: bool, progress=None) -> dict:
-    """Perplexity at C, 2C, 4C on the first eval_tokens test tokens (+ passkey); cached per arm."""
+    """Perplexity at C, 2C, 4C on the first eval_tokens test tokens (+ passkey) of one arm."""
     from attnlab.data import corpus
     from attnlab.engine import LM
     from attnlab.eval.perplexity import perplexity
-    path = out / "scores" / f"{run_name(p, arm)}.json"
-    key = p if ARMS[arm][1] else {k: v for k, v in p.items() if k != "ft_seed"}  # shared by replicates
-    if path.exists():
-        cached = json.loads(path.read_text())
-        if cached.get("config") == key and "by_position" in cached and ("passkey" in cached or not passkey):
-            return cached
+    out, key = Path(out), score_key(p, arm)
     model, tok = arm_model(p, out, arm, progress)
     model.eval()
     lengths = [p["context"] * m for m in (1, 2, p["factor"])]
@@ -182,8 +211,6 @@ def score(p: dict, out: Path, arm: str, passkey: bool, progress=None) -> dict:
         rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
         row["ft_val_loss"] = [rows[0]["val_loss"], rows[-1]["val_loss"]]
     row["eval_seconds"] = round(time.perf_counter() - t0, 1)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(row, indent=1) + "\n")
     return row
 
 
@@ -235,10 +262,10 @@ def main(argv=None) -> int:
     bad = [a for a in arms if a not in ARMS]
     if bad or "base" not in arms:
         ap.error(f"--arms must include base and name only {', '.join(ARMS)}; got {', '.join(bad) or 'no base'}")
-    rows = {"base": score(p, out, "base", passkey=True)}
+    rows = score_arms(p, out, ["base"], passkey=True)  # trains the base every other arm starts from
     can = rows["base"]["passkey"][str(p["context"])] >= 0.5  # retrieval at its own context at all?
-    for arm in arms[1:] if arms[0] == "base" else [a for a in arms if a != "base"]:
-        rows[arm] = score(p, out, arm, passkey=can)
+    rows.update(score_arms(p, out, [a for a in arms if a != "base"], passkey=can))
+    for arm in rows:
         print(arm, json.dumps(rows[arm]["ppl"]), json.dumps(rows[arm].get("passkey", {})), flush=True)
     result = {"config": p, "arms": rows, "passkey_possible": can,
               "command": "nice -n 19 python benchmarks/pi_repro.py " + " ".join(argv or [])}

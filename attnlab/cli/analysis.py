@@ -108,9 +108,10 @@ TRAIN_FIELDS = {  # option -> (TrainConfig field, type, help)
 
 def cmd_train(args) -> int:
     from attnlab.engine import set_threads
-    from attnlab.train import TrainConfig, Trainer
+    from attnlab.train import TrainConfig, Trainer, ddp
 
     set_threads(args.threads)
+    ddp.init()  # under torchrun: data-parallel over the ranks (gloo); otherwise nothing
     kwargs = {f: getattr(args, f) for f, _, _ in TRAIN_FIELDS.values() if getattr(args, f) is not None}
     if args.rope_scale:
         kwargs["rope_scaling"] = {"rope_type": "linear", "factor": args.rope_scale}
@@ -136,6 +137,10 @@ def cmd_train(args) -> int:
         cfg = TrainConfig(**kwargs)
     trainer = Trainer(cfg, out, resume=args.resume)
     m = trainer.model.cfg
+    if not trainer.main:  # rank > 0: train silently, rank 0 reports
+        trainer.run()
+        ddp.shutdown()
+        return 0
     print(f"training {m.n_layers} layers, dim {m.dim}, vocab {m.vocab_size} ({cfg.tokenizer}), "
           f"{sum(p.numel() for p in trainer.model.parameters()) / 1e6:.2f}M parameters, "
           f"{trainer.train_ids.numel()} training tokens; from step {trainer.step} to {cfg.steps}")
@@ -145,7 +150,9 @@ def cmd_train(args) -> int:
         last = rows[-1]
         print(f"step {last['step']}: val loss {last['val_loss']:.4f}" +
               (f", train loss {last['train_loss']:.4f}" if "train_loss" in last else ""))
-    print(f"checkpoint {out / json.loads((out / 'latest.json').read_text())['checkpoint']}; log {out / 'metrics.jsonl'}")
+    print(f"checkpoint {out / json.loads((out / 'latest.json').read_text())['checkpoint']}; log {out / 'metrics.jsonl'}"
+          + (f" ({trainer.world} processes)" if trainer.world > 1 else ""))
+    ddp.shutdown()
     return 0
 
 

@@ -7,9 +7,11 @@ from attnlab.io import progress
 
 
 def cmd_extend(args) -> int:
+    from attnlab.train import ddp
     from attnlab.train.extend import extend
 
     set_threads(args.threads)
+    ddp.init()  # under torchrun: data-parallel over the ranks (gloo)
     if args.factor < 1:
         raise UserError(f"--factor must be >= 1, got {args.factor}")
     try:
@@ -18,6 +20,10 @@ def cmd_extend(args) -> int:
                               args.batch, args.lr, args.warmup, args.seed, args.resume, bar, lora=args.lora)
     except (ValueError, FileNotFoundError) as e:
         raise UserError(str(e)) from None
+    main = ddp.is_main()
+    ddp.shutdown()
+    if not main:  # rank > 0 under torchrun: rank 0 reports
+        return 0
     for r in rows:
         extra = f", train loss {r['train_loss']:.4f}" if "train_loss" in r else ""
         print(f"step {r['step']}: validation loss {r['val_loss']:.4f}{extra}")

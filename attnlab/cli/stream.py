@@ -87,11 +87,56 @@ def run_key(identity: dict, name: str, policy, mode: str) -> tuple[str, dict]:
     return f"{readable}-{digest}", ident
 
 
+class RunStore:
+    """`<out>/<key>.json` as stream has always written them (the run dict, identity inside)."""
+
+    def __init__(self, out: Path, force: bool = False):
+        self.out, self.force = out, force
+
+    def load(self, cell) -> dict | None:
+        path = self.out / f"{cell.params['key']}.json"
+        if self.force:
+            (self.out / f"{cell.params['key']}.ckpt.pt").unlink(missing_ok=True)
+            return None
+        if not path.exists():
+            return None
+        try:
+            run = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise UserError(f"result file {path} is unreadable ({e}); rerun with --force to recompute") from None
+        # a hash collision or a hand-edited file: recompute
+        return {"result": run} if run.get("identity") == json.loads(json.dumps(cell.params["ident"])) else None
+
+    def save(self, cell, payload: dict) -> dict:
+        write_json(self.out / f"{cell.params['key']}.json", payload["result"])
+        (self.out / f"{cell.params['key']}.ckpt.pt").unlink(missing_ok=True)
+        return payload
+
+
+def score_run(lm, ids, args, name: str, policy, mode: str, key: str, ident: dict, out: Path) -> dict:
+    """One (policy, budget) run: per-token NLL of every stream, resumable from its checkpoint."""
+    from attnlab.eval.streaming import stream_nll, summarize
+    ckpt = out / f"{key}.ckpt.pt"
+    with progress(args.streams * (args.tokens - 1), f"{name} {policy.budget}") as bar:
+        r = stream_nll(lm, ids, policy, mode=mode, chunk=args.chunk if mode == "chunk" else 256,
+                       progress=bar.update, checkpoint=ckpt, save_every=args.save_every)
+    s = summarize(r["nll"])
+    budget = args.tokens if name == "full" else policy.tokens
+    return {"policy": name, "budget": budget, "budget_fraction": budget / args.tokens,
+            "positions": args.positions if name != "full" else "original", "n_sink": args.n_sink,
+            "tokens": int(r["nll"].numel()), "streams": args.streams, "stream_tokens": args.tokens,
+            "offset": args.offset, "ppl": s["ppl"], "nll": s["nll"], "kv_bytes": r["kv_bytes"],
+            "peak_tokens": r["peak_tokens"], "seconds": r["seconds"],
+            "tokens_per_s": r["nll"].numel() / r["seconds"], "mode": mode, "chunk": args.chunk, "model": str(args.model),
+            "text": args.text, "identity": ident,
+            "nll_tokens": [[round(v, 5) for v in row] for row in r["nll"].tolist()]}
+
+
 def cmd_stream(args) -> int:
     import torch
 
     from attnlab.data import corpus
-    from attnlab.eval.streaming import bins, plot_budgets, plot_positions, stream_nll, summarize
+    from attnlab.eval.streaming import bins, plot_budgets, plot_positions
 
     names = policy_list(args.policy)
     budgets = [b.strip() for b in args.budget.split(",") if b.strip()]
@@ -118,40 +163,19 @@ def cmd_stream(args) -> int:
     ids = ids.view(args.streams, args.tokens)
     out = Path(args.out) if args.out else Path("runs") / "stream" / _slug(f"{Path(str(args.model)).name}-{args.text}")
     identity = run_identity(args, text)
-    results, runs = [], []
+    # every (policy, budget) run is one cell of attnlab.scale: keyed, skipped when finished, written atomically
+    from attnlab.scale import Cell, run_cells
+    cells = []
     for name, policy in plan:
         mode = "prefill" if name == "full" and not args.full_decode else "decode" if args.chunk == 1 else "chunk"
         key, ident = run_key(identity, name, policy, mode)
-        path, ckpt = out / f"{key}.json", out / f"{key}.ckpt.pt"
-        run = None
-        if args.force:
-            ckpt.unlink(missing_ok=True)
-        elif path.exists():
-            try:
-                run = json.loads(path.read_text())
-            except (OSError, ValueError) as e:
-                raise UserError(f"result file {path} is unreadable ({e}); rerun with --force to recompute") from None
-            if run.get("identity") != json.loads(json.dumps(ident)):
-                run = None  # a hash collision or a hand-edited file: recompute
-        if run is None:
-            with progress(args.streams * (args.tokens - 1), f"{name} {policy.budget}") as bar:
-                r = stream_nll(lm, ids, policy, mode=mode, chunk=args.chunk if mode == "chunk" else 256,
-                               progress=bar.update, checkpoint=ckpt, save_every=args.save_every)
-            s = summarize(r["nll"])
-            budget = args.tokens if name == "full" else policy.tokens
-            run = {"policy": name, "budget": budget, "budget_fraction": budget / args.tokens,
-                   "positions": args.positions if name != "full" else "original", "n_sink": args.n_sink,
-                   "tokens": int(r["nll"].numel()), "streams": args.streams, "stream_tokens": args.tokens,
-                   "offset": args.offset, "ppl": s["ppl"], "nll": s["nll"], "kv_bytes": r["kv_bytes"],
-                   "peak_tokens": r["peak_tokens"], "seconds": r["seconds"],
-                   "tokens_per_s": r["nll"].numel() / r["seconds"], "mode": mode, "chunk": args.chunk, "model": str(args.model),
-                   "text": args.text, "identity": ident,
-                   "nll_tokens": [[round(v, 5) for v in row] for row in r["nll"].tolist()]}
-            write_json(path, run)
-            ckpt.unlink(missing_ok=True)
-        runs.append(run)
-        results.append({k: run[k] for k in ("policy", "budget", "positions", "tokens", "ppl", "kv_bytes",
-                                             "tokens_per_s", "mode", "budget_fraction")})
+        cells.append(Cell("attnlab.cli.stream:score_run", dict(lm=lm, ids=ids, args=args, name=name, policy=policy,
+                                                               mode=mode, key=key, ident=ident, out=out),
+                          keyed=json.loads(json.dumps(ident, default=str)), readable=key))
+    report = run_cells(cells, RunStore(out, args.force), desc="stream", threads=0)
+    runs = [r["result"] for r in report.records]
+    results = [{k: run[k] for k in ("policy", "budget", "positions", "tokens", "ppl", "kv_bytes", "tokens_per_s",
+                                    "mode", "budget_fraction")} for run in runs]
     if args.plot:
         plot_positions(runs, args.plot, width=min(256, max(2, args.tokens // 8)),
                        trained=lm.cfg.context_length if args.tokens > lm.cfg.context_length else None,

@@ -144,27 +144,45 @@ def run_scan_snap(out: Path, seed: int = 0, size: str = "full", progress: bool =
     return finish(out, "scan-snap", size, seed, metrics, figs, t0)
 
 
-def run_scan_snap_sweep(out: Path, seed: int = 0, size: str = "full", progress: bool = True) -> dict:
-    """S2: final distinct-token entropy over queries x eta_Z x eta_Y/eta_Z x seeds, batched."""
+def s2_cell(queries: int, iz: int, seed: int, size: str) -> dict:
+    """One S2 cell: every (eta_Y/eta_Z, seed) run at one query count and eta_Z, batched; its own
+    generator (seeded from the cell), so cells run anywhere in any order (attnlab.scale)."""
+    cfg = S2_SIZES[size]
+    nr, ns = len(S2_RATIOS), cfg["seeds"]
+    gen = make_generator(seed * 1_000_003 + queries * 1_009 + iz)
+    lr_z = torch.full((nr * ns,), S2_LR_Z[iz])
+    lr_y = lr_z * torch.tensor(S2_RATIOS, dtype=torch.float32).repeat_interleave(ns)
+    data = SequenceClasses(num_queries=queries, next_per_query=2)
+    runs = YZRuns.create(nr * ns, data.vocab_size, lr_y=lr_y, lr_z=lr_z, zero_init=False, gen=gen)
+    tr = train_runs(data, runs, cfg["iters"], cfg["batch"], cfg["context"], gen, record_every=cfg["iters"])
+    return {"final": tr["entropy"][-1].view(nr, ns).tolist(), "initial": float(tr["entropy"][0].mean())}
+
+
+def run_scan_snap_sweep(out: Path, seed: int = 0, size: str = "full", progress: bool = True,
+                        backend: str = "local", local_nodes: int = 0) -> dict:
+    """S2: final distinct-token entropy over queries x eta_Z x eta_Y/eta_Z x seeds; one cell per
+    (queries, eta_Z), run by attnlab.scale (backend local or ray) and kept in out/cells."""
+    from attnlab.scale import Cell, CellStore, make_backend, run_cells
     t0 = time.perf_counter()
     cfg = S2_SIZES[size]
-    gen = make_generator(seed)
     nz, nr, ns = len(S2_LR_Z), len(S2_RATIOS), cfg["seeds"]
-    lr_z = torch.tensor(S2_LR_Z).repeat_interleave(nr * ns)
-    lr_y = lr_z * torch.tensor(S2_RATIOS, dtype=torch.float32).repeat_interleave(ns).repeat(nz)
+    cells = [Cell("attnlab.dynamics.experiments:s2_cell", dict(queries=q, iz=iz, seed=seed, size=size),
+                  ident={"config": cfg, "lr_z": S2_LR_Z, "ratios": S2_RATIOS}, readable=f"s2-q{q}-z{iz}")
+             for q in cfg["queries"] for iz in range(nz)]
+    runner = make_backend(backend, local_nodes=local_nodes)
+    try:
+        report = run_cells(cells, CellStore(Path(out) / "cells"), runner, desc="scan-snap-sweep",
+                           threads=torch.get_num_threads())
+    finally:
+        runner.close()
+    recs = [r for r in report.records]
     mean, std, initial, times = [], [], [], {}
-    with progress_bar(cfg["iters"] * len(cfg["queries"]), "scan-snap-sweep", progress) as bar:
-        for q in cfg["queries"]:
-            tq = time.perf_counter()
-            data = SequenceClasses(num_queries=q, next_per_query=2)
-            runs = YZRuns.create(nz * nr * ns, data.vocab_size, lr_y=lr_y, lr_z=lr_z, zero_init=False, gen=gen)
-            tr = train_runs(data, runs, cfg["iters"], cfg["batch"], cfg["context"], gen,
-                            record_every=cfg["iters"], progress=bar)
-            final = tr["entropy"][-1].view(nz, nr, ns)
-            mean.append(final.mean(-1))
-            std.append(final.std(-1))
-            initial.append(float(tr["entropy"][0].mean()))
-            times[str(q)] = round(time.perf_counter() - tq, 2)
+    for i, q in enumerate(cfg["queries"]):
+        final = torch.tensor([recs[i * nz + iz]["result"]["final"] for iz in range(nz)])  # (nz, nr, ns)
+        mean.append(final.mean(-1))
+        std.append(final.std(-1))
+        initial.append(sum(recs[i * nz + iz]["result"]["initial"] for iz in range(nz)) / nz)
+        times[str(q)] = round(sum(recs[i * nz + iz]["seconds"] for iz in range(nz)), 2)
     mean, std = torch.stack(mean), torch.stack(std)  # (Q, nz, nr)
     by_lr_z = mean.mean(2)  # (Q, nz) averaged over ratios
     by_ratio = mean.mean(1)  # (Q, nr) averaged over eta_Z
@@ -172,7 +190,8 @@ def run_scan_snap_sweep(out: Path, seed: int = 0, size: str = "full", progress: 
     metrics = {"config": {**cfg, "lr_z": S2_LR_Z, "ratios": S2_RATIOS, "runs_per_query": nz * nr * ns},
                "initial_entropy": initial, "final_entropy_mean": mean, "final_entropy_std": std,
                "entropy_by_lr_z": by_lr_z, "entropy_by_ratio": by_ratio,
-               "seconds_per_query_count": times}
+               "seconds_per_query_count": times, "cells": {"computed": report.computed, "reused": report.skipped,
+                                                           "backend": backend}}
     return finish(out, "scan-snap-sweep", size, seed, metrics, figs, t0)
 
 

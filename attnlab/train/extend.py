@@ -59,8 +59,10 @@ def extend(model_spec: str, out: str | Path, factor: float, method: str = "pi", 
                       keep_checkpoints=1, lora_rank=lora)
     tok = PretrainedTokenizer(str(model_spec), tok=lm.tokenizer)
     trainer = Trainer(cfg, out / "train", resume=resume, tokenizer=tok, model=lm.model)
-    rows = trainer.run(progress=progress)
+    rows = trainer.run(progress=progress if trainer.main else None)
     model = trainer.model.eval().requires_grad_(False)
+    if not trainer.main:  # under torchrun: rank 0 writes the extended model
+        return LM(model, lm.tokenizer, out), rows
     if lora:
         from attnlab.train.lora import merge_lora
         merge_lora(model)

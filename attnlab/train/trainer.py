@@ -35,6 +35,7 @@ from safetensors.torch import load_file, save_file
 
 from attnlab.errors import AttnlabError
 from attnlab.io import write_json, write_text
+from attnlab.train import ddp
 from attnlab.model.llama import ModelConfig, Transformer
 from attnlab.train.tokenizers import make_tokenizer, tokenizer_from_dict
 
@@ -197,7 +198,16 @@ class Trainer:
         if state is not None:
             self.step = state["step"]
             self._load_optimizer(self.out / json.loads(latest.read_text())["checkpoint"] / "optimizer.safetensors")
-        self._trim_log()
+        # under torchrun: each rank trains on its slice of the global batch, gradients averaged (ddp.py)
+        self.world, self.rank, self.main = ddp.world_size(), ddp.rank(), ddp.is_main()
+        self.net = self.model
+        if self.world > 1:
+            if cfg.batch % self.world:
+                raise AttnlabError(f"batch {cfg.batch} does not split over {self.world} processes")
+            self.net = torch.nn.parallel.DistributedDataParallel(self.model)
+        if self.main:
+            self._trim_log()
+        ddp.barrier()
 
     # ---------------------------------------------------------------- data
 
@@ -220,8 +230,8 @@ class Trainer:
 
     # ---------------------------------------------------------------- loop
 
-    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        logits = self.model(x)
+    def loss(self, x: torch.Tensor, y: torch.Tensor, net=None) -> torch.Tensor:
+        logits = (net or self.model)(x)
         return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
     @torch.no_grad()
@@ -241,25 +251,27 @@ class Trainer:
         progress: None or a tqdm-like object with update(n) / set_postfix(dict)."""
         cfg, rows = self.cfg, []
         self.model.train()
-        if self.step == 0 and not (self.out / "metrics.jsonl").exists():
+        if self.main and self.step == 0 and not (self.out / "metrics.jsonl").exists():
             rows.append(self._log(self.evaluate()))
         train_loss, n_loss, t0 = 0.0, 0, time.perf_counter()
         while self.step < cfg.steps:
             for group in self.opt.param_groups:
                 group["lr"] = cfg.lr_at(self.step)
             x, y = self.batch(self.step)
-            loss = self.loss(x, y)
+            if self.world > 1:
+                x, y = ddp.shard(x, self.world, self.rank), ddp.shard(y, self.world, self.rank)
+            loss = self.loss(x, y, self.net)
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
             if cfg.clip > 0:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.clip)
             self.opt.step()
             self.step += 1
-            train_loss, n_loss = train_loss + loss.item(), n_loss + 1
+            train_loss, n_loss = train_loss + ddp.mean_across(loss.item()), n_loss + 1
             if progress is not None:
                 progress.update(1)
             last = self.step == cfg.steps
-            if self.step % cfg.eval_every == 0 or self.step in cfg.eval_at or last:
+            if self.main and (self.step % cfg.eval_every == 0 or self.step in cfg.eval_at or last):
                 row = self.evaluate()
                 row.update(train_loss=train_loss / n_loss, lr=cfg.lr_at(self.step - 1),
                            seconds=round(time.perf_counter() - t0, 2))
@@ -268,7 +280,9 @@ class Trainer:
                 if progress is not None and hasattr(progress, "set_postfix"):
                     progress.set_postfix(loss=f"{row['train_loss']:.3f}", val=f"{row['val_loss']:.3f}")
             if (cfg.ckpt_every and self.step % cfg.ckpt_every == 0) or last:
-                self.save()
+                if self.main:
+                    self.save()
+                ddp.barrier()  # every rank resumes from the same checkpoint
         return rows
 
     # ---------------------------------------------------------------- files
