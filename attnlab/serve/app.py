@@ -8,12 +8,19 @@ Decode steps of different requests are not batched: at batch 1 on a CPU a step i
 streaming the weights, and separate caches with different policies and lengths would need
 padding and per-row eviction.
 
+Tokenising and rendering run on a separate small pool, never on the model thread, and only
+after the cheap checks on the raw request: a request that would cost more than the server's
+limits is refused (400/413) before any work for it reaches the model. Client-caused failures
+are 400s with OpenAI's error body; anything else is logged with its traceback and answered
+with a generic 500.
+
 `Server` holds the state (model, session store, limits, worker); `create_app` registers its
-methods as FastAPI routes.
+methods as FastAPI routes behind `guard.Guard` (Host allow-list, API keys, body size).
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,12 +30,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from attnlab.errors import AttnlabError
 from attnlab.sampling import Sampler
+from attnlab.serve.guard import LOOPBACK, Guard
 from attnlab.serve.protocol import APIError, ChatRequest, CommonRequest, CompletionRequest, validation_error
 from attnlab.serve.replies import Reply, Turn
 from attnlab.serve.sessions import CacheSpec, SessionStore
+from attnlab.serve.text import ChatText
 from attnlab.session import Session
 
+log = logging.getLogger("attnlab.serve")
 PAGE = Path(__file__).parent / "static" / "index.html"
 
 
@@ -37,19 +48,30 @@ class Server:
 
     def __init__(self, lm, model_name: str, spec: CacheSpec = CacheSpec(), max_sessions: int = 16,
                  max_bytes: int = 1 << 30, max_tokens: int = 256, max_active: int = 8, queue_timeout: float = 60.0,
-                 max_prompt_tokens: int = 32768, chunk: int = 128):
+                 max_prompt_tokens: int = 32768, chunk: int = 128, max_tokens_cap: int = 4096,
+                 max_body: int = 1 << 20, hosts=LOOPBACK, api_keys=(), admin_keys=(), openapi: bool = False,
+                 cors_origins=()):
         self.lm, self.model_name, self.spec, self.chunk = lm, model_name, spec, chunk
         self.max_tokens, self.max_active, self.queue_timeout = max_tokens, max_active, queue_timeout
-        self.max_prompt_tokens = max_prompt_tokens
+        self.max_prompt_tokens, self.max_tokens_cap = max_prompt_tokens, max(max_tokens_cap, max_tokens)
+        self.guard = dict(max_body=max_body, hosts=tuple(hosts), keys=tuple(api_keys), admin_keys=tuple(admin_keys))
+        self.openapi, self.cors_origins = openapi, list(cors_origins)
         self.store = SessionStore(lm, max_sessions, max_bytes, chunk)
         self.store.policy(spec)  # a bad default fails at startup, not on the first request
+        self.text = ChatText(lm.tokenizer)
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="attnlab-model")
-        self.stats = {"requests": 0, "active": 0, "tokens_generated": 0, "errors": 0}
+        self.tokenizing = ThreadPoolExecutor(2, thread_name_prefix="attnlab-text")
+        self.stats = {"requests": 0, "active": 0, "tokens_generated": 0, "errors": 0, "server_errors": 0}
         self.slots: asyncio.Semaphore | None = None  # made on first use, inside the serving event loop
         self.created_at = int(time.time())
 
     async def on_worker(self, fn, *args):
+        """Run on the model thread (the only one that touches a cache)."""
         return await asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
+
+    async def on_text(self, fn, *args):
+        """Run text work (template rendering, tokenising) off the model thread and off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizing, fn, *args)
 
     # ------------------------------------------------------------ errors
 
@@ -64,8 +86,14 @@ class Server:
         code = "not_found" if e.status_code == 404 else None
         return await self.api_error(request, APIError(e.status_code, str(e.detail), code=code))
 
-    async def crash(self, request, e: Exception):  # never let one request take the server down
-        return await self.api_error(request, APIError(500, f"{type(e).__name__}: {e}", type="server_error"))
+    async def user_error(self, request, e: AttnlabError):
+        return await self.api_error(request, APIError(400, str(e)))
+
+    async def crash(self, request, e: Exception):
+        """A bug, not the client's fault: the traceback goes to the log, the client gets no internal detail."""
+        self.stats["server_errors"] += 1
+        log.error("error serving %s %s", request.method, request.url.path, exc_info=e)
+        return await self.api_error(request, APIError(500, "internal server error", type="server_error"))
 
     # ------------------------------------------------------------ request -> session
 
@@ -78,23 +106,40 @@ class Server:
             raise APIError(400, "only n=1 is supported", param="n")
         spec = self.request_spec(req)
         temperature = 1.0 if req.temperature is None else req.temperature
-        sampler = Sampler(temperature, 0, req.top_p or 1.0, req.seed)
-        return spec, sampler, req.limit(self.max_tokens), req.stops()
+        try:
+            sampler = Sampler(temperature, 0, req.top_p or 1.0, req.seed)
+        except (AttnlabError, ValueError, OverflowError) as e:
+            raise APIError(400, f"invalid sampling options: {e}", param="seed") from None
+        if spec.policy == "full":  # the clearer error first: no cap would let this fit a full cache
+            self.check_length(spec, 0, 0, 0, req.limit(self.max_tokens))
+        return spec, sampler, req.limit(self.max_tokens, self.max_tokens_cap), req.stops()
 
     def request_spec(self, req: CommonRequest) -> CacheSpec:
         o, d = req.attnlab, self.spec
         s = CacheSpec(o.policy or d.policy, o.budget or d.budget, d.n_sink if o.n_sink is None else o.n_sink,
                       o.positions or d.positions, d.block) if o else d
+        ctx = self.lm.cfg.context_length
+        if s.policy != "full" and not 1 <= s.budget <= ctx:
+            raise APIError(400, f"attnlab.budget must be between 1 and the model's context, {ctx} tokens",
+                           param="attnlab.budget", code="invalid_value")
+        if not 0 <= s.n_sink < min(s.budget, ctx):
+            raise APIError(400, "attnlab.n_sink must be below attnlab.budget", param="attnlab.n_sink",
+                           code="invalid_value")
         try:
             self.store.policy(s)
         except ValueError as e:
             raise APIError(400, str(e), param="attnlab") from None
         return s
 
+    def check_prompt(self, chars: int = 0, tokens: int = 0, param: str = "messages") -> None:
+        """400 for a prompt over max_prompt_tokens; on raw text (chars) before tokenising, when it surely is."""
+        if tokens > self.max_prompt_tokens or chars > self.max_prompt_tokens * self.text.max_token_chars:
+            size = f"{tokens} tokens" if tokens else f"{chars} characters"
+            raise APIError(400, f"the prompt has {size}; this server takes at most {self.max_prompt_tokens} tokens "
+                                f"per request", param=param, code="context_length_exceeded")
+
     def check_length(self, s: CacheSpec, held_seen: int, prompt: int, new: int, limit: int) -> None:
-        if prompt > self.max_prompt_tokens:
-            raise APIError(400, f"the prompt has {prompt} tokens; this server takes at most {self.max_prompt_tokens} "
-                                f"per request", param="messages", code="context_length_exceeded")
+        self.check_prompt(tokens=prompt)
         ctx = self.lm.cfg.context_length
         if s.policy == "full" and held_seen + new + limit > ctx:
             raise APIError(400, f"this conversation needs {held_seen + new + limit} tokens of cache (prompt + "
@@ -112,16 +157,19 @@ class Server:
                            type="server_error", code="queue_timeout") from None
         return self.slots
 
-    async def start(self, text: str | None, ids: list[int] | None, s: CacheSpec, limit: int):
-        """Find or make the session, feed the prompt; returns (held or None, session, turn)."""
+    async def start(self, caller, text: str | None, ids: list[int], s: CacheSpec, limit: int):
+        """Find or make the session, feed the prompt; returns (held or None, session, turn).
+
+        text: the escaped rendered chat (ids: all its tokens), or None for a raw completion prompt.
+        """
         if text is None:
             return await self.start_completion(ids, s, limit)
-        held, reused = await self.on_worker(self.store.acquire, text, s)
+        held, reused = await self.on_worker(self.store.acquire, text, s, caller.owner, len(ids) + limit)
         session, feeding = held.session, False
         try:
-            new = await self.on_worker(session.new_ids, text)
-            prompt = await self.on_worker(lambda: len(self.lm.encode_rendered(text)))
-            self.check_length(s, session.cache.seen, prompt, len(new), limit)
+            rest = text[len(session.text):]
+            new = ids if not session.text else await self.on_text(self.text.encode, rest) if rest else []
+            self.check_length(s, session.cache.seen, len(ids), len(new), limit)
             feeding = True
             await self.feed(session, new)
             session.text = text
@@ -129,15 +177,21 @@ class Server:
             self.worker.submit(self.store.release, held, reused and not feeding)
             raise
         held.turns += 1
-        return held, session, Turn(prompt, len(new))
+        return held, session, Turn(len(ids), len(new))
 
     async def start_completion(self, ids: list[int], s: CacheSpec, limit: int):
         """A one-off cache for /v1/completions (raw prompts are not stored conversations)."""
-        policy = self.store.policy(s)
-        lm = self.lm
-        cache = lm.new_cache(policy=policy) if policy else lm.new_cache(max_capacity=lm.cfg.context_length)
-        session = Session(lm, cache, self.chunk)
         self.check_length(s, 0, len(ids), len(ids), limit)
+        policy = self.store.policy(s)
+        need = self.store.cache_bytes(policy, len(ids) + limit)
+        if need > self.store.max_bytes:
+            self.store.make_room(need)  # raises the 400 that says why
+        lm = self.lm
+
+        def make():
+            cache = lm.new_cache(policy=policy) if policy else lm.new_cache(max_capacity=lm.cfg.context_length)
+            return Session(lm, cache, self.chunk)
+        session = await self.on_worker(make)
         await self.feed(session, ids)
         return None, session, Turn(len(ids), len(ids))
 
@@ -155,14 +209,14 @@ class Server:
         if held is not None:
             self.worker.submit(self.store.release, held)
 
-    async def respond(self, req: CommonRequest, request: Request, text: str | None, ids: list[int] | None,
-                      chat: bool):
-        s, sampler, limit, stops = self.check(req)
+    async def respond(self, req: CommonRequest, request: Request, plan, text: str | None, ids: list[int]):
+        s, sampler, limit, stops = plan
+        chat = text is not None
         self.stats["requests"] += 1
         sem = await self.admit()
         self.stats["active"] += 1
         try:
-            held, session, turn = await self.start(text, ids, s, limit)
+            held, session, turn = await self.start(request.state.caller, text, ids, s, limit)
         except BaseException:
             self.finish(None, sem)
             raise
@@ -179,21 +233,33 @@ class Server:
     async def chat_completions(self, req: ChatRequest, request: Request):
         if not req.messages:
             raise APIError(400, "messages must contain at least one message", param="messages", code="empty_messages")
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+        plan = self.check(req)
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": self.text.escape(m.text())}
+                    for m in req.messages]
+        self.check_prompt(chars=sum(len(m["content"]) for m in messages))
+        text = await self.on_text(self.render, messages)
+        ids = await self.on_text(self.text.encode, text)
+        self.check_prompt(tokens=len(ids))
+        return await self.respond(req, request, plan, text, ids)
+
+    def render(self, messages: list[dict]) -> str:
         try:
-            text = self.lm.render_chat(messages)
+            return self.lm.render_chat(messages)
         except Exception as e:  # the template rejected this sequence of roles
-            raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
-        return await self.respond(req, request, text, None, chat=True)
+            raise APIError(400, f"the chat template cannot render these messages: {str(e)[:200]}",
+                           param="messages") from None
 
     async def completions(self, req: CompletionRequest, request: Request):
         prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
         if len(prompts) != 1:
             raise APIError(400, "exactly one prompt per request is supported", param="prompt")
-        ids = self.lm.encode(prompts[0])
+        plan = self.check(req)
+        self.check_prompt(chars=len(prompts[0]), param="prompt")
+        ids = await self.on_text(self.lm.encode, prompts[0])
         if not ids:
             raise APIError(400, "the prompt is empty", param="prompt", code="empty_prompt")
-        return await self.respond(req, request, None, ids, chat=False)
+        self.check_prompt(tokens=len(ids), param="prompt")
+        return await self.respond(req, request, plan, None, ids)
 
     async def models(self):
         return {"object": "list", "data": [self.model_card()]}
@@ -210,20 +276,26 @@ class Server:
     async def health(self):
         return {"status": "ok", "model": self.model_name, "sessions": len(self.store.sessions), **self.stats}
 
-    async def sessions(self):
-        return await self.on_worker(self.store.summary)
+    async def sessions(self, request: Request):
+        return await self.on_worker(self.store.summary, self.visible(request))
 
-    async def session_info(self, sid: str):
-        return (await self.on_worker(self.held_or_404, sid)).summary()
+    async def session_info(self, sid: str, request: Request):
+        return (await self.on_worker(self.held_or_404, sid, self.visible(request))).summary()
 
-    async def session_cache(self, sid: str):
-        held = self.held_or_404(sid)
+    async def session_cache(self, sid: str, request: Request):
+        held = self.held_or_404(sid, self.visible(request))
         return await self.on_worker(held.cache_view)
 
-    def held_or_404(self, sid: str):
-        held = self.store.get(sid)
-        if held is None:
-            raise APIError(404, f"no session {sid!r} (finished conversations are evicted LRU)", param="session",
+    @staticmethod
+    def visible(request: Request) -> str | None:
+        """Whose sessions the caller may see: its own, or everyone's (None) for an admin or a keyless server."""
+        caller = request.state.caller
+        return None if caller.admin else caller.owner
+
+    def held_or_404(self, sid: str, owner: str | None):
+        held = self.store.get(sid, owner)
+        if held is None:  # another caller's session looks exactly like a missing one
+            raise APIError(404, f"no session {sid[:40]!r} (finished conversations are evicted LRU)", param="session",
                            code="session_not_found")
         return held
 
@@ -234,9 +306,16 @@ class Server:
 
     def app(self) -> FastAPI:
         """A FastAPI app whose routes and error handlers are thin calls to this server's methods."""
-        app = FastAPI(title="attnlab", docs_url=None, redoc_url=None)
+        app = FastAPI(title="attnlab", docs_url=None, redoc_url=None,
+                      openapi_url="/openapi.json" if self.openapi else None)
         app.state.server, app.state.store, app.state.stats = self, self.store, self.stats
+        app.add_middleware(Guard, **self.guard)
+        if self.cors_origins:  # outside the guard: browsers send preflights without the key
+            from fastapi.middleware.cors import CORSMiddleware
+            app.add_middleware(CORSMiddleware, allow_origins=self.cors_origins, allow_methods=["GET", "POST"],
+                               allow_headers=["Authorization", "Content-Type"])
         app.add_exception_handler(APIError, self.api_error)
+        app.add_exception_handler(AttnlabError, self.user_error)
         app.add_exception_handler(RequestValidationError, self.invalid)
         app.add_exception_handler(StarletteHTTPException, self.http_error)
         app.add_exception_handler(Exception, self.crash)

@@ -6,7 +6,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from attnlab.serve.protocol import StopScanner, cut_at_stop
+from attnlab.serve.protocol import StopScanner
 from attnlab.textstream import TextStream
 
 
@@ -66,12 +66,13 @@ class Reply:
 
     async def whole(self, request) -> dict:
         """The non-streamed answer."""
+        parts = []
         try:
-            async for _ in self.deltas(request):
-                pass
+            async for delta in self.deltas(request):  # the same text, cut the same way, as the stream
+                parts.append(delta)
         finally:
             self.done()
-        out = cut_at_stop(self.server.lm.tokenizer.decode(self.turn.reply, skip_special_tokens=True), self.stops)
+        out = "".join(parts)
         choice = {"index": 0, "message": {"role": "assistant", "content": out}} if self.chat else {"index": 0, "text": out}
         choice.update(finish_reason=self.turn.finish, logprobs=None)
         return {"id": self.id, "object": self.kind, "created": self.created, "model": self.server.model_name,
