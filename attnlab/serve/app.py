@@ -122,10 +122,7 @@ class Server:
         if s.policy != "full" and not 1 <= s.budget <= ctx:
             raise APIError(400, f"attnlab.budget must be between 1 and the model's context, {ctx} tokens",
                            param="attnlab.budget", code="invalid_value")
-        if not 0 <= s.n_sink < min(s.budget, ctx):
-            raise APIError(400, "attnlab.n_sink must be below attnlab.budget", param="attnlab.n_sink",
-                           code="invalid_value")
-        try:
+        try:  # n_sink must stay below the budget, which is bounded above
             self.store.policy(s)
         except ValueError as e:
             raise APIError(400, str(e), param="attnlab") from None

@@ -158,17 +158,19 @@ class StopScanner:
             return ""
         text, start = self.buf + delta, len(self.buf)
         for j in range(start, len(text)):
-            c = text[j]
+            c, done = text[j], 0
             for i, s in enumerate(self.stops):
                 k, fail = self.state[i], self.fail[i]
                 while k and s[k] != c:
                     k = fail[k - 1]
                 if s[k] == c:
                     k += 1
-                if k == len(s):
-                    self.buf, self.stopped = "", True
-                    return text[:j + 1 - k]
+                if k == len(s):  # of the stops completed by this character, the longest starts first
+                    done, k = max(done, k), fail[k - 1]
                 self.state[i] = k
+            if done:
+                self.buf, self.stopped = "", True
+                return text[:j + 1 - done]
         hold = max(self.state, default=0)
         out, self.buf = text[:len(text) - hold], text[len(text) - hold:]
         return out
