@@ -23,8 +23,10 @@ class ChatText:
         alt = "|".join(re.escape(s) for s in specials) or "(?!)"
         self.special = re.compile(alt)
         self.token = re.compile(f"{ESC}{ESC}|{ESC}(?:{alt})|(?:{alt})")
-        # the longest text one token can stand for: a prompt longer than max_tokens * this cannot fit
-        self.max_token_chars = max(len(tokenizer.convert_tokens_to_string([t])) for t in tokenizer.get_vocab())
+        # a bound on the characters one token stands for (a vocabulary entry decodes to at most as many
+        # characters as it has: byte-level entries are one byte per character): a prompt longer than
+        # max_prompt_tokens * this surely has too many tokens, and is refused before tokenising
+        self.max_token_chars = max(map(len, tokenizer.get_vocab()))
 
     def escape(self, content: str) -> str:
         """Message content with its special-token strings (and the mark itself) marked as text."""
