@@ -224,3 +224,13 @@ def test_openapi_schema_is_off_by_default(guarded):
     url, _ = guarded
     for path in ("/openapi.json", "/docs", "/redoc"):
         assert httpx.get(url + path, headers={"authorization": f"Bearer {ADMIN}"}).status_code == 404
+
+
+def test_serve_without_keys_stays_on_loopback(capsys, monkeypatch, tmp_path):
+    from attnlab.cli import main
+    monkeypatch.delenv("ATTNLAB_API_KEYS", raising=False)
+    assert main(["serve", "--host", "0.0.0.0"]) == 2
+    assert "without --api-key" in capsys.readouterr().err
+    assert main(["serve", "--host", "0.0.0.0", "--api-key", "short"]) == 2
+    assert "at least 8 characters" in capsys.readouterr().err
+    assert main(["serve", "--api-keys-file", str(tmp_path / "missing")]) == 2
