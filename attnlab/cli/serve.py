@@ -1,6 +1,7 @@
 """`attnlab serve`: the OpenAI-compatible server (FastAPI + uvicorn) over bounded-cache sessions."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from attnlab.cli.common import UserError, add_model_args, load_lm, positive_int
@@ -21,18 +22,49 @@ def cmd_serve(args) -> int:
     except ValueError:
         raise UserError(f"serve needs --budget in tokens (e.g. 1024), got {args.budget!r}") from None
     spec = CacheSpec(args.policy, budget, args.n_sink, args.positions, args.block)
+    keys, admin_keys = api_keys(args), list(args.admin_key or [])
+    loopback = args.host in ("127.0.0.1", "localhost", "::1")
+    if not (keys or admin_keys) and not loopback and not args.insecure_no_auth:
+        raise UserError(f"serving on {args.host} without --api-key lets anyone who can reach it use it: give "
+                        f"--api-key (or ATTNLAB_API_KEYS / --api-keys-file), or --insecure-no-auth")
+    hosts = ["127.0.0.1", "localhost", "::1"] + ([args.host] if args.host not in ("0.0.0.0", "::") else [])
     lm = load_lm(args)
     name = args.name or Path(str(args.model)).name.removesuffix(".gguf")
     try:
         app = create_app(lm, name, spec, max_sessions=args.max_sessions, max_bytes=args.max_cache_mib << 20,
                          max_tokens=args.max_tokens, max_active=args.max_active, queue_timeout=args.queue_timeout,
-                         max_prompt_tokens=args.max_prompt_tokens, chunk=args.chunk)
+                         max_prompt_tokens=args.max_prompt_tokens, chunk=args.chunk,
+                         max_tokens_cap=args.max_tokens_cap, max_body=args.max_body_kib << 10,
+                         hosts=hosts + (args.allowed_host or []), api_keys=keys, admin_keys=admin_keys,
+                         openapi=args.openapi, cors_origins=args.cors_origin or [])
     except ValueError as e:
         raise UserError(str(e)) from None
     print(f"attnlab serve: {name} ({spec.policy}{'' if spec.policy == 'full' else f', budget {budget}'}) on "
           f"http://{args.host}:{args.port}/  (OpenAI base_url http://{args.host}:{args.port}/v1)")
+    if keys or admin_keys:
+        print(f"attnlab serve: {len(keys)} API key(s), {len(admin_keys)} admin key(s); conversations are private "
+              f"to each key")
+    else:
+        print("attnlab serve: no API keys: anyone who can reach this address can use the server and see every "
+              "conversation" + (" (localhost only)" if loopback else " (--insecure-no-auth)"))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
+
+
+def api_keys(args) -> list[str]:
+    """--api-key values, then ATTNLAB_API_KEYS (comma-separated), then --api-keys-file (one per line, # comments)."""
+    keys = list(args.api_key or [])
+    keys += [k.strip() for k in os.environ.get("ATTNLAB_API_KEYS", "").split(",") if k.strip()]
+    if args.api_keys_file:
+        try:
+            lines = Path(args.api_keys_file).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"cannot read --api-keys-file {args.api_keys_file}: {e}") from None
+        keys += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    bad = [k for k in keys if len(k) < 8 or any(c.isspace() for c in k)]
+    if bad:
+        raise UserError("API keys must be at least 8 characters without spaces")
+    return keys
 
 
 def add_parser(sub) -> None:
@@ -45,10 +77,21 @@ def add_parser(sub) -> None:
     p.add_argument("--max-sessions", type=positive_int, default=16, help="conversations held; LRU beyond")
     p.add_argument("--max-cache-mib", type=positive_int, default=1024, help="KV bytes of all held conversations; LRU beyond")
     p.add_argument("--max-tokens", type=positive_int, default=256, help="reply length when a request gives none")
+    p.add_argument("--max-tokens-cap", type=positive_int, default=4096, help="largest max_tokens a request may ask")
+    p.add_argument("--max-body-kib", type=positive_int, default=1024, help="largest request body (KiB), else 413")
     p.add_argument("--max-prompt-tokens", type=positive_int, default=32768, help="largest prompt one request may feed")
     p.add_argument("--max-active", type=positive_int, default=8, help="requests generating at once (interleaved)")
     p.add_argument("--queue-timeout", type=float, default=60.0, help="seconds a request waits for a slot, then 503")
     p.add_argument("--chunk", type=positive_int, default=128, help="prefill chunk (bounded caches hold budget + chunk)")
+    p.add_argument("--api-key", action="append", metavar="KEY",
+                   help="accept 'Authorization: Bearer KEY' (repeatable; also ATTNLAB_API_KEYS, --api-keys-file)")
+    p.add_argument("--api-keys-file", metavar="PATH", help="file with one API key per line")
+    p.add_argument("--admin-key", action="append", metavar="KEY", help="a key that also sees every conversation")
+    p.add_argument("--insecure-no-auth", action="store_true", help="serve a non-loopback address without keys")
+    p.add_argument("--allowed-host", action="append", metavar="NAME",
+                   help="extra Host header name to answer (default: the bound address and localhost; '*': any)")
+    p.add_argument("--openapi", action="store_true", help="serve the API schema at /openapi.json")
+    p.add_argument("--cors-origin", action="append", metavar="ORIGIN", help="allow browser calls from this origin")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="server log verbosity")
     p.set_defaults(func=cmd_serve)

@@ -1,10 +1,11 @@
 """An OpenAI-compatible HTTP server whose conversations each live in a bounded KV cache.
 
 `create_app(lm, name)` builds the FastAPI app (optional extra: `pip install attnlab[serve]`);
-`attnlab serve` runs it under uvicorn. See `app.py` for the endpoints and the concurrency
-model, `sessions.py` for how a resent history finds its cache again.
+`attnlab serve` runs it under uvicorn. See `app.py` (`Server`) for the endpoints and the
+concurrency model, `sessions.py` for how a resent history finds its cache again, `guard.py`
+for Host/key/body checks, and docs/serve.md for limits and the security model.
 """
-from attnlab.serve.app import create_app
+from attnlab.serve.app import Server, create_app
 from attnlab.serve.sessions import CacheSpec, SessionStore
 
-__all__ = ["create_app", "CacheSpec", "SessionStore"]
+__all__ = ["create_app", "Server", "CacheSpec", "SessionStore"]

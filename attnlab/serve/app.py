@@ -7,15 +7,22 @@ generate at once; the others wait for a slot up to `queue_timeout` seconds, then
 Decode steps of different requests are not batched: at batch 1 on a CPU a step is bound by
 streaming the weights, and separate caches with different policies and lengths would need
 padding and per-row eviction.
+
+Tokenising and rendering run on a separate small pool, never on the model thread, and only
+after the cheap checks on the raw request: a request that would cost more than the server's
+limits is refused (400/413) before any work for it reaches the model. Client-caused failures
+are 400s with OpenAI's error body; anything else is logged with its traceback and answered
+with a generic 500.
+
+`Server` holds the state (model, session store, limits, worker); `create_app` registers its
+methods as FastAPI routes behind `guard.Guard` (Host allow-list, API keys, body size).
 """
 from __future__ import annotations
 
 import asyncio
-import json
+import logging
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -23,285 +30,307 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from attnlab.errors import AttnlabError
 from attnlab.sampling import Sampler
-from attnlab.serve.protocol import (APIError, ChatRequest, CommonRequest, CompletionRequest, StopScanner,
-                                    cut_at_stop, validation_error)
+from attnlab.serve.guard import LOOPBACK, Guard
+from attnlab.serve.protocol import APIError, ChatRequest, CommonRequest, CompletionRequest, validation_error
+from attnlab.serve.replies import Reply, Turn
 from attnlab.serve.sessions import CacheSpec, SessionStore
+from attnlab.serve.text import ChatText
 from attnlab.session import Session
-from attnlab.textstream import TextStream
 
+log = logging.getLogger("attnlab.serve")
 PAGE = Path(__file__).parent / "static" / "index.html"
 
 
-@dataclass
-class Turn:
-    """One request's generation: what it was fed, what it sampled, why it ended."""
-    prompt_tokens: int
-    fed: int
-    reply: list[int] = field(default_factory=list)
-    finish: str = "length"
+class Server:
+    """One model served to many clients: session store, limits, the model thread and the request flow."""
 
+    def __init__(self, lm, model_name: str, spec: CacheSpec = CacheSpec(), max_sessions: int = 16,
+                 max_bytes: int = 1 << 30, max_tokens: int = 256, max_active: int = 8, queue_timeout: float = 60.0,
+                 max_prompt_tokens: int = 32768, chunk: int = 128, max_tokens_cap: int = 4096,
+                 max_body: int = 1 << 20, hosts=LOOPBACK, api_keys=(), admin_keys=(), openapi: bool = False,
+                 cors_origins=()):
+        self.lm, self.model_name, self.spec, self.chunk = lm, model_name, spec, chunk
+        self.max_tokens, self.max_active, self.queue_timeout = max_tokens, max_active, queue_timeout
+        self.max_prompt_tokens, self.max_tokens_cap = max_prompt_tokens, max(max_tokens_cap, max_tokens)
+        self.guard = dict(max_body=max_body, hosts=tuple(hosts), keys=tuple(api_keys), admin_keys=tuple(admin_keys))
+        self.openapi, self.cors_origins = openapi, list(cors_origins)
+        self.store = SessionStore(lm, max_sessions, max_bytes, chunk)
+        self.store.policy(spec)  # a bad default fails at startup, not on the first request
+        self.text = ChatText(lm.tokenizer)
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="attnlab-model")
+        self.tokenizing = ThreadPoolExecutor(2, thread_name_prefix="attnlab-text")
+        self.stats = {"requests": 0, "active": 0, "tokens_generated": 0, "errors": 0, "server_errors": 0}
+        self.slots: asyncio.Semaphore | None = None  # made on first use, inside the serving event loop
+        self.created_at = int(time.time())
 
-def create_app(lm, model_name: str, spec: CacheSpec = CacheSpec(), max_sessions: int = 16,
-               max_bytes: int = 1 << 30, max_tokens: int = 256, max_active: int = 8, queue_timeout: float = 60.0,
-               max_prompt_tokens: int = 32768, chunk: int = 128) -> FastAPI:
-    """An app serving `lm` as `model_name`; spec is the default cache policy of new conversations."""
-    store = SessionStore(lm, max_sessions, max_bytes, chunk)
-    store.policy(spec)  # a bad default fails at startup, not on the first request
-    worker = ThreadPoolExecutor(1, thread_name_prefix="attnlab-model")
-    stats = {"requests": 0, "active": 0, "tokens_generated": 0, "errors": 0}
-    slots: dict[str, asyncio.Semaphore] = {}
-    app = FastAPI(title="attnlab", docs_url=None, redoc_url=None)
-    app.state.store, app.state.stats = store, stats
+    async def on_worker(self, fn, *args):
+        """Run on the model thread (the only one that touches a cache)."""
+        return await asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
 
-    async def on_worker(fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(worker, fn, *args)
+    async def on_text(self, fn, *args):
+        """Run text work (template rendering, tokenising) off the model thread and off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizing, fn, *args)
 
-    @app.exception_handler(APIError)
-    async def _api_error(request, e: APIError):
-        stats["errors"] += 1
+    # ------------------------------------------------------------ errors
+
+    async def api_error(self, request, e: APIError):
+        self.stats["errors"] += 1
         return JSONResponse(e.body(), status_code=e.status)
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request, e: RequestValidationError):
-        return await _api_error(request, validation_error(e.errors()))
+    async def invalid(self, request, e: RequestValidationError):
+        return await self.api_error(request, validation_error(e.errors()))
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request, e: StarletteHTTPException):
-        return await _api_error(request, APIError(e.status_code, str(e.detail), code="not_found"
-                                                  if e.status_code == 404 else None))
+    async def http_error(self, request, e: StarletteHTTPException):
+        code = "not_found" if e.status_code == 404 else None
+        return await self.api_error(request, APIError(e.status_code, str(e.detail), code=code))
 
-    @app.exception_handler(Exception)
-    async def _crash(request, e: Exception):  # never let one request take the server down
-        return await _api_error(request, APIError(500, f"{type(e).__name__}: {e}", type="server_error"))
+    async def user_error(self, request, e: AttnlabError):
+        return await self.api_error(request, APIError(400, str(e)))
+
+    async def crash(self, request, e: Exception):
+        """A bug, not the client's fault: the traceback goes to the log, the client gets no internal detail."""
+        self.stats["server_errors"] += 1
+        log.error("error serving %s %s", request.method, request.url.path, exc_info=e)
+        return await self.api_error(request, APIError(500, "internal server error", type="server_error"))
 
     # ------------------------------------------------------------ request -> session
 
-    def check(req: CommonRequest) -> tuple[CacheSpec, Sampler, int, list[str]]:
-        if req.model != model_name:
-            raise APIError(404, f"The model {req.model!r} does not exist; this server has {model_name!r}",
+    def check(self, req: CommonRequest) -> tuple[CacheSpec, Sampler, int, list[str]]:
+        """The cache spec, sampler, token limit and stop strings of a request; APIError if it is invalid."""
+        if req.model != self.model_name:
+            raise APIError(404, f"The model {req.model!r} does not exist; this server has {self.model_name!r}",
                            param="model", code="model_not_found")
         if req.n not in (None, 1):
             raise APIError(400, "only n=1 is supported", param="n")
-        o = req.attnlab
-        s = CacheSpec(o.policy or spec.policy, o.budget or spec.budget,
-                      spec.n_sink if o.n_sink is None else o.n_sink, o.positions or spec.positions,
-                      spec.block) if o else spec
+        spec = self.request_spec(req)
+        temperature = 1.0 if req.temperature is None else req.temperature
         try:
-            store.policy(s)
+            sampler = Sampler(temperature, 0, req.top_p or 1.0, req.seed)
+        except (AttnlabError, ValueError, OverflowError) as e:
+            raise APIError(400, f"invalid sampling options: {e}", param="seed") from None
+        if spec.policy == "full":  # the clearer error first: no cap would let this fit a full cache
+            self.check_length(spec, 0, 0, 0, req.limit(self.max_tokens))
+        return spec, sampler, req.limit(self.max_tokens, self.max_tokens_cap), req.stops()
+
+    def request_spec(self, req: CommonRequest) -> CacheSpec:
+        o, d = req.attnlab, self.spec
+        s = CacheSpec(o.policy or d.policy, o.budget or d.budget, d.n_sink if o.n_sink is None else o.n_sink,
+                      o.positions or d.positions, d.block) if o else d
+        ctx = self.lm.cfg.context_length
+        if s.policy != "full" and not 1 <= s.budget <= ctx:
+            raise APIError(400, f"attnlab.budget must be between 1 and the model's context, {ctx} tokens",
+                           param="attnlab.budget", code="invalid_value")
+        try:  # n_sink must stay below the budget, which is bounded above
+            self.store.policy(s)
         except ValueError as e:
             raise APIError(400, str(e), param="attnlab") from None
-        temperature = 1.0 if req.temperature is None else req.temperature
-        sampler = Sampler(temperature, 0, req.top_p or 1.0, req.seed)
-        return s, sampler, req.limit(max_tokens), req.stops()
+        return s
 
-    def check_length(s: CacheSpec, held_seen: int, prompt: int, new: int, limit: int) -> None:
-        if prompt > max_prompt_tokens:
-            raise APIError(400, f"the prompt has {prompt} tokens; this server takes at most {max_prompt_tokens} "
-                                f"per request", param="messages", code="context_length_exceeded")
-        ctx = lm.cfg.context_length
+    def check_prompt(self, chars: int = 0, tokens: int = 0, param: str = "messages") -> None:
+        """400 for a prompt over max_prompt_tokens; on raw text (chars) before tokenising, when it surely is."""
+        if tokens > self.max_prompt_tokens or chars > self.max_prompt_tokens * self.text.max_token_chars:
+            size = f"{tokens} tokens" if tokens else f"{chars} characters"
+            raise APIError(400, f"the prompt has {size}; this server takes at most {self.max_prompt_tokens} tokens "
+                                f"per request", param=param, code="context_length_exceeded")
+
+    def check_length(self, s: CacheSpec, held_seen: int, prompt: int, new: int, limit: int) -> None:
+        self.check_prompt(tokens=prompt)
+        ctx = self.lm.cfg.context_length
         if s.policy == "full" and held_seen + new + limit > ctx:
             raise APIError(400, f"this conversation needs {held_seen + new + limit} tokens of cache (prompt + "
                                 f"max_tokens) but policy 'full' holds at most {ctx}; use a bounded policy "
                                 f"(attnlab.policy 'sink') to go on", param="messages", code="context_length_exceeded")
 
-    async def admit() -> asyncio.Semaphore:
-        sem = slots.setdefault("model", asyncio.Semaphore(max_active))
+    async def admit(self) -> asyncio.Semaphore:
+        """A generation slot, or 503 after queue_timeout seconds."""
+        if self.slots is None:
+            self.slots = asyncio.Semaphore(self.max_active)
         try:
-            await asyncio.wait_for(sem.acquire(), queue_timeout)
+            await asyncio.wait_for(self.slots.acquire(), self.queue_timeout)
         except TimeoutError:
-            raise APIError(503, f"server busy: no generation slot freed within {queue_timeout:g} s",
+            raise APIError(503, f"server busy: no generation slot freed within {self.queue_timeout:g} s",
                            type="server_error", code="queue_timeout") from None
-        return sem
+        return self.slots
 
-    async def start(text: str | None, ids: list[int] | None, s: CacheSpec, limit: int):
-        """Find or make the session, feed the prompt; returns (held or None, session, turn)."""
-        if text is not None:  # chat: a stored, reusable conversation
-            held, reused = await on_worker(store.acquire, text, s)
-            session, feeding = held.session, False
-            try:
-                new = await on_worker(session.new_ids, text)
-                prompt = await on_worker(lambda: len(lm.encode_rendered(text)))
-                check_length(s, session.cache.seen, prompt, len(new), limit)
-                feeding = True
-                await feed(session, new)
-                session.text = text
-            except BaseException:  # keep a reused session only if its cache was not touched
-                worker.submit(store.release, held, reused and not feeding)
-                raise
-            held.turns += 1
-            return held, session, Turn(prompt, len(new))
-        policy = store.policy(s)
-        cache = lm.new_cache(policy=policy) if policy else lm.new_cache(max_capacity=lm.cfg.context_length)
-        session = Session(lm, cache, chunk)
-        check_length(s, 0, len(ids), len(ids), limit)
-        await feed(session, ids)
+    async def start(self, caller, text: str | None, ids: list[int], s: CacheSpec, limit: int):
+        """Find or make the session, feed the prompt; returns (held or None, session, turn).
+
+        text: the escaped rendered chat (ids: all its tokens), or None for a raw completion prompt.
+        """
+        if text is None:
+            return await self.start_completion(ids, s, limit)
+        held, reused = await self.on_worker(self.store.acquire, text, s, caller.owner, len(ids) + limit)
+        session, feeding = held.session, False
+        try:
+            rest = text[len(session.text):]
+            new = ids if not session.text else await self.on_text(self.text.encode, rest) if rest else []
+            self.check_length(s, session.cache.seen, len(ids), len(new), limit)
+            feeding = True
+            await self.feed(session, new)
+            session.text = text
+        except BaseException:  # keep a reused session only if its cache was not touched
+            self.worker.submit(self.store.release, held, reused and not feeding)
+            raise
+        held.turns += 1
+        return held, session, Turn(len(ids), len(new))
+
+    async def start_completion(self, ids: list[int], s: CacheSpec, limit: int):
+        """A one-off cache for /v1/completions (raw prompts are not stored conversations)."""
+        self.check_length(s, 0, len(ids), len(ids), limit)
+        policy = self.store.policy(s)
+        need = self.store.cache_bytes(policy, len(ids) + limit)
+        if need > self.store.max_bytes:
+            self.store.make_room(need)  # raises the 400 that says why
+        lm = self.lm
+
+        def make():
+            cache = lm.new_cache(policy=policy) if policy else lm.new_cache(max_capacity=lm.cfg.context_length)
+            return Session(lm, cache, self.chunk)
+        session = await self.on_worker(make)
+        await self.feed(session, ids)
         return None, session, Turn(len(ids), len(ids))
 
-    async def feed(session: Session, ids: list[int]) -> None:
+    async def feed(self, session: Session, ids: list[int]) -> None:
         """Prefill as one worker step per chunk, so a long prompt does not stall the other streams."""
-        for i in range(0, len(ids), chunk):
-            await on_worker(session.feed, ids[i:i + chunk])
+        for i in range(0, len(ids), self.chunk):
+            await self.on_worker(session.feed, ids[i:i + self.chunk])
 
-    async def run(gen, turn: Turn, stops: list[str], request: Request | None):
-        """Decode one token per worker step; yields text deltas (cut at stop strings)."""
-        text, scan, eos = TextStream(lm.tokenizer), StopScanner(stops), lm.eos_ids
-        while True:
-            token = await on_worker(next, gen, None)
-            if token is None:
-                break
-            turn.reply.append(token)
-            stats["tokens_generated"] += 1
-            if token in eos:
-                turn.finish = "stop"
-            delta = scan.push(text.push(token))
-            if delta:
-                yield delta
-            if scan.stopped:
-                turn.finish = "stop"
-                return
-            if request is not None and len(turn.reply) % 16 == 0 and await request.is_disconnected():
-                return
-        tail = scan.push(text.flush()) + scan.flush()
-        if tail:
-            yield tail
-
-    def finish(held, sem, gen=None) -> None:
+    def finish(self, held, sem, gen=None) -> None:
         """Stop the decode and release session and slot, after any step the worker still runs for this request."""
-        stats["active"] -= 1
+        self.stats["active"] -= 1
         sem.release()
         if gen is not None:
-            worker.submit(gen.close)  # the Session records the reply tokens it fed
+            self.worker.submit(gen.close)  # the Session records the reply tokens it fed
         if held is not None:
-            worker.submit(store.release, held)
+            self.worker.submit(self.store.release, held)
 
-    def usage(turn: Turn) -> dict:
-        return {"prompt_tokens": turn.prompt_tokens, "completion_tokens": len(turn.reply),
-                "total_tokens": turn.prompt_tokens + len(turn.reply),
-                "prompt_tokens_details": {"cached_tokens": max(0, turn.prompt_tokens - turn.fed)}}
-
-    def extension(held, session: Session, turn: Turn) -> dict:
-        return {"session": held.id if held else None, "fed_tokens": turn.fed, "tokens_seen": session.cache.seen,
-                "slots_kept": len(session.cache), "cache_bytes": session.cache.nbytes()}
-
-    async def respond(req: CommonRequest, request: Request, text: str | None, ids: list[int] | None, chat: bool):
-        s, sampler, limit, stops = check(req)
-        stats["requests"] += 1
-        sem = await admit()
-        stats["active"] += 1
+    async def respond(self, req: CommonRequest, request: Request, plan, text: str | None, ids: list[int]):
+        s, sampler, limit, stops = plan
+        chat = text is not None
+        self.stats["requests"] += 1
+        sem = await self.admit()
+        self.stats["active"] += 1
         try:
-            held, session, turn = await start(text, ids, s, limit)
+            held, session, turn = await self.start(request.state.caller, text, ids, s, limit)
         except BaseException:
-            finish(None, sem)
+            self.finish(None, sem)
             raise
-        rid, created = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], int(time.time())
-        kind = "chat.completion" if chat else "text_completion"
-        gen = session.generate(sampler, limit)
+        reply = Reply(self, held, session, turn, session.generate(sampler, limit), stops, chat,
+                      lambda: self.finish(held, sem, reply.gen))
         if not req.stream:
-            try:
-                async for _ in run(gen, turn, stops, request):
-                    pass
-            finally:
-                finish(held, sem, gen)
-            out = cut_at_stop(lm.tokenizer.decode(turn.reply, skip_special_tokens=True), stops)
-            choice = ({"index": 0, "message": {"role": "assistant", "content": out}} if chat
-                      else {"index": 0, "text": out})
-            choice.update(finish_reason=turn.finish, logprobs=None)
-            return {"id": rid, "object": kind, "created": created, "model": model_name, "choices": [choice],
-                    "usage": usage(turn), "attnlab": extension(held, session, turn)}
+            return await reply.whole(request)
         include_usage = bool((req.stream_options or {}).get("include_usage"))
-
-        def chunk(delta: str | None, reason: str | None = None, first: bool = False) -> str:
-            if chat:
-                d = ({"role": "assistant", "content": ""} if first else {"content": delta} if delta else {})
-                choice = {"index": 0, "delta": d, "finish_reason": reason, "logprobs": None}
-            else:
-                choice = {"index": 0, "text": delta or "", "finish_reason": reason, "logprobs": None}
-            body = {"id": rid, "object": kind + (".chunk" if chat else ""), "created": created,
-                    "model": model_name, "choices": [choice]}
-            if reason is not None or first:  # the page learns its session id from the first chunk
-                body["attnlab"] = extension(held, session, turn)
-            return f"data: {json.dumps(body)}\n\n"
-
-        async def events():
-            try:
-                if chat:
-                    yield chunk(None, first=True)
-                async for delta in run(gen, turn, stops, None):
-                    yield chunk(delta)
-                yield chunk(None, turn.finish)
-                if include_usage:
-                    yield f"data: {json.dumps({'id': rid, 'object': kind + '.chunk', 'created': created, 'model': model_name, 'choices': [], 'usage': usage(turn)})}\n\n"
-                yield "data: [DONE]\n\n"
-            finally:
-                finish(held, sem, gen)
-
-        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(reply.events(include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
 
     # ------------------------------------------------------------ endpoints
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatRequest, request: Request):
+    async def chat_completions(self, req: ChatRequest, request: Request):
         if not req.messages:
             raise APIError(400, "messages must contain at least one message", param="messages", code="empty_messages")
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
-        try:
-            text = lm.render_chat(messages)
-        except Exception as e:  # the template rejected this sequence of roles
-            raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
-        return await respond(req, request, text, None, chat=True)
+        plan = self.check(req)
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": self.text.escape(m.text())}
+                    for m in req.messages]
+        self.check_prompt(chars=sum(len(m["content"]) for m in messages))
+        text = await self.on_text(self.render, messages)
+        ids = await self.on_text(self.text.encode, text)
+        self.check_prompt(tokens=len(ids))
+        return await self.respond(req, request, plan, text, ids)
 
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request):
+    def render(self, messages: list[dict]) -> str:
+        try:
+            return self.lm.render_chat(messages)
+        except Exception as e:  # the template rejected this sequence of roles
+            raise APIError(400, f"the chat template cannot render these messages: {str(e)[:200]}",
+                           param="messages") from None
+
+    async def completions(self, req: CompletionRequest, request: Request):
         prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
         if len(prompts) != 1:
             raise APIError(400, "exactly one prompt per request is supported", param="prompt")
-        ids = lm.encode(prompts[0])
+        plan = self.check(req)
+        self.check_prompt(chars=len(prompts[0]), param="prompt")
+        ids = await self.on_text(self.lm.encode, prompts[0])
         if not ids:
             raise APIError(400, "the prompt is empty", param="prompt", code="empty_prompt")
-        return await respond(req, request, None, ids, chat=False)
+        self.check_prompt(tokens=len(ids), param="prompt")
+        return await self.respond(req, request, plan, None, ids)
 
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [model_card()]}
+    async def models(self):
+        return {"object": "list", "data": [self.model_card()]}
 
-    @app.get("/v1/models/{name}")
-    async def model(name: str):
-        if name != model_name:
+    async def model(self, name: str):
+        if name != self.model_name:
             raise APIError(404, f"The model {name!r} does not exist", param="model", code="model_not_found")
-        return model_card()
+        return self.model_card()
 
-    def model_card() -> dict:
-        return {"id": model_name, "object": "model", "created": created_at, "owned_by": "attnlab",
-                "context_length": lm.cfg.context_length, "attnlab": spec.describe()}
+    def model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created_at, "owned_by": "attnlab",
+                "context_length": self.lm.cfg.context_length, "attnlab": self.spec.describe()}
 
-    @app.get("/health")
-    async def health():
-        return {"status": "ok", "model": model_name, "sessions": len(store.sessions), **stats}
+    async def health(self):
+        return {"status": "ok", "model": self.model_name, "sessions": len(self.store.sessions), **self.stats}
 
-    @app.get("/v1/sessions")
-    async def sessions():
-        return await on_worker(store.summary)
+    async def sessions(self, request: Request):
+        return await self.on_worker(self.store.summary, self.visible(request))
 
-    @app.get("/v1/sessions/{sid}")
-    async def session_info(sid: str):
-        return (await on_worker(held_or_404, sid)).summary()
+    async def session_info(self, sid: str, request: Request):
+        return (await self.on_worker(self.held_or_404, sid, self.visible(request))).summary()
 
-    @app.get("/v1/sessions/{sid}/cache")
-    async def session_cache(sid: str):
-        held = held_or_404(sid)
-        return await on_worker(held.cache_view)
+    async def session_cache(self, sid: str, request: Request):
+        held = self.held_or_404(sid, self.visible(request))
+        return await self.on_worker(held.cache_view)
 
-    def held_or_404(sid: str):
-        held = store.get(sid)
-        if held is None:
-            raise APIError(404, f"no session {sid!r} (finished conversations are evicted LRU)", param="session",
+    @staticmethod
+    def visible(request: Request) -> str | None:
+        """Whose sessions the caller may see: its own, or everyone's (None) for an admin or a keyless server."""
+        caller = request.state.caller
+        return None if caller.admin else caller.owner
+
+    def held_or_404(self, sid: str, owner: str | None):
+        held = self.store.get(sid, owner)
+        if held is None:  # another caller's session looks exactly like a missing one
+            raise APIError(404, f"no session {sid[:40]!r} (finished conversations are evicted LRU)", param="session",
                            code="session_not_found")
         return held
 
-    @app.get("/", response_class=HTMLResponse)
-    async def page():
-        return HTMLResponse(PAGE.read_text(encoding="utf-8").replace("{{MODEL}}", model_name))
+    async def page(self):
+        return HTMLResponse(PAGE.read_text(encoding="utf-8").replace("{{MODEL}}", self.model_name))
 
-    created_at = int(time.time())
-    return app
+    # ------------------------------------------------------------ wiring
+
+    def app(self) -> FastAPI:
+        """A FastAPI app whose routes and error handlers are thin calls to this server's methods."""
+        app = FastAPI(title="attnlab", docs_url=None, redoc_url=None,
+                      openapi_url="/openapi.json" if self.openapi else None)
+        app.state.server, app.state.store, app.state.stats = self, self.store, self.stats
+        app.add_middleware(Guard, **self.guard)
+        if self.cors_origins:  # outside the guard: browsers send preflights without the key
+            from fastapi.middleware.cors import CORSMiddleware
+            app.add_middleware(CORSMiddleware, allow_origins=self.cors_origins, allow_methods=["GET", "POST"],
+                               allow_headers=["Authorization", "Content-Type"])
+        app.add_exception_handler(APIError, self.api_error)
+        app.add_exception_handler(AttnlabError, self.user_error)
+        app.add_exception_handler(RequestValidationError, self.invalid)
+        app.add_exception_handler(StarletteHTTPException, self.http_error)
+        app.add_exception_handler(Exception, self.crash)
+        app.post("/v1/chat/completions")(self.chat_completions)
+        app.post("/v1/completions")(self.completions)
+        app.get("/v1/models")(self.models)
+        app.get("/v1/models/{name}")(self.model)
+        app.get("/health")(self.health)
+        app.get("/v1/sessions")(self.sessions)
+        app.get("/v1/sessions/{sid}")(self.session_info)
+        app.get("/v1/sessions/{sid}/cache")(self.session_cache)
+        app.get("/", response_class=HTMLResponse)(self.page)
+        return app
+
+
+def create_app(lm, model_name: str, spec: CacheSpec = CacheSpec(), **limits) -> FastAPI:
+    """An app serving `lm` as `model_name`; spec is the default cache policy of new conversations.
+
+    limits: the keyword arguments of `Server` (max_sessions, max_bytes, max_tokens, ...).
+    """
+    return Server(lm, model_name, spec, **limits).app()

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+MAX_STOPS, MAX_STOP_CHARS = 4, 1000
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed takes
 
 
 class APIError(Exception):
@@ -22,8 +26,32 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def lone_surrogate(data) -> str | None:
+    """The path of the first string in a parsed JSON body that is not valid UTF-8 (a lone surrogate), or None.
+
+    Why: json.loads turns "\\ud800" into a str the tokenizer cannot encode (a TypeError deep inside).
+    Iterative, so a deeply nested body cannot exhaust the stack.
+    """
+    todo = [("", data)]
+    while todo:
+        path, x = todo.pop()
+        if isinstance(x, str):
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "body"
+        elif isinstance(x, dict):
+            todo.extend((f"{path}.{k}" if path else str(k), v) for k, v in x.items())
+            bad = next((k for k in x if isinstance(k, str) and lone_surrogate(k)), None)
+            if bad is not None:
+                return path or "body"
+        elif isinstance(x, list):
+            todo.extend((f"{path}.{i}" if path else str(i), v) for i, v in enumerate(x))
+    return None
+
+
 class Message(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict] | None = None
 
@@ -34,43 +62,64 @@ class Message(BaseModel):
         parts = []
         for part in self.content:
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError(400, f"unsupported content part of type {part.get('type')!r}; only text",
+                raise APIError(400, f"unsupported content part of type {str(part.get('type'))[:40]!r}; only text",
                                param="messages")
             parts.append(part["text"])
         return "".join(parts)
 
 
 class AttnlabOptions(BaseModel):
-    """Per-request cache policy (defaults: the server's --policy/--budget/--n-sink/--positions)."""
-    model_config = ConfigDict(extra="forbid")
-    policy: str | None = None
+    """Per-request cache policy (defaults: the server's --policy/--budget/--n-sink/--positions).
+
+    Upper bounds (the model's context, the server's cache bytes) are checked by the server.
+    """
+    model_config = ConfigDict(extra="forbid", strict=True)
+    policy: str | None = Field(None, max_length=64)
     budget: int | None = Field(None, ge=1)
     n_sink: int | None = Field(None, ge=0)
     positions: Literal["cache", "original"] | None = None
 
 
 class CommonRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    """Fields both endpoints share. Strict: OpenAI rejects "10" for an integer, so do we."""
+    model_config = ConfigDict(extra="allow", strict=True)
     model: str
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     n: int | None = None
     stream: bool | None = False
     stream_options: dict | None = None
     attnlab: AttnlabOptions | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _utf8(cls, data):
+        bad = lone_surrogate(data)
+        if bad is not None:
+            raise ValueError(f"{bad} is not valid UTF-8 (it contains a lone surrogate)")
+        return data
+
     def stops(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stops) > 4 or any(not s for s in stops):
-            raise APIError(400, "stop must be at most 4 non-empty strings", param="stop")
+        if len(stops) > MAX_STOPS or any(not s for s in stops):
+            raise APIError(400, f"stop must be at most {MAX_STOPS} non-empty strings", param="stop")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise APIError(400, f"each stop string may have at most {MAX_STOP_CHARS} characters", param="stop",
+                           code="invalid_value")
         return stops
 
-    def limit(self, default: int) -> int:
-        return self.max_completion_tokens or self.max_tokens or default
+    def limit(self, default: int, cap: int | None = None) -> int:
+        """max_tokens of the reply: the request's, else the server default; 400 past the server's cap."""
+        n = self.max_completion_tokens or self.max_tokens or default
+        if cap is not None and n > cap:
+            param = "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
+            raise APIError(400, f"{param} is {n}; this server generates at most {cap} tokens per request",
+                           param=param, code="invalid_value")
+        return n
 
 
 class ChatRequest(CommonRequest):
@@ -92,21 +141,38 @@ def validation_error(errors: list[dict]) -> APIError:
 
 
 class StopScanner:
-    """Cuts streamed text at the first stop string, holding back only what may start one."""
+    """Cuts streamed text at the first stop string to complete, holding back only what may start one.
+
+    Why a KMP automaton per stop: re-searching the held text for every stop after every token
+    costs time quadratic in a stop's length, on the model thread. Here each character costs
+    amortised O(1) per stop, so a reply's scan is linear in its text whatever the stops.
+    """
 
     def __init__(self, stops: list[str]):
         self.stops, self.buf, self.stopped = stops, "", False
+        self.fail = [_failure(s) for s in stops]
+        self.state = [0] * len(stops)  # per stop: length of its longest prefix that ends the text so far
 
     def push(self, delta: str) -> str:
         if self.stopped:
             return ""
-        self.buf += delta
-        hits = [i for i in (self.buf.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            out, self.buf, self.stopped = self.buf[:min(hits)], "", True
-            return out
-        hold = max((k for s in self.stops for k in range(1, len(s)) if self.buf.endswith(s[:k])), default=0)
-        out, self.buf = self.buf[:len(self.buf) - hold], self.buf[len(self.buf) - hold:]
+        text, start = self.buf + delta, len(self.buf)
+        for j in range(start, len(text)):
+            c, done = text[j], 0
+            for i, s in enumerate(self.stops):
+                k, fail = self.state[i], self.fail[i]
+                while k and s[k] != c:
+                    k = fail[k - 1]
+                if s[k] == c:
+                    k += 1
+                if k == len(s):  # of the stops completed by this character, the longest starts first
+                    done, k = max(done, k), fail[k - 1]
+                self.state[i] = k
+            if done:
+                self.buf, self.stopped = "", True
+                return text[:j + 1 - done]
+        hold = max(self.state, default=0)
+        out, self.buf = text[:len(text) - hold], text[len(text) - hold:]
         return out
 
     def flush(self) -> str:
@@ -114,6 +180,13 @@ class StopScanner:
         return out
 
 
-def cut_at_stop(text: str, stops: list[str]) -> str:
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return text[:min(hits)] if hits else text
+def _failure(s: str) -> list[int]:
+    """KMP failure function: f[i] = length of the longest proper prefix of s[:i+1] that is also its suffix."""
+    f, k = [0] * len(s), 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = f[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        f[i] = k
+    return f

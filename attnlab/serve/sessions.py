@@ -5,6 +5,11 @@ starts with the text a held cache already contains continues that cache and feed
 rest, so turn N costs what turn 1 costs. Idle sessions are evicted least recently used when
 there are more than `max_sessions` or their KV buffers exceed `max_bytes`; a session serving
 a request is never evicted nor handed to a second request (that one starts a fresh cache).
+
+A new cache is checked against `max_bytes` before it is allocated: idle sessions are evicted
+to make room, and a cache that cannot fit is refused (400 if it never could, 503 while busy
+conversations hold the memory). Sessions carry an `owner` (a hash of the caller's API key):
+prefix reuse, listings and lookups only ever see the caller's own.
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from attnlab.serve.protocol import APIError
 from attnlab.session import Session
 
 
@@ -40,6 +46,7 @@ class Held:
     session: Session
     busy: bool = False
     turns: int = 0
+    owner: str = ""
     created: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.time)
 
@@ -85,6 +92,9 @@ class SessionStore:
         self.sessions: OrderedDict[str, Held] = OrderedDict()  # least recently used first
         self.lock = threading.Lock()
         self.evicted = 0
+        probe = lm.new_cache(capacity=8, max_capacity=8)
+        self.slot_bytes = probe.nbytes() / 8  # KV bytes per cache slot (all layers), for checks before allocating
+        del probe
 
     def policy(self, spec: CacheSpec):
         """The Policy object of a spec (None for full); raises ValueError on a bad spec."""
@@ -94,30 +104,58 @@ class SessionStore:
         return make_policy(spec.policy, spec.budget, positions=spec.positions, n_sink=spec.n_sink,
                            chunk=self.chunk, block=spec.block)
 
-    def acquire(self, text: str, spec: CacheSpec) -> tuple[Held, bool]:
-        """The idle session of this spec whose text is the longest prefix of `text`, or a new one.
+    def acquire(self, text: str, spec: CacheSpec, owner: str = "", tokens: int = 0) -> tuple[Held, bool]:
+        """The owner's idle session of this spec whose text is the longest prefix of `text`, or a new one.
 
+        tokens: how many slots a new `full` cache will need (prompt + max_tokens), for the byte check.
         Returns (held, reused); the session is marked busy until `release`.
         """
         with self.lock:
             best = None
             for held in self.sessions.values():
-                if not held.busy and held.spec == spec and held.session.matches(text):
-                    if best is None or len(held.session.text) > len(best.session.text):
-                        best = held
+                if (not held.busy and held.owner == owner and held.spec == spec and held.session.matches(text)
+                        and (best is None or len(held.session.text) > len(best.session.text))):
+                    best = held
             if best is not None:
                 best.busy = True
                 self.sessions.move_to_end(best.id)
                 return best, True
         policy = self.policy(spec)
+        self.make_room(self.cache_bytes(policy, tokens))
         if policy is None:  # grows on demand, never past what the model was trained on
             cache = self.lm.new_cache(capacity=256, max_capacity=self.lm.cfg.context_length)
         else:
             cache = self.lm.new_cache(policy=policy)
-        held = Held(uuid.uuid4().hex[:12], spec, policy, Session(self.lm, cache, self.chunk), busy=True)
+        held = Held(uuid.uuid4().hex[:12], spec, policy, Session(self.lm, cache, self.chunk), busy=True, owner=owner)
         with self.lock:
             self.sessions[held.id] = held
         return held, False
+
+    def cache_bytes(self, policy, tokens: int = 0) -> int:
+        """KV bytes a new cache of this policy will hold (full: `tokens` slots, at least its first 256)."""
+        slots = policy.capacity if policy is not None and getattr(policy, "capacity", None) else max(tokens, 256)
+        return int(slots * self.slot_bytes)
+
+    def make_room(self, need: int) -> None:
+        """Evict idle sessions until `need` more bytes fit under max_bytes; APIError if they cannot."""
+        mib = 1 << 20
+        if need > self.max_bytes:
+            raise APIError(400, f"this conversation's cache needs {need / mib:.0f} MiB; this server holds at most "
+                                f"{self.max_bytes / mib:.0f} MiB of cache (lower attnlab.budget)", param="attnlab",
+                           code="cache_limit_exceeded")
+        with self.lock:
+            for sid in list(self.sessions):
+                if self.total_bytes() + need <= self.max_bytes and len(self.sessions) < self.max_sessions:
+                    break
+                if not self.sessions[sid].busy:
+                    del self.sessions[sid]
+                    self.evicted += 1
+            if self.total_bytes() + need > self.max_bytes:
+                raise APIError(503, "server busy: the conversations being served hold the cache memory this one "
+                                    "needs; retry later", type="server_error", code="cache_full")
+
+    def total_bytes(self) -> int:
+        return sum(h.nbytes() for h in self.sessions.values())
 
     def release(self, held: Held, keep: bool = True) -> None:
         """Hand a session back (keep=False drops it, e.g. after a failed request), then evict LRU."""
@@ -140,12 +178,15 @@ class SessionStore:
                 del self.sessions[sid]
                 self.evicted += 1
 
-    def get(self, sid: str) -> Held | None:
+    def get(self, sid: str, owner: str | None = None) -> Held | None:
+        """The session `sid` if it exists and belongs to `owner` (None: any owner, the admin view)."""
         with self.lock:
-            return self.sessions.get(sid)
+            held = self.sessions.get(sid)
+        return held if held is not None and (owner is None or held.owner == owner) else None
 
-    def summary(self) -> dict:
+    def summary(self, owner: str | None = None) -> dict:
+        """The owner's conversations (None: everyone's), most recent first, with the store's totals."""
         with self.lock:
-            items = [h.summary() for h in reversed(self.sessions.values())]  # most recent first
+            items = [h.summary() for h in reversed(self.sessions.values()) if owner is None or h.owner == owner]
         return {"object": "list", "data": items, "max_sessions": self.max_sessions, "max_bytes": self.max_bytes,
                 "total_bytes": sum(i["bytes"] for i in items), "evicted": self.evicted}

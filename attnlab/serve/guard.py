@@ -1,0 +1,112 @@
+"""What every request passes before any route runs: Host allow-list, API key, body size.
+
+Why an ASGI middleware: these checks must hold before FastAPI reads and parses a body (a
+5 MB body costs parsing time and memory even if the route would reject it), and for every
+path alike. Failures get OpenAI's error body.
+
+- Host: only names in `hosts` (default: the loopback names) — a DNS-rebinding page that
+  makes a browser send requests to 127.0.0.1 carries its own domain as Host, and gets 421.
+- Keys: with `keys`, every path but `/` and `/health` needs `Authorization: Bearer KEY`
+  (what the `openai` client sends), else 401. The caller's identity, a hash of the key, goes
+  to `request.state.caller`: conversations are namespaced by it. Admin keys see all sessions.
+- Body: at most `max_body` bytes, by Content-Length or counted while reading, else 413.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from dataclasses import dataclass
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+OPEN_PATHS = ("/", "/health")
+
+
+@dataclass(frozen=True)
+class Caller:
+    owner: str          # namespace of the caller's conversations ("" without keys)
+    admin: bool         # sees and may inspect every conversation
+
+
+def owner_of(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def host_name(header: str) -> str:
+    """The name part of a Host header: 'example.com:80' -> 'example.com', '[::1]:8000' -> '::1'."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1:header.find("]")] if "]" in header else header
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
+class Guard:
+    def __init__(self, app, max_body: int = 1 << 20, hosts=LOOPBACK, keys=(), admin_keys=()):
+        self.app, self.max_body = app, max_body
+        self.hosts = None if "*" in hosts else {h.lower().strip("[]") for h in hosts}
+        self.keys = [(k.encode(), False) for k in keys] + [(k.encode(), True) for k in admin_keys]
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if self.hosts is not None and host_name(headers.get(b"host", "")) not in self.hosts:
+            return await reject(send, 421, "this server does not answer for that Host header (allowed: "
+                                           f"{', '.join(sorted(self.hosts))}; see --allowed-host)", "invalid_host")
+        caller = Caller("", True)
+        if self.keys:
+            caller = self.caller(headers.get(b"authorization", ""))
+            if caller is None and scope["path"] not in OPEN_PATHS:
+                return await reject(send, 401, "missing or incorrect API key: send 'Authorization: Bearer KEY'",
+                                    "invalid_api_key")
+        scope.setdefault("state", {})["caller"] = caller or Caller("", False)
+        length = headers.get(b"content-length")
+        if length is not None:
+            if not length.isdigit():
+                return await reject(send, 400, "Content-Length is not a number", "invalid_value")
+            if int(length) > self.max_body:
+                return await reject(send, 413, f"the request body has {length} bytes; this server takes at most "
+                                               f"{self.max_body}", "request_too_large")
+        body, more = [], True
+        if scope.get("method") in ("POST", "PUT", "PATCH"):  # read it here, counted, then replay it
+            size = 0
+            while more:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return
+                body.append(message.get("body", b""))
+                size, more = size + len(body[-1]), message.get("more_body", False)
+                if size > self.max_body:
+                    return await reject(send, 413, f"the request body exceeds {self.max_body} bytes",
+                                        "request_too_large")
+        else:
+            return await self.app(scope, receive, send)
+        whole = b"".join(body)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": whole, "more_body": False}
+            return await receive()  # then wait for the disconnect, as the server would
+
+        return await self.app(scope, replay, send)
+
+    def caller(self, authorization: str) -> Caller | None:
+        scheme, _, key = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not key:
+            return None
+        given, found = key.strip().encode(), None
+        for k, admin in self.keys:  # compare with every key, in constant time each
+            if hmac.compare_digest(given, k) and found is None:
+                found = Caller(owner_of(k.decode()), admin)
+        return found
+
+
+async def reject(send, status: int, message: str, code: str) -> None:
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                 "code": code}}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})

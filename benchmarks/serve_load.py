@@ -1,0 +1,155 @@
+"""Load test of `attnlab serve`: N concurrent streamed conversations for M minutes, per turn p50/p95/p99.
+
+Starts `attnlab serve` as a subprocess (with an API key, as a shared deployment would run it),
+then for each concurrency level N keeps N conversations going with asyncio + httpx for
+--minutes: every turn sends the whole history plus a user message of realistic length (a
+passage of 10-60 words from the Shakespeare test plays and a question), streams the reply
+(max_tokens --max-tokens) and records time to first token and the whole turn. A
+conversation ends after --turns turns and a new one starts. The server's RSS is sampled
+every second. Writes a JSON record and a Markdown table (atomically).
+
+    python benchmarks/serve_load.py --concurrency 4,8 --minutes 3 --out docs/figures/serve/load
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).parent))
+from serve import QUESTIONS, free_port, passages, rss_mib  # noqa: E402
+
+from attnlab.io import write_json, write_text  # noqa: E402
+
+KEY = "load-test-key-0001"
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))]
+
+
+async def conversation(client, i: int, texts: list[str], args, deadline: float, rec: dict) -> None:
+    rng = random.Random(i)
+    while time.monotonic() < deadline:
+        history = []
+        for t in range(args.turns):
+            if time.monotonic() >= deadline:
+                return
+            words = texts[rng.randrange(len(texts))].split()[:rng.randint(10, 60)]
+            history.append({"role": "user", "content": " ".join(words) + "\n\n" + rng.choice(QUESTIONS)})
+            body = {"model": "m", "messages": history, "max_tokens": args.max_tokens, "temperature": 0.7,
+                    "seed": rng.randrange(1 << 30), "stream": True}
+            start, first, parts = time.perf_counter(), None, []
+            try:
+                async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+                    if r.status_code != 200:
+                        raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data: {"):
+                            continue
+                        delta = json.loads(line[6:])["choices"][0].get("delta", {}).get("content")
+                        if delta:
+                            first = first or time.perf_counter()
+                            parts.append(delta)
+                end = time.perf_counter()
+                rec["turn"].append(end - start)
+                rec["ttft"].append((first or end) - start)
+                history.append({"role": "assistant", "content": "".join(parts)})
+            except Exception as e:  # counted; the conversation starts over
+                rec["errors"].append(f"{type(e).__name__}: {e}"[:200])
+                break
+
+
+async def level(url: str, n: int, args, pid: int, texts: list[str]) -> dict:
+    rec = {"turn": [], "ttft": [], "errors": [], "rss": [rss_mib(pid)]}
+    deadline = time.monotonic() + args.minutes * 60
+    limits = httpx.Limits(max_connections=n + 2)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits,
+                                 headers={"authorization": f"Bearer {KEY}"}) as client:
+        async def watch():
+            while time.monotonic() < deadline:
+                await asyncio.sleep(1)
+                rec["rss"].append(rss_mib(pid))
+                left = deadline - time.monotonic()
+                print(f"\r{n} conversations: {len(rec['turn'])} turns, {len(rec['errors'])} errors, "
+                      f"{max(0, left):.0f} s left   ", end="", file=sys.stderr, flush=True)
+        await asyncio.gather(watch(), *(conversation(client, i, texts, args, deadline, rec) for i in range(n)))
+    rec["rss"].append(rss_mib(pid))
+    print(file=sys.stderr)
+    return {"concurrency": n, "minutes": args.minutes, "turns": len(rec["turn"]), "errors": len(rec["errors"]),
+            "error_samples": rec["errors"][:5],
+            **{f"turn_p{q}": pct(rec["turn"], q) for q in (50, 95, 99)},
+            **{f"ttft_p{q}": pct(rec["ttft"], q) for q in (50, 95, 99)},
+            "rss_start_mib": rec["rss"][0], "rss_end_mib": rec["rss"][-1], "rss_peak_mib": max(rec["rss"])}
+
+
+def table(rows: list[dict]) -> str:
+    def s(x):
+        return "-" if x is None else f"{x:.2f}"
+    out = ["| conversations | turns | errors | turn p50 / p95 / p99 (s) | TTFT p50 / p95 / p99 (s) | RSS start / end / peak (MiB) |",
+           "|---:|---:|---:|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['concurrency']} | {r['turns']} | {r['errors']} | {s(r['turn_p50'])} / {s(r['turn_p95'])} / "
+                   f"{s(r['turn_p99'])} | {s(r['ttft_p50'])} / {s(r['ttft_p95'])} / {s(r['ttft_p99'])} | "
+                   f"{r['rss_start_mib']:.0f} / {r['rss_end_mib']:.0f} / {r['rss_peak_mib']:.0f} |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--concurrency", default="4,8", help="comma-separated numbers of concurrent conversations")
+    p.add_argument("--minutes", type=float, default=3.0, help="duration of each level")
+    p.add_argument("--turns", type=int, default=6, help="turns per conversation before a new one starts")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--policy", default="sink")
+    p.add_argument("--budget", type=int, default=256)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--max-cache-mib", type=int, default=256)
+    p.add_argument("--out", default=None, help="write OUT.json and OUT.md")
+    args = p.parse_args(argv)
+    levels = [int(x) for x in args.concurrency.split(",")]
+    port = free_port()
+    cmd = [sys.executable, "-m", "attnlab", "serve", args.model, "--policy", args.policy, "--budget",
+           str(args.budget), "--port", str(port), "--threads", str(args.threads), "--max-cache-mib",
+           str(args.max_cache_mib), "--max-sessions", str(2 * max(levels)), "--max-active", str(max(levels)),
+           "--name", "m", "--api-key", KEY, "--max-prompt-tokens", "4096"]
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 900
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if server.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"server did not start: {server.stderr.read()[-2000:]}")
+            time.sleep(0.5)
+        texts = passages(60, 200)
+        rows = [asyncio.run(level(url, n, args, server.pid, texts)) for n in levels]
+    finally:
+        server.terminate()
+        server.wait(30)
+    md = table(rows)
+    print(md)
+    if args.out:
+        meta = {"command": " ".join(sys.argv), "args": vars(args), "rows": rows}
+        write_json(args.out + ".json", meta)
+        write_text(args.out + ".md", md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
