@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from attnlab.cli.common import UserError, add_model_args, load_lm, positive_int
+from attnlab.cli.common import UserError, add_model_args, load_lm, model_options, positive_int
 from attnlab.cli.stream import add_policy_args
 
 
@@ -12,23 +12,22 @@ def cmd_serve(args) -> int:
     try:
         import uvicorn
 
-        from attnlab.serve import CacheSpec, create_app
+        from attnlab.serve import PolicySpec, create_app
     except ModuleNotFoundError as e:
         raise UserError(f"serving needs the 'serve' extra ({e.name} is missing): pip install 'attnlab[serve]'") from None
     if "," in args.policy:
         raise UserError("serve takes one --policy (requests may pick another through the attnlab field)")
-    try:
-        budget = int(args.budget)
-    except ValueError:
-        raise UserError(f"serve needs --budget in tokens (e.g. 1024), got {args.budget!r}") from None
-    spec = CacheSpec(args.policy, budget, args.n_sink, args.positions, args.block)
+    opts = model_options(args)
+    spec = opts.policy or PolicySpec("full")
+    if spec.fractional:
+        raise UserError(f"serve needs --budget in tokens (e.g. 1024), got {args.budget!r}")
     keys, admin_keys = api_keys(args), list(args.admin_key or [])
     loopback = args.host in ("127.0.0.1", "localhost", "::1")
     if not (keys or admin_keys) and not loopback and not args.insecure_no_auth:
         raise UserError(f"serving on {args.host} without --api-key lets anyone who can reach it use it: give "
                         f"--api-key (or ATTNLAB_API_KEYS / --api-keys-file), or --insecure-no-auth")
     hosts = ["127.0.0.1", "localhost", "::1"] + ([args.host] if args.host not in ("0.0.0.0", "::") else [])
-    lm = load_lm(args)
+    lm = load_lm(args, options=opts)
     name = args.name or Path(str(args.model)).name.removesuffix(".gguf")
     try:
         app = create_app(lm, name, spec, max_sessions=args.max_sessions, max_bytes=args.max_cache_mib << 20,
@@ -39,7 +38,7 @@ def cmd_serve(args) -> int:
                          openapi=args.openapi, cors_origins=args.cors_origin or [])
     except ValueError as e:
         raise UserError(str(e)) from None
-    print(f"attnlab serve: {name} ({spec.policy}{'' if spec.policy == 'full' else f', budget {budget}'}) on "
+    print(f"attnlab serve: {name} ({spec.name}{'' if spec.name == 'full' else f', budget {spec.budget}'}) on "
           f"http://{args.host}:{args.port}/  (OpenAI base_url http://{args.host}:{args.port}/v1)")
     if keys or admin_keys:
         print(f"attnlab serve: {len(keys)} API key(s), {len(admin_keys)} admin key(s); conversations are private "

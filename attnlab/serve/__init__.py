@@ -6,6 +6,7 @@ concurrency model, `sessions.py` for how a resent history finds its cache again,
 for Host/key/body checks, and docs/serve.md for limits and the security model.
 """
 from attnlab.serve.app import Server, create_app
-from attnlab.serve.sessions import CacheSpec, SessionStore
+from attnlab.options import PolicySpec
+from attnlab.serve.sessions import SessionStore
 
-__all__ = ["create_app", "Server", "CacheSpec", "SessionStore"]
+__all__ = ["create_app", "Server", "PolicySpec", "SessionStore"]

@@ -35,7 +35,8 @@ from attnlab.sampling import Sampler
 from attnlab.serve.guard import LOOPBACK, Guard
 from attnlab.serve.protocol import APIError, ChatRequest, CommonRequest, CompletionRequest, validation_error
 from attnlab.serve.replies import Reply, Turn
-from attnlab.serve.sessions import CacheSpec, SessionStore
+from attnlab.options import PolicySpec
+from attnlab.serve.sessions import SessionStore
 from attnlab.serve.text import ChatText
 from attnlab.session import Session
 
@@ -46,7 +47,7 @@ PAGE = Path(__file__).parent / "static" / "index.html"
 class Server:
     """One model served to many clients: session store, limits, the model thread and the request flow."""
 
-    def __init__(self, lm, model_name: str, spec: CacheSpec = CacheSpec(), max_sessions: int = 16,
+    def __init__(self, lm, model_name: str, spec: PolicySpec = PolicySpec(), max_sessions: int = 16,
                  max_bytes: int = 1 << 30, max_tokens: int = 256, max_active: int = 8, queue_timeout: float = 60.0,
                  max_prompt_tokens: int = 32768, chunk: int = 128, max_tokens_cap: int = 4096,
                  max_body: int = 1 << 20, hosts=LOOPBACK, api_keys=(), admin_keys=(), openapi: bool = False,
@@ -97,7 +98,7 @@ class Server:
 
     # ------------------------------------------------------------ request -> session
 
-    def check(self, req: CommonRequest) -> tuple[CacheSpec, Sampler, int, list[str]]:
+    def check(self, req: CommonRequest) -> tuple[PolicySpec, Sampler, int, list[str]]:
         """The cache spec, sampler, token limit and stop strings of a request; APIError if it is invalid."""
         if req.model != self.model_name:
             raise APIError(404, f"The model {req.model!r} does not exist; this server has {self.model_name!r}",
@@ -110,19 +111,19 @@ class Server:
             sampler = Sampler(temperature, 0, req.top_p or 1.0, req.seed)
         except (AttnlabError, ValueError, OverflowError) as e:
             raise APIError(400, f"invalid sampling options: {e}", param="seed") from None
-        if spec.policy == "full":  # the clearer error first: no cap would let this fit a full cache
+        if spec.name == "full":  # the clearer error first: no cap would let this fit a full cache
             self.check_length(spec, 0, 0, 0, req.limit(self.max_tokens))
         return spec, sampler, req.limit(self.max_tokens, self.max_tokens_cap), req.stops()
 
-    def request_spec(self, req: CommonRequest) -> CacheSpec:
+    def request_spec(self, req: CommonRequest) -> PolicySpec:
         o, d = req.attnlab, self.spec
-        s = CacheSpec(o.policy or d.policy, o.budget or d.budget, d.n_sink if o.n_sink is None else o.n_sink,
-                      o.positions or d.positions, d.block) if o else d
         ctx = self.lm.cfg.context_length
-        if s.policy != "full" and not 1 <= s.budget <= ctx:
+        if o and o.budget is not None and not 1 <= o.budget <= ctx:
             raise APIError(400, f"attnlab.budget must be between 1 and the model's context, {ctx} tokens",
                            param="attnlab.budget", code="invalid_value")
-        try:  # n_sink must stay below the budget, which is bounded above
+        try:  # names, and n_sink below the budget (which is bounded above)
+            s = PolicySpec(o.policy or d.name, o.budget or d.budget, d.n_sink if o.n_sink is None else o.n_sink,
+                           o.positions or d.positions, d.block) if o else d
             self.store.policy(s)
         except ValueError as e:
             raise APIError(400, str(e), param="attnlab") from None
@@ -135,10 +136,10 @@ class Server:
             raise APIError(400, f"the prompt has {size}; this server takes at most {self.max_prompt_tokens} tokens "
                                 f"per request", param=param, code="context_length_exceeded")
 
-    def check_length(self, s: CacheSpec, held_seen: int, prompt: int, new: int, limit: int) -> None:
+    def check_length(self, s: PolicySpec, held_seen: int, prompt: int, new: int, limit: int) -> None:
         self.check_prompt(tokens=prompt)
         ctx = self.lm.cfg.context_length
-        if s.policy == "full" and held_seen + new + limit > ctx:
+        if s.name == "full" and held_seen + new + limit > ctx:
             raise APIError(400, f"this conversation needs {held_seen + new + limit} tokens of cache (prompt + "
                                 f"max_tokens) but policy 'full' holds at most {ctx}; use a bounded policy "
                                 f"(attnlab.policy 'sink') to go on", param="messages", code="context_length_exceeded")
@@ -154,7 +155,7 @@ class Server:
                            type="server_error", code="queue_timeout") from None
         return self.slots
 
-    async def start(self, caller, text: str | None, ids: list[int], s: CacheSpec, limit: int):
+    async def start(self, caller, text: str | None, ids: list[int], s: PolicySpec, limit: int):
         """Find or make the session, feed the prompt; returns (held or None, session, turn).
 
         text: the escaped rendered chat (ids: all its tokens), or None for a raw completion prompt.
@@ -176,7 +177,7 @@ class Server:
         held.turns += 1
         return held, session, Turn(len(ids), len(new))
 
-    async def start_completion(self, ids: list[int], s: CacheSpec, limit: int):
+    async def start_completion(self, ids: list[int], s: PolicySpec, limit: int):
         """A one-off cache for /v1/completions (raw prompts are not stored conversations)."""
         self.check_length(s, 0, len(ids), len(ids), limit)
         policy = self.store.policy(s)
@@ -328,7 +329,7 @@ class Server:
         return app
 
 
-def create_app(lm, model_name: str, spec: CacheSpec = CacheSpec(), **limits) -> FastAPI:
+def create_app(lm, model_name: str, spec: PolicySpec = PolicySpec(), **limits) -> FastAPI:
     """An app serving `lm` as `model_name`; spec is the default cache policy of new conversations.
 
     limits: the keyword arguments of `Server` (max_sessions, max_bytes, max_tokens, ...).

@@ -17,31 +17,18 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from attnlab.options import PolicySpec
 from attnlab.serve.protocol import APIError
 from attnlab.session import Session
-
-
-@dataclass(frozen=True)
-class CacheSpec:
-    """How a conversation's cache is built; sessions are only reused under the same spec."""
-    policy: str = "full"
-    budget: int = 1024
-    n_sink: int = 4
-    positions: str = "cache"
-    block: int = 1  # block eviction: evict every `block` tokens (see Policy.block)
-
-    def describe(self) -> dict:
-        return {"policy": self.policy, "budget": None if self.policy == "full" else self.budget,
-                "n_sink": self.n_sink, "positions": self.positions, "block": self.block}
 
 
 @dataclass
 class Held:
     """A stored conversation: its Session plus bookkeeping for the store and /v1/sessions."""
     id: str
-    spec: CacheSpec
+    spec: PolicySpec          # how its cache is built; sessions are only reused under the same spec
     policy: object            # Policy or None (full)
     session: Session
     busy: bool = False
@@ -96,15 +83,11 @@ class SessionStore:
         self.slot_bytes = probe.nbytes() / 8  # KV bytes per cache slot (all layers), for checks before allocating
         del probe
 
-    def policy(self, spec: CacheSpec):
-        """The Policy object of a spec (None for full); raises ValueError on a bad spec."""
-        from attnlab.kv.policies import make_policy
-        if spec.policy == "full":
-            return None
-        return make_policy(spec.policy, spec.budget, positions=spec.positions, n_sink=spec.n_sink,
-                           chunk=self.chunk, block=spec.block)
+    def policy(self, spec: PolicySpec):
+        """The Policy object of a spec (None for full), with this store's prefill chunk."""
+        return replace(spec, chunk=self.chunk).build()
 
-    def acquire(self, text: str, spec: CacheSpec, owner: str = "", tokens: int = 0) -> tuple[Held, bool]:
+    def acquire(self, text: str, spec: PolicySpec, owner: str = "", tokens: int = 0) -> tuple[Held, bool]:
         """The owner's idle session of this spec whose text is the longest prefix of `text`, or a new one.
 
         tokens: how many slots a new `full` cache will need (prompt + max_tokens), for the byte check.

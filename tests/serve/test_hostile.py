@@ -23,9 +23,9 @@ STORY = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a sto
 
 @pytest.fixture(scope="module")
 def guarded(smollm2):
-    from attnlab.serve import CacheSpec, create_app
+    from attnlab.serve import PolicySpec, create_app
     from tests.serve.conftest import running
-    app = create_app(smollm2, MODEL, CacheSpec("sink", 256, 4, "cache"), max_prompt_tokens=1500, chunk=64,
+    app = create_app(smollm2, MODEL, PolicySpec("sink", 256, 4, "cache"), max_prompt_tokens=1500, chunk=64,
                      max_tokens=16, max_bytes=48 << 20, max_tokens_cap=512, api_keys=[ALICE, BOB],
                      admin_keys=[ADMIN])
     with running(app) as url:

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from attnlab.serve.sessions import CacheSpec, SessionStore
+from attnlab.options import PolicySpec
+from attnlab.serve.sessions import SessionStore
 
-SINK = CacheSpec("sink", 8, 4, "cache")
+SINK = PolicySpec("sink", 8, 4, "cache")
 
 
 def test_longest_idle_prefix_wins_and_busy_sessions_are_not_shared(tiny):
@@ -24,7 +25,7 @@ def test_longest_idle_prefix_wins_and_busy_sessions_are_not_shared(tiny):
     assert other is a and reused                     # b is busy: the next best idle one
     third, reused = store.acquire("<a><b><c>", SINK)
     assert not reused                                # everything matching is busy: a fresh cache
-    assert store.acquire("<a>", CacheSpec("window", 8))[1] is False  # another policy never matches
+    assert store.acquire("<a>", PolicySpec("window", 8))[1] is False  # another policy never matches
 
 
 def test_lru_eviction_by_count_and_bytes(tiny):
@@ -45,13 +46,13 @@ def test_lru_eviction_by_count_and_bytes(tiny):
 def test_bad_policy_spec_is_a_value_error(tiny):
     store = SessionStore(tiny)
     with pytest.raises(ValueError, match="must exceed n_sink"):
-        store.acquire("x", CacheSpec("sink", 4, 4))
+        store.acquire("x", PolicySpec("sink", 4, 4))
 
 
 def test_block_eviction_reaches_the_conversation_cache(tiny):
     """`serve --block B`: the session's cache holds up to budget + B - 1 slots between evictions."""
     store = SessionStore(tiny, chunk=4)
-    held, _ = store.acquire("x", CacheSpec("sink", 8, 4, "cache", block=5))
+    held, _ = store.acquire("x", PolicySpec("sink", 8, 4, "cache", block=5))
     assert held.policy.block == 5
     assert held.session.cache.layers[0].capacity == 8 + 5 - 1 + 4
-    assert store.acquire("x", CacheSpec("sink", 8, 4, "cache"))[0] is not held  # another spec, another cache
+    assert store.acquire("x", PolicySpec("sink", 8, 4, "cache"))[0] is not held  # another spec, another cache

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from attnlab.serve.guard import host_name
 from attnlab.serve.protocol import APIError, StopScanner
-from attnlab.serve.sessions import CacheSpec, SessionStore
+from attnlab.options import PolicySpec
+from attnlab.serve.sessions import SessionStore
 
 
 def reference(text: str, stops: list[str]) -> str:
@@ -72,7 +73,7 @@ def test_host_name(header, name):
 
 
 def test_new_cache_checked_against_the_byte_limit_before_allocation(tiny):
-    spec = CacheSpec("sink", 8, 4, "cache")
+    spec = PolicySpec("sink", 8, 4, "cache")
     store = SessionStore(tiny, max_sessions=8, chunk=4)
     one = store.cache_bytes(store.policy(spec))
     store.max_bytes = one + one // 2
@@ -85,13 +86,13 @@ def test_new_cache_checked_against_the_byte_limit_before_allocation(tiny):
     b, _ = store.acquire("<b>", spec)                   # a is idle now: evicted to make room
     assert list(store.sessions) == [b.id] and store.evicted == 1
     with pytest.raises(APIError) as e:
-        store.acquire("<c>", CacheSpec("sink", 200, 4, "cache"))
+        store.acquire("<c>", PolicySpec("sink", 200, 4, "cache"))
     assert e.value.status == 400 and e.value.code == "cache_limit_exceeded"
 
 
 def test_sessions_are_namespaced_by_owner(tiny):
     store = SessionStore(tiny, chunk=4)
-    spec = CacheSpec("sink", 8, 4, "cache")
+    spec = PolicySpec("sink", 8, 4, "cache")
     a, _ = store.acquire("<a>", spec, owner="alice")
     a.session.text = "<a>"
     store.release(a)
