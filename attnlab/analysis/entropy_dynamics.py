@@ -40,7 +40,8 @@ POSTLN_SIZES = {
     "quick": dict(layers=(1, 2), lr=1e-4, steps=20, eval_batches=2, vocab_size=1000, dim=200),
     "full": dict(layers=(1, 2, 3, 5), lr=1e-4, steps=1000, eval_batches=5, vocab_size=2000, dim=200),
 }
-LATE_EVALS = [100, 150, 200, 300, 400, 500, 600, 800, 1000, 1500, 2000, 3000, 4000, 5000]
+LATE_EVALS = [100, 150, 200, 300, 400, 500, 600, 800, 1000, 1250, 1500, 1750, 2000, 2500, 3000, 3500, 4000, 5000,
+              6000, 7000, 8000, 10000, 12000, 15000, 20000]
 UNIFORM_35 = sum(math.log(t) for t in range(1, 36)) / 35
 
 
@@ -225,10 +226,12 @@ def run_postln(out, seed: int, size: str, progress: bool, lr: float = 0.0, steps
             label = f"postln {n} layer{'s' if n > 1 else ''}, lr {cfg['lr']:g}, seed {s}"
             ts = time.perf_counter()
             with bar(cfg["steps"], label, unit="batch") as pb:
-                pb.disable = not progress
+                pb.disable = pb.disable or not progress  # never re-enable a bar tqdm built disabled
+                ckpt = out / "checkpoints" / f"postln_L{n}_lr{cfg['lr']:g}_seed{s}.pt"  # rerun = resume / extend
                 runs[label] = train_postln(n, cfg["lr"], s, cfg["steps"], marks, dim=cfg["dim"], hidden_dim=cfg["dim"],
-                                           vocab_size=cfg["vocab_size"], eval_batches=cfg["eval_batches"], progress=pb)
-            times[label] = round(time.perf_counter() - ts, 1)
+                                           vocab_size=cfg["vocab_size"], eval_batches=cfg["eval_batches"], progress=pb,
+                                           checkpoint=ckpt)
+            times[label] = runs[label][-1]["seconds"]  # training time, summed over resumed sessions
             write_json(out / "partial.json", {"runs": runs, "seconds": times})  # survive an interrupted sweep
     summary = {label: {"entropy_val": _row_summaries(log, "entropy_val"),
                        "entropy_chunk": _row_summaries(log, "entropy_chunk"),
