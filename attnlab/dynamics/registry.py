@@ -45,14 +45,19 @@ def _s2(m):
 
 
 def _s3(m):
-    e, f = m["theorem3_log_error"], m["theorem4_fit"]
+    e, f, r = m["theorem3_log_error"], m["theorem4_fit"], m["rival_fits"]
     return [f"Theorem 3 |ln measured - ln predicted|: median {e['median']:.3f}, p90 {e['p90']:.3f}",
             f"Theorem 4: split at step {f['split_step']:.0f}, scan rmse {f['scan']['rmse']:.4f}, snap rmse {f['snap']['rmse']:.4f}"
             f" (single-curve rmse: scan {f['scan_only_rmse']:.4f}, snap {f['snap_only_rmse']:.4f})",
             f"late phase t >= {m['late_fits']['start']:.0f}: AIC(ln ln) - AIC(ln) = {m['late_fits']['aic_lnln_minus_ln']:.1f}; "
             f"held-out rmse ln {m['late_fits']['ln']['heldout_rmse']:.4f}, ln ln {m['late_fits']['lnln']['heldout_rmse']:.4f}",
             f"dB/d ln t: early {m['growth_slope']['early']:.4f}, late {m['growth_slope']['late']:.4f}, "
-            f"ratio {m['growth_slope']['late_over_early']:.3f} (ln ln t predicts ~{m['growth_slope']['lnln_prediction']:.2f}, ln t 1)"]
+            f"ratio {m['growth_slope']['late_over_early']:.3f} (ln ln t predicts ~{m['growth_slope']['lnln_prediction']:.2f}, ln t 1)",
+            "rival laws (t >= {:.0f}; dAIC rescaled to n_eff {:.0f} of {}): ".format(
+                r["start"], r["n_effective"], r["n"]) + "; ".join(
+                f"{k} rmse {v['rmse']:.5f} dAIC_eff {v['daic_effective']:.1f} held-out {v['heldout_rmse']:.4f}"
+                for k, v in r["laws"].items()),
+            f"discriminated: {r['discriminated'] or 'no (within margin: ' + ', '.join(r['indistinguishable']) + ')'}"]
 
 
 def _j1(m):
@@ -95,7 +100,9 @@ for _exp in (
                options=(("next_per_query", int, 1, "next tokens per query (1 = paper Fig. 4, 2 = the 2 x 2 variant)"),
                         ("iters", int, 0, "iterations (0 = the size's default: 100, as in Fig. 4)"))),
     Experiment("scan-snap-sweep", "S2: distinct-token entropy over eta_Z x eta_Y/eta_Z (Fig. 6)", run_scan_snap_sweep, _s2),
-    Experiment("scan-snap-theorems", "S3: Theorem 3 relative gain and Theorem 4 scan/snap phases", run_scan_snap_theorems, _s3),
+    Experiment("scan-snap-theorems", "S3: Theorem 3 relative gain and Theorem 4 scan/snap phases", run_scan_snap_theorems, _s3,
+               options=(("iters", int, 0, "iterations (0 = the size's default: 100000 full, 2000 quick)"),
+                        ("lr_scale", float, 0.0, "multiplier of eta_Z 0.05 / eta_Y 0.5 (0 = default: 1 full, 10 quick)"))),
     Experiment("joma-invariant", "J1: JoMA invariant NC(z, z_hat) and linear winner-take-all (Figs. 2-3)", run_joma_invariant, _j1),
     Experiment("joma-nonlinear", "J2: nonlinear sparse-then-dense entropy vs linear (Fig. 4)", run_joma_nonlinear, _j2),
     Experiment("hierarchy", "J4: latent-tree data, per-layer hidden/latent correlation (Table 1)", run_hierarchy, _j4,
