@@ -120,7 +120,7 @@ def test_rival_fits_discriminate_when_the_data_do(law):
     """On a trajectory drawn from one law (plus noise at 1e-4) the comparison names that law,
     and only that one: it can fail, and says 'discriminated' only when the data allow it."""
     from attnlab.dynamics.scan_snap_theory import RIVALS, compare_rival_fits
-    t = torch.arange(0, 20001, 100, dtype=torch.float64)
+    t = torch.arange(0, 20001, 20, dtype=torch.float64)
     params = {"lnln": (0.3, math.log(5.0), 0.0), "ln": (0.05, math.log(5.0), 0.0),
               "power": (0.4, 0.4, math.log(50.0), 0.5)}[law]
     y = RIVALS[law][0](t, *params) + 1e-4 * torch.randn(len(t), generator=torch.Generator().manual_seed(0),
