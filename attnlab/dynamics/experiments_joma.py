@@ -175,7 +175,7 @@ def run_hierarchy(out: Path, seed: int = 0, size: str = "full", progress: bool =
                               for k in per_seed[0]["references"][lvl]} for lvl in range(2)]
     gains_l1 = [p["gain"]["true"][1]["probe"] for p in per_seed]
     probe_curve = torch.stack([p["probe_curve"] for p in per_seed])  # (seeds, S, 2)
-    figs = [plots.j4_hierarchy(Path(out) / "j4_hierarchy.png", tr["steps"], probe_curve, summary, cooc)]
+    figs = [plots.j4_hierarchy(Path(out) / "j4_hierarchy.png", tr["steps"], probe_curve, summary, cooc, authors)]
     metrics = {"config": config, "authors_measure": authors,
                "summary": summary, "probe_gain_layer1_per_seed": gains_l1,
                "curve_steps": tr["steps"].tolist(), "probe_curve_mean": probe_curve.mean(0).tolist(),

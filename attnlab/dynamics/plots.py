@@ -191,10 +191,11 @@ def j2_entropy(path, mu, v_traj, ent_nonlinear, ent_linear) -> Path:
     return _save(fig, path)
 
 
-def j4_hierarchy(path, steps, probe, summary: dict, cooc: dict) -> Path:
+def j4_hierarchy(path, steps, probe, summary: dict, cooc: dict, authors: dict | None = None) -> Path:
     """JoMA Table 1 analogue: class-held-out probe over training (probe: (seeds, S, 2); mean bold,
-    seeds thin) with the layer-1 reference levels, probe table (mean over seeds, untrained /
-    trained / shuffled-latent control), co-occurrence vs ancestor height."""
+    seeds thin) with the layer-1 reference levels, a table (mean over seeds, untrained / trained /
+    shuffled-latent control) of the authors' measure (``authors``, if given) and of the probe,
+    co-occurrence vs ancestor height."""
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.4), gridspec_kw={"width_ratios": [1.3, 1.3, 1.0]})
     ax = axes[0]
     for lvl, color in zip(range(probe.shape[2]), ("C0", "C1")):
@@ -212,15 +213,19 @@ def j4_hierarchy(path, steps, probe, summary: dict, cooc: dict) -> Path:
     ax = axes[1]
     ax.axis("off")
     rows = []
+    for lvl in range(len(authors["trained_true"]) if authors else 0):
+        u, t = authors["untrained_true"][lvl], authors["trained_true"][lvl]
+        rows.append([f"authors' corr, layer {lvl}", f"{u:.3f}", f"{t:.3f}", f"{t - u:+.3f}",
+                     f"{authors['gain_shuffled'][lvl]:+.3f}"])
     for lvl in range(len(summary["trained_true"])):
         u, t = summary["untrained_true"][lvl], summary["trained_true"][lvl]
         us, ts = summary["untrained_shuffled"][lvl], summary["trained_shuffled"][lvl]
-        rows.append([f"layer {lvl}", f"{u['probe']:.3f}", f"{t['probe']:.3f}", f"{t['probe'] - u['probe']:+.3f}",
+        rows.append([f"probe, layer {lvl}", f"{u['probe']:.3f}", f"{t['probe']:.3f}", f"{t['probe'] - u['probe']:+.3f}",
                      f"{ts['probe'] - us['probe']:+.3f}"])
-    tbl = ax.table(cellText=rows, colLabels=["probe", "untrained", "trained", "gain", "gain, shuffled"],
+    tbl = ax.table(cellText=rows, colLabels=["measure", "untrained", "trained", "gain", "gain, shuffled"],
                    loc="center", cellLoc="center")
     tbl.scale(1, 1.6)
-    ax.set_title("class-held-out probe of level-l latents (mean over seeds)", fontsize=9)
+    ax.set_title("block l vs level-l latents (mean over seeds)", fontsize=9)
     ax = axes[2]
     hs = sorted(cooc)
     ax.plot(hs, [cooc[h][0] for h in hs], "o-")
