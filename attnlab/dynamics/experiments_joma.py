@@ -166,7 +166,9 @@ def run_hierarchy(out: Path, seed: int = 0, size: str = "full", progress: bool =
     if child_prob < 1.0:
         metrics = {"config": config, "authors_measure": authors, "per_seed": per_seed,
                    "accuracy": [p["accuracy"] for p in per_seed]}
-        return finish(out, "hierarchy", size, seed, metrics, [], t0)
+        figs = [plots.j4_authors_bars(Path(out) / "j4_random_activation.png", authors,
+                                      f"J4, random child activation p = {child_prob:g}: authors' measure, mean over seeds")]
+        return finish(out, "hierarchy", size, seed, metrics, figs, t0)
     tr, tree = first
     cooc = cooccurrence_by_height(tree)
     summary = {f"{stage}_{tag}": _mean_measures([{k: p[stage][tag]} for p in per_seed], k)

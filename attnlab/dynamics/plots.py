@@ -251,3 +251,20 @@ def orthogonality(path, steps, curves: dict, baseline: float, dim: int) -> Path:
         ax.set_title(f"{title}, d = {dim}", fontsize=9)
         ax.legend(fontsize=7)
     return _save(fig, path)
+
+
+def j4_authors_bars(path, authors: dict, title: str) -> Path:
+    """The authors' J4 measure per layer: untrained / trained, true vs class-shuffled latents
+    (bars: seed mean; dots: seeds)."""
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), sharey=True)
+    for lvl, ax in enumerate(axes):
+        for i, (stage, tag) in enumerate((("untrained", "true"), ("trained", "true"),
+                                          ("untrained", "shuffled"), ("trained", "shuffled"))):
+            vals = [v[lvl] for v in authors[f"{stage}_{tag}_per_seed"]]
+            ax.bar(i, sum(vals) / len(vals), color="C0" if tag == "true" else "C7", alpha=0.5 if stage == "untrained" else 1)
+            ax.plot([i] * len(vals), vals, "k.", ms=4)
+        ax.set_xticks(range(4), ["untrained\ntrue", "trained\ntrue", "untrained\nshuffled", "trained\nshuffled"], fontsize=7)
+        ax.set_title(f"layer {lvl} vs level-{lvl} latents", fontsize=9)
+    axes[0].set_ylabel("signed max-corr (authors' measure)")
+    fig.suptitle(title, fontsize=9)
+    return _save(fig, path)
