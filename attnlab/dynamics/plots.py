@@ -224,7 +224,9 @@ def j4_hierarchy(path, steps, probe, summary: dict, cooc: dict, authors: dict | 
                      f"{ts['probe'] - us['probe']:+.3f}"])
     tbl = ax.table(cellText=rows, colLabels=["measure", "untrained", "trained", "gain", "gain, shuffled"],
                    loc="center", cellLoc="center")
-    tbl.scale(1, 1.6)
+    tbl.auto_set_font_size(False)
+    tbl.set_fontsize(8)
+    tbl.scale(1.15, 1.6)
     ax.set_title("block l vs level-l latents (mean over seeds)", fontsize=9)
     ax = axes[2]
     hs = sorted(cooc)
