@@ -215,12 +215,12 @@ def j4_hierarchy(path, steps, probe, summary: dict, cooc: dict, authors: dict | 
     rows = []
     for lvl in range(len(authors["trained_true"]) if authors else 0):
         u, t = authors["untrained_true"][lvl], authors["trained_true"][lvl]
-        rows.append([f"authors' corr, layer {lvl}", f"{u:.3f}", f"{t:.3f}", f"{t - u:+.3f}",
+        rows.append([f"authors, L{lvl}", f"{u:.3f}", f"{t:.3f}", f"{t - u:+.3f}",
                      f"{authors['gain_shuffled'][lvl]:+.3f}"])
     for lvl in range(len(summary["trained_true"])):
         u, t = summary["untrained_true"][lvl], summary["trained_true"][lvl]
         us, ts = summary["untrained_shuffled"][lvl], summary["trained_shuffled"][lvl]
-        rows.append([f"probe, layer {lvl}", f"{u['probe']:.3f}", f"{t['probe']:.3f}", f"{t['probe'] - u['probe']:+.3f}",
+        rows.append([f"probe, L{lvl}", f"{u['probe']:.3f}", f"{t['probe']:.3f}", f"{t['probe'] - u['probe']:+.3f}",
                      f"{ts['probe'] - us['probe']:+.3f}"])
     tbl = ax.table(cellText=rows, colLabels=["measure", "untrained", "trained", "gain", "gain, shuffled"],
                    loc="center", cellLoc="center")
