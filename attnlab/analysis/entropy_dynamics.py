@@ -208,6 +208,27 @@ def _row_summaries(log: list[dict], key: str) -> list[dict]:
     return [curve_summary(steps, [r[key][i] for r in log]) for i in range(len(log[0][key]))]
 
 
+AUTHORS_CURVES = Path(__file__).resolve().parents[2] / "docs" / "figures" / "theory" / "j3_authors_curves.json"
+
+
+def _vs_authors(runs: dict, cfg: dict, out: Path) -> list:
+    """Per depth the authors stored curves for (1, 2, 5 layers at lr 1e-4): our runs beside theirs.
+    Needs the summary JSON of a source checkout (``attnlab.analysis.j3_authors``); else nothing."""
+    import json
+
+    from attnlab.analysis.j3_authors import plot_vs_authors
+    if not AUTHORS_CURVES.exists() or abs(cfg["lr"] - 1e-4) > 1e-12:
+        return []
+    authors = json.loads(AUTHORS_CURVES.read_text())
+    have = {c["nlayers"] for c in authors["curves"]}
+    figs = []
+    for n in cfg["layers"]:
+        ours = {k: v for k, v in runs.items() if k.startswith(f"postln {n} layer")}
+        if n in have and ours:
+            figs.append(plot_vs_authors(ours, authors, n, out / f"entropy_vs_authors_L{n}.png"))
+    return figs
+
+
 def run_postln(out, seed: int, size: str, progress: bool, lr: float = 0.0, steps: int = 0, seeds: int = 1,
                depths: tuple = ()) -> dict:
     """J3 on the paper's post-LN Transformer: depths x seeds, one process, then per-layer plots."""
@@ -244,6 +265,7 @@ def run_postln(out, seed: int, size: str, progress: bool, lr: float = 0.0, steps
         plots.entropy_per_layer(runs, out / "entropy_chunk_postln.png",
                                 "J3, post-LN: entropy per layer, fixed validation chunk", key="entropy_chunk",
                                 reference=UNIFORM_35)]
+    figures += _vs_authors(runs, cfg, out)
     metrics = {"experiment": "attention-entropy", "arch": "postln", "size": size, "seed": seed, "seeds": seeds,
                "runtime_s": round(time.perf_counter() - t0, 2), "figures": [Path(f).name for f in figures],
                "config": {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()},

@@ -52,7 +52,7 @@ def plot_vs_authors(ours: dict[str, list[dict]], authors: dict, nlayers: int, ou
 
     from attnlab.io import save_figure
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), sharey=True, sharex=True)
     colors = plt.cm.viridis
     for label, rows in ours.items():
         steps = [max(r["step"], 1) for r in rows]
@@ -69,7 +69,7 @@ def plot_vs_authors(ours: dict[str, list[dict]], authors: dict, nlayers: int, ou
             axes[1].plot(steps, c, color=colors(lvl / max(L - 1, 1)), alpha=0.8,
                          label=f"seed {run['seed']}: layer {lvl}")
     axes[0].set_title("ours: post-LN on Shakespeare")
-    axes[1].set_title(f"authors: {nlayers} layers, lr 1e-4, WikiText2 (their .pt)")
+    axes[1].set_title(f"authors: {nlayers} layers, lr 1e-4, WikiText2 (their .pt; records every 1,000)")
     for ax in axes:
         ax.set_xscale("log")
         ax.set_xlabel("minibatch")
