@@ -91,3 +91,50 @@ def train_random(model: HierTransformer, tree: LatentTree, child_prob: float, st
         if progress is not None:
             progress.update(1)
     return losses
+
+
+def authors_references(tree: LatentTree, child_prob: float, n: int, gen: torch.Generator) -> dict:
+    """``authors_corr`` of ideal features on ``n`` draws, to put a layer's score on a scale:
+    level-1 latents against the draw's leaves (what the input gives), a perfect level-0 code and
+    a perfect class detector (what the loss trains for); level-0 latents against the leaves.
+    ``gen`` in the state ``random_measure`` gets it, so the draws are the measured ones."""
+    labels = torch.randint(0, tree.num_classes, (n,), generator=gen)
+    tokens, ind = sample_random(tree, labels, child_prob, gen)
+    leaves = F.one_hot(tokens, tree.vocab).amax(1).float()[:, : tree.pad]
+    cls = F.one_hot(labels, tree.num_classes).float()
+    return {"level1_from_leaves": authors_corr(leaves, ind[1]), "level1_from_level0_code": authors_corr(ind[0], ind[1]),
+            "level1_from_class": authors_corr(cls, ind[1]), "level0_from_leaves": authors_corr(leaves, ind[0])}
+
+
+def main(argv=None) -> int:
+    """``python -m attnlab.dynamics.hierarchy_random OUT.json [P ...]``: the references for
+    seeds 0-5 of ``run_hierarchy`` at child probabilities P (default 1 and 0.8), written atomically."""
+    import sys
+
+    from attnlab.io import write_json
+
+    from .common import make_generator
+    args = sys.argv[1:] if argv is None else argv
+    probs = [float(p) for p in args[1:]] or [1.0, 0.8]
+    out = {}
+    for p in probs:
+        rows = []
+        for s in range(6):
+            tree = LatentTree(make_generator(s))
+            # p = 1: run_hierarchy's sample is drawn from the seed's generator after the tree and
+            # the shuffle; p < 1: from make_generator(10_000 + seed) (``_random_seed``)
+            if p >= 1.0:
+                g = make_generator(s)
+                LatentTree(g)
+                torch.randperm(tree.num_classes, generator=g)
+            else:
+                g = make_generator(10_000 + s)
+            rows.append({"seed": s, **authors_references(tree, p, 1280, g)})
+        out[str(p)] = rows
+    print(write_json(args[0], {"command": "python -m attnlab.dynamics.hierarchy_random " + " ".join(args),
+                               "references": out}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
