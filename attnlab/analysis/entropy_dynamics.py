@@ -40,7 +40,8 @@ POSTLN_SIZES = {
     "quick": dict(layers=(1, 2), lr=1e-4, steps=20, eval_batches=2, vocab_size=1000, dim=200),
     "full": dict(layers=(1, 2, 3, 5), lr=1e-4, steps=1000, eval_batches=5, vocab_size=2000, dim=200),
 }
-LATE_EVALS = [100, 150, 200, 300, 400, 500, 600, 800, 1000, 1500, 2000, 3000, 4000, 5000]
+LATE_EVALS = [100, 150, 200, 300, 400, 500, 600, 800, 1000, 1250, 1500, 1750, 2000, 2500, 3000, 3500, 4000, 5000,
+              6000, 7000, 8000, 10000, 12000, 15000, 20000]
 UNIFORM_35 = sum(math.log(t) for t in range(1, 36)) / 35
 
 
@@ -207,6 +208,27 @@ def _row_summaries(log: list[dict], key: str) -> list[dict]:
     return [curve_summary(steps, [r[key][i] for r in log]) for i in range(len(log[0][key]))]
 
 
+AUTHORS_CURVES = Path(__file__).resolve().parents[2] / "docs" / "figures" / "theory" / "j3_authors_curves.json"
+
+
+def _vs_authors(runs: dict, cfg: dict, out: Path) -> list:
+    """Per depth the authors stored curves for (1, 2, 5 layers at lr 1e-4): our runs beside theirs.
+    Needs the summary JSON of a source checkout (``attnlab.analysis.j3_authors``); else nothing."""
+    import json
+
+    from attnlab.analysis.j3_authors import plot_vs_authors
+    if not AUTHORS_CURVES.exists() or abs(cfg["lr"] - 1e-4) > 1e-12:
+        return []
+    authors = json.loads(AUTHORS_CURVES.read_text())
+    have = {c["nlayers"] for c in authors["curves"]}
+    figs = []
+    for n in cfg["layers"]:
+        ours = {k: v for k, v in runs.items() if k.startswith(f"postln {n} layer")}
+        if n in have and ours:
+            figs.append(plot_vs_authors(ours, authors, n, out / f"entropy_vs_authors_L{n}.png"))
+    return figs
+
+
 def run_postln(out, seed: int, size: str, progress: bool, lr: float = 0.0, steps: int = 0, seeds: int = 1,
                depths: tuple = ()) -> dict:
     """J3 on the paper's post-LN Transformer: depths x seeds, one process, then per-layer plots."""
@@ -225,10 +247,12 @@ def run_postln(out, seed: int, size: str, progress: bool, lr: float = 0.0, steps
             label = f"postln {n} layer{'s' if n > 1 else ''}, lr {cfg['lr']:g}, seed {s}"
             ts = time.perf_counter()
             with bar(cfg["steps"], label, unit="batch") as pb:
-                pb.disable = not progress
+                pb.disable = pb.disable or not progress  # never re-enable a bar tqdm built disabled
+                ckpt = out / "checkpoints" / f"postln_L{n}_lr{cfg['lr']:g}_seed{s}.pt"  # rerun = resume / extend
                 runs[label] = train_postln(n, cfg["lr"], s, cfg["steps"], marks, dim=cfg["dim"], hidden_dim=cfg["dim"],
-                                           vocab_size=cfg["vocab_size"], eval_batches=cfg["eval_batches"], progress=pb)
-            times[label] = round(time.perf_counter() - ts, 1)
+                                           vocab_size=cfg["vocab_size"], eval_batches=cfg["eval_batches"], progress=pb,
+                                           checkpoint=ckpt)
+            times[label] = runs[label][-1]["seconds"]  # training time, summed over resumed sessions
             write_json(out / "partial.json", {"runs": runs, "seconds": times})  # survive an interrupted sweep
     summary = {label: {"entropy_val": _row_summaries(log, "entropy_val"),
                        "entropy_chunk": _row_summaries(log, "entropy_chunk"),
@@ -241,6 +265,7 @@ def run_postln(out, seed: int, size: str, progress: bool, lr: float = 0.0, steps
         plots.entropy_per_layer(runs, out / "entropy_chunk_postln.png",
                                 "J3, post-LN: entropy per layer, fixed validation chunk", key="entropy_chunk",
                                 reference=UNIFORM_35)]
+    figures += _vs_authors(runs, cfg, out)
     metrics = {"experiment": "attention-entropy", "arch": "postln", "size": size, "seed": seed, "seeds": seeds,
                "runtime_s": round(time.perf_counter() - t0, 2), "figures": [Path(f).name for f in figures],
                "config": {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()},

@@ -19,6 +19,7 @@ import functools
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -166,9 +167,15 @@ def _shakespeare_ids(vocab_size: int):
 
 def train_postln(n_layers: int, lr: float, seed: int, steps: int, eval_at: list[int], dim: int = 200,
                  hidden_dim: int = 200, vocab_size: int = 2000, eval_batches: int = 5, batch: int = 20,
-                 context: int = 35, clip: float = 0.5, dropout: float = 0.2, progress=None) -> list[dict]:
+                 context: int = 35, clip: float = 0.5, dropout: float = 0.2, progress=None,
+                 checkpoint=None, save_every: int = 200) -> list[dict]:
     """Train a PostLNLM on the Shakespeare training plays (word tokens) with Adam, constant lr,
-    gradient clipping; minibatches are random bptt windows. Returns one row per evaluation."""
+    gradient clipping; minibatches are random bptt windows. Returns one row per evaluation.
+
+    ``checkpoint``: a file path; the run saves model, optimiser, data and dropout generators and
+    the rows so far there (atomically) every ``save_every`` minibatches, and resumes from it if it
+    exists, so a long run on a shared machine survives being stopped and can be extended by
+    calling again with a larger ``steps`` (the continuation is the same run, bit for bit)."""
     tok, train_ids, val_ids = _shakespeare_ids(vocab_size)
     n_seq = min(eval_batches * batch, (len(val_ids) - 1) // context)
     vx = val_ids[: n_seq * context].view(n_seq, context)
@@ -192,8 +199,20 @@ def train_postln(n_layers: int, lr: float, seed: int, steps: int, eval_at: list[
         rows.append({"step": step, "val_loss": vl, "seconds": round(time.perf_counter() - t0, 2),
                      **probe(model, val, top, pairs, seed)})
 
-    evaluate(0)
-    for step in range(1, steps + 1):
+    first = 1
+    if checkpoint is not None and Path(checkpoint).exists():
+        st = torch.load(checkpoint, weights_only=False)
+        model.load_state_dict(st["model"])
+        opt.load_state_dict(st["opt"])
+        g.set_state(st["data_rng"])
+        torch.set_rng_state(st["torch_rng"])
+        rows, first = st["rows"], st["step"] + 1
+        t0 -= st["seconds"]
+        if progress is not None:
+            progress.update(min(st["step"], steps))
+    else:
+        evaluate(0)
+    for step in range(first, steps + 1):
         starts = torch.randint(0, len(train_ids) - context - 1, (batch,), generator=g)
         seq = train_ids[starts[:, None] + torch.arange(context + 1)]
         loss = F.cross_entropy(model(seq[:, :-1]).flatten(0, 1), seq[:, 1:].flatten())
@@ -205,4 +224,13 @@ def train_postln(n_layers: int, lr: float, seed: int, steps: int, eval_at: list[
             progress.update(1)
         if step in marks:
             evaluate(step)
+        if checkpoint is not None and (step % save_every == 0 or step == steps):
+            _save(checkpoint, {"model": model.state_dict(), "opt": opt.state_dict(), "data_rng": g.get_state(),
+                               "torch_rng": torch.get_rng_state(), "rows": rows, "step": step,
+                               "seconds": time.perf_counter() - t0})
     return rows
+
+
+def _save(path, state: dict) -> None:
+    from attnlab.io import write_atomic
+    write_atomic(path, lambda tmp: torch.save(state, tmp))

@@ -10,7 +10,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from attnlab.dynamics.registry import EXPERIMENTS, Experiment
+from attnlab.dynamics.registry import EXPERIMENTS
+from attnlab.dynamics.spec import Experiment
 
 
 def _runner(exp: Experiment):

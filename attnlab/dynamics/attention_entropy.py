@@ -1,7 +1,7 @@
 """Registers J3 (`attnlab dynamics attention-entropy`); the code lives in attnlab.analysis.entropy_dynamics."""
 from __future__ import annotations
 
-from .registry import Experiment, register
+from .spec import Experiment
 
 
 def _run(out, seed, size, progress, **options):
@@ -14,10 +14,10 @@ def _summary(m):
     return summary_lines(m)
 
 
-register(Experiment("attention-entropy", "J3: attention entropy per layer while training on Shakespeare (JoMA Figs. 6, 8)",
-                    _run, _summary,
-                    options=(("arch", str, "llama", "llama (ours: pre-RMSNorm, RoPE, SwiGLU) or postln (the paper's)"),
-                             ("lr", float, 0.0, "learning rate (0 = the size's default)"),
-                             ("steps", int, 0, "minibatches (0 = the size's default)"),
-                             ("seeds", int, 1, "seeds per configuration (postln)"),
-                             ("layers", str, "", "comma-separated depths, e.g. 1,2 (empty = the size's default)"))))
+EXPERIMENT = Experiment("attention-entropy", "J3: attention entropy per layer while training on Shakespeare (JoMA Figs. 6, 8)",
+                        _run, _summary,
+                        options=(("arch", str, "llama", "llama (ours: pre-RMSNorm, RoPE, SwiGLU) or postln (the paper's)"),
+                                 ("lr", float, 0.0, "learning rate (0 = the size's default)"),
+                                 ("steps", int, 0, "minibatches (0 = the size's default)"),
+                                 ("seeds", int, 1, "seeds per configuration (postln)"),
+                                 ("layers", str, "", "comma-separated depths, e.g. 1,2 (empty = the size's default)")))

@@ -18,7 +18,7 @@ from tqdm import tqdm
 from . import plots
 from .common import make_generator, spearman, write_json_atomic
 from .scan_snap import SequenceClasses, YZRuns, train_runs
-from .scan_snap_theory import (compare_late_fits, fit_two_phases, log_time_slope, relative_gain, scan_curve,
+from .scan_snap_theory import (compare_late_fits, compare_rival_fits, fit_two_phases, log_time_slope, relative_gain, scan_curve,
                                snap_curve)
 
 from attnlab.errors import AttnlabError
@@ -195,17 +195,25 @@ def run_scan_snap_sweep(out: Path, seed: int = 0, size: str = "full", progress: 
     return finish(out, "scan-snap-sweep", size, seed, metrics, figs, t0)
 
 
-def run_scan_snap_theorems(out: Path, seed: int = 0, size: str = "full", progress: bool = True) -> dict:
+def run_scan_snap_theorems(out: Path, seed: int = 0, size: str = "full", progress: bool = True,
+                           iters: int = 0, lr_scale: float = 0.0) -> dict:
     """S3: Theorem 3 (relative gain) and Theorem 4 (scan/snap phases) along one slow, long run.
 
     The theorems describe gradient flow with a fast decoder, so this run uses small steps
     (eta_Z = 0.05, eta_Y = 0.5, still SGD with momentum 0.9) from zero init, on the Fig. 4 data
     (2 queries x 1 next token). Theorem 4 is judged on the late phase: ln t against ln ln t by AIC
     and held-out (later-time) error, and the slope dB/d ln t of the last decade against the
-    decade before the split point (ln t: ratio 1; ln ln t: ratio ~ ln t_early / ln t_late).
+    decade before the split point (ln t: ratio 1; ln ln t: ratio ~ ln t_early / ln t_late); and
+    against two more rivals (saturating power law, logistic in ln t) by AIC with parameter errors
+    (``compare_rival_fits``). ``iters`` / ``lr_scale`` > 0 replace the size's values (longer runs).
     """
     t0 = time.perf_counter()
-    cfg = S3_SIZES[size]
+    if iters < 0 or lr_scale < 0:
+        raise AttnlabError(f"--iters and --lr-scale must be >= 0 (0 = the size's default), got {iters}, {lr_scale}")
+    cfg = dict(S3_SIZES[size])
+    cfg.update({k: v for k, v in (("iters", iters), ("lr_scale", lr_scale)) if v})
+    if cfg["iters"] < 500:
+        raise AttnlabError(f"--iters must be >= 500 for the phase fits, got {cfg['iters']}")
     data = SequenceClasses(num_queries=2, next_per_query=1)
     gen = make_generator(seed)
     lr_y, lr_z = 0.5 * cfg["lr_scale"], 0.05 * cfg["lr_scale"]
@@ -221,6 +229,7 @@ def run_scan_snap_theorems(out: Path, seed: int = 0, size: str = "full", progres
     fit = fit_two_phases(steps, B)
     T = cfg["iters"]
     late_fits = compare_late_fits(steps, B, start=T / 100)
+    rivals = compare_rival_fits(steps, B, start=T / 100)
     early_win, late_win = (T / 100, T / 10), (T / 10, T)
     slope_early, slope_late = log_time_slope(steps, B, *early_win), log_time_slope(steps, B, *late_win)
     decades = [(10.0 ** k, 10.0 ** (k + 1)) for k in range(1, 6) if 10.0 ** (k + 1) <= T]
@@ -233,7 +242,7 @@ def run_scan_snap_theorems(out: Path, seed: int = 0, size: str = "full", progres
     metrics = {"config": {**cfg, "lr_z": lr_z, "lr_y": lr_y, "momentum": 0.9, "num_queries": 2, "next_per_query": 1},
                "theorem3_log_error": {"median": float(log_err.median()), "p90": float(log_err.quantile(0.9)),
                                       "max": float(log_err.max())},
-               "theorem4_fit": fit, "late_fits": late_fits,
+               "theorem4_fit": fit, "late_fits": late_fits, "rival_fits": rivals,
                "growth_slope": {"early_window": early_win, "late_window": late_win, "early": slope_early,
                                 "late": slope_late, "late_over_early": slope_late / slope_early,
                                 "lnln_prediction": math.log(math.sqrt(early_win[0] * early_win[1]))

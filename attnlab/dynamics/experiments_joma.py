@@ -14,8 +14,9 @@ import torch
 from . import plots
 from .common import make_generator
 from .experiments import finish, progress_bar
-from .hierarchy import (HierConfig, HierTransformer, LatentTree, cooccurrence_by_height, hierarchy_measures,
-                        probe_references, train_hierarchy)
+from .hierarchy import (HierConfig, HierTransformer, LatentTree, authors_measure, cooccurrence_by_height,
+                        hierarchy_measures, probe_references, train_hierarchy)
+from .hierarchy_random import random_measure, train_random
 from .joma import JointModel, TokenWeightSetup, train_joint, u_shape_stats, v_dynamics
 
 from attnlab.errors import AttnlabError
@@ -25,8 +26,9 @@ J2_SIZES = {"quick": dict(steps=5000), "full": dict(steps=5000)}
 # MLP width 400 = 4 x vocabulary and Adam lr 1e-4, wd 1e-4, batch 128 as in the authors' Table-1
 # runs (luckmatters README: hidden_multi_type=M, hidden_multi=4; joma/draw_table_1.py keeps lr 1e-4,
 # d 1024); d and steps cut for the CPU (the authors: d 1024, 10,000 steps).
-J4_SIZES = {"quick": dict(dim=32, hidden=400, steps=300, batch=128, lr=1e-3, eval_every=50, seeds=3),
-            "full": dict(dim=256, hidden=400, steps=5000, batch=128, lr=1e-4, eval_every=250, seeds=3)}
+# samples: sequences the authors' measure is taken on (their test_batchsize).
+J4_SIZES = {"quick": dict(dim=32, hidden=400, steps=300, batch=128, lr=1e-3, eval_every=50, seeds=3, samples=1280),
+            "full": dict(dim=128, hidden=400, steps=2000, batch=128, lr=1e-4, eval_every=250, seeds=3, samples=1280)}
 
 
 def wta_stats(v_traj: torch.Tensor) -> dict:
@@ -97,19 +99,42 @@ def _mean_measures(rows: list[dict], key: str) -> list[dict]:
     return [{n: sum(r[key][lvl][n] for r in rows) / len(rows) for n in rows[0][key][lvl]} for lvl in range(layers)]
 
 
+def _authors_summary(per_seed: list[dict], key: str = "authors") -> dict:
+    """Seed means of the authors' measure: {stage_tag: [layer 0, layer 1]}, stages untrained /
+    trained / gain, tags true / shuffled; plus the per-seed layer-1 values."""
+    out = {}
+    for stage in ("untrained", "trained", "gain"):
+        for tag in ("true", "shuffled"):
+            vals = torch.tensor([p[key][stage][tag] for p in per_seed])  # (seeds, layers)
+            out[f"{stage}_{tag}"] = vals.mean(0).tolist()
+            out[f"{stage}_{tag}_per_seed"] = vals.tolist()
+    return out
+
+
+def _gain(before: dict, after: dict) -> dict:
+    return {"untrained": before, "trained": after,
+            "gain": {tag: [a - b for a, b in zip(after[tag], before[tag])] for tag in ("true", "shuffled")}}
+
+
 def run_hierarchy(out: Path, seed: int = 0, size: str = "full", progress: bool = True,
-                  dim: int = 0, steps: int = 0, lr: float = 0.0) -> dict:
+                  dim: int = 0, steps: int = 0, lr: float = 0.0, child_prob: float = 1.0) -> dict:
     """J4: 3-layer Transformer on latent-tree data; per-layer latent measures, trained minus untrained.
 
     Each seed draws its own tree and model; the untrained measures are taken on that same
-    model at initialisation, and a class permutation gives the shuffled-latent control.
-    ``dim``, ``steps``, ``lr``: override the size's defaults (0 = keep).
+    model at initialisation, and a class permutation gives the shuffled-latent control. The
+    headline number is the authors' own (``authors_corr`` on 1,280 sampled sequences); our
+    class-held-out probe and |corr| on the 20 class sequences are kept beside it.
+    ``dim``, ``steps``, ``lr``: override the size's defaults (0 = keep). ``child_prob`` < 1:
+    the random-activation generative model (``hierarchy_random``) instead of the authors' one.
     """
     t0 = time.perf_counter()
     if dim < 0 or steps < 0 or lr < 0:
         raise AttnlabError(f"dim, steps and lr must be >= 0 (0 = the size's default), got {dim}, {steps}, {lr}")
+    if not 0.0 < child_prob <= 1.0:
+        raise AttnlabError(f"--child-prob must be in (0, 1], got {child_prob}")
     cfg = dict(J4_SIZES[size])
     cfg.update({k: v for k, v in (("dim", dim), ("steps", steps), ("lr", lr)) if v})
+    cfg["child_prob"] = child_prob
     per_seed, first = [], None
     with progress_bar(cfg["steps"] * cfg["seeds"], "hierarchy", progress) as bar:
         for s in range(seed, seed + cfg["seeds"]):
@@ -119,18 +144,31 @@ def run_hierarchy(out: Path, seed: int = 0, size: str = "full", progress: bool =
             torch.manual_seed(s)  # nn.Module init uses the global generator
             model = HierTransformer(HierConfig(vocab=tree.vocab, num_classes=tree.num_classes, dim=cfg["dim"],
                                                mlp_hidden=cfg["hidden"]))
-            before = hierarchy_measures(model, tree, shuffle)
+            if child_prob < 1.0:
+                per_seed.append(_random_seed(model, tree, shuffle, cfg, s, gen, bar))
+                continue
+            sample = torch.randint(0, tree.num_classes, (cfg["samples"],), generator=gen)
+            a0, before = authors_measure(model, tree, sample, shuffle), hierarchy_measures(model, tree, shuffle)
             tr = train_hierarchy(model, tree, cfg["steps"], cfg["batch"], cfg["lr"], weight_decay=1e-4,
                                  gen=gen, eval_every=cfg["eval_every"], progress=bar)
-            after = hierarchy_measures(model, tree, shuffle)
+            a1, after = authors_measure(model, tree, sample, shuffle), hierarchy_measures(model, tree, shuffle)
             gain = {tag: [{n: after[tag][lvl][n] - before[tag][lvl][n] for n in after[tag][lvl]}
                           for lvl in range(len(after[tag]))] for tag in after}
-            per_seed.append({"seed": s, "untrained": before, "trained": after, "gain": gain,
-                             "references": probe_references(tree), "probe_curve": tr["probe"],
+            per_seed.append({"seed": s, "authors": _gain(a0, a1), "untrained": before, "trained": after,
+                             "gain": gain, "references": probe_references(tree), "probe_curve": tr["probe"],
                              "accuracy": tr["accuracy"], "loss": [float(tr["loss"][0]), float(tr["loss"][-1])],
                              "distinct_class_sequences": len({tuple(q.tolist()) for q in tree.sequences})})
             if first is None:
                 first = (tr, tree)
+    config = {**cfg, "layers": 3, "weight_decay": 1e-4, "leaves": 99, "latents": [10, 20], "classes": 20,
+              "seq_len": 30}
+    authors = _authors_summary(per_seed)
+    if child_prob < 1.0:
+        metrics = {"config": config, "authors_measure": authors, "per_seed": per_seed,
+                   "accuracy": [p["accuracy"] for p in per_seed]}
+        figs = [plots.j4_authors_bars(Path(out) / "j4_random_activation.png", authors,
+                                      f"J4, random child activation p = {child_prob:g}: authors' measure, mean over seeds")]
+        return finish(out, "hierarchy", size, seed, metrics, figs, t0)
     tr, tree = first
     cooc = cooccurrence_by_height(tree)
     summary = {f"{stage}_{tag}": _mean_measures([{k: p[stage][tag]} for p in per_seed], k)
@@ -139,11 +177,23 @@ def run_hierarchy(out: Path, seed: int = 0, size: str = "full", progress: bool =
                               for k in per_seed[0]["references"][lvl]} for lvl in range(2)]
     gains_l1 = [p["gain"]["true"][1]["probe"] for p in per_seed]
     probe_curve = torch.stack([p["probe_curve"] for p in per_seed])  # (seeds, S, 2)
-    figs = [plots.j4_hierarchy(Path(out) / "j4_hierarchy.png", tr["steps"], probe_curve, summary, cooc)]
-    metrics = {"config": {**cfg, "layers": 3, "weight_decay": 1e-4, "leaves": 99, "latents": [10, 20],
-                          "classes": tree.num_classes, "seq_len": tree.seq_len},
+    figs = [plots.j4_hierarchy(Path(out) / "j4_hierarchy.png", tr["steps"], probe_curve, summary, cooc, authors)]
+    metrics = {"config": config, "authors_measure": authors,
                "summary": summary, "probe_gain_layer1_per_seed": gains_l1,
                "curve_steps": tr["steps"].tolist(), "probe_curve_mean": probe_curve.mean(0).tolist(),
                "accuracy": [p["accuracy"] for p in per_seed], "per_seed": per_seed,
                "cooccurrence_by_height": {str(h): {"mean": v[0], "pairs": v[1]} for h, v in cooc.items()}}
     return finish(out, "hierarchy", size, seed, metrics, figs, t0)
+
+
+def _random_seed(model, tree, shuffle, cfg: dict, seed: int, gen: torch.Generator, bar) -> dict:
+    """One seed of the random-activation variant: the authors' measure on fresh draws, before
+    and after training on fresh draws."""
+    mgen = make_generator(10_000 + seed)  # measurement draws: the same before and after training
+    a0 = random_measure(model, tree, cfg["child_prob"], cfg["samples"], shuffle, mgen)
+    losses = train_random(model, tree, cfg["child_prob"], cfg["steps"], cfg["batch"], cfg["lr"], 1e-4, gen, bar)
+    mgen = make_generator(10_000 + seed)
+    a1 = random_measure(model, tree, cfg["child_prob"], cfg["samples"], shuffle, mgen)
+    acc = [a0.pop("accuracy"), a1.pop("accuracy")]
+    return {"seed": seed, "authors": _gain(a0, a1), "accuracy": acc[1], "accuracy_untrained": acc[0],
+            "loss": [losses[0], sum(losses[-50:]) / len(losses[-50:])]}

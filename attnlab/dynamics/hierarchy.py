@@ -267,6 +267,34 @@ def hierarchy_measures(model: HierTransformer, tree: LatentTree, shuffle: torch.
     return out
 
 
+def authors_corr(hidden: torch.Tensor, ind: torch.Tensor) -> float:
+    """The authors' Table-1 number (luckmatters decoder_only_hier.py, ``compute_corr(zero_mean=True)``):
+    signed Pearson correlation between each latent's 0/1 indicator and each hidden unit over the
+    samples, max over units per latent, mean over latents. hidden (N, H), ind (N, n).
+
+    Signed and zero-mean (a unit that is *off* when the latent is on does not count), with the
+    authors' 1e-9 in the norms, so a latent that never varies in the sample scores 0, as theirs."""
+    a, b = ind - ind.mean(0), hidden - hidden.mean(0)
+    corr = (a.T @ b) / (a.norm(dim=0)[:, None] + 1e-9) / (b.norm(dim=0)[None, :] + 1e-9)
+    return float(corr.amax(1).mean())
+
+
+@torch.no_grad()
+def authors_measure(model: HierTransformer, tree: LatentTree, labels: torch.Tensor, shuffle: torch.Tensor) -> dict:
+    """``authors_corr`` per block l = 0, 1 against level-l latents on sampled sequences ``labels``
+    (the authors draw 1,280), true latents vs latents of the class-shuffled label ``shuffle[y]``.
+
+    Sequences are a function of the class here, so each class is run once and its max-pooled
+    activations repeated: the same numbers as running all samples."""
+    seqs, copies = tree.compact_sequences()
+    _, hiddens = model(seqs, copies)
+    out = {}
+    for tag, lab in (("true", labels), ("shuffled", shuffle[labels])):
+        out[tag] = [authors_corr(hiddens[lvl].amax(1)[labels], tree.latent_indicators(lab, lvl))
+                    for lvl in range(min(2, len(hiddens)))]
+    return out
+
+
 def batch_loss(model: HierTransformer, tree: LatentTree, y: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over the batch of classes ``y`` (B,), computed once per distinct class
     on the compact sequences and weighted by the class counts: equal to the loss on

@@ -14,7 +14,7 @@ import math
 import time
 from pathlib import Path
 
-from .registry import Experiment, register
+from .spec import Experiment
 
 SIZES = {"quick": dict(dim=64, steps=10, lr=1e-4, eval_batches=1, vocab_size=1000),
          "full": dict(dim=768, steps=200, lr=1e-4, eval_batches=3, vocab_size=2000)}
@@ -33,8 +33,8 @@ def run_orthogonality(out: Path, seed: int = 0, size: str = "full", progress: bo
     with bar(cfg["steps"], "orthogonality", unit="batch") as pb:
         pb.disable = not progress
         rows = train_postln(1, cfg["lr"], seed, cfg["steps"], [m for m in MARKS if m < cfg["steps"]],
-                            dim=cfg["dim"], hidden_dim=cfg["dim"], vocab_size=cfg["vocab_size"],
-                            eval_batches=cfg["eval_batches"], progress=pb)
+                                dim=cfg["dim"], hidden_dim=cfg["dim"], vocab_size=cfg["vocab_size"],
+                                eval_batches=cfg["eval_batches"], progress=pb)
     base = math.sqrt(2 / (math.pi * cfg["dim"]))
     keys = ("emb_cooc_abs_cos", "emb_random_abs_cos", "qk_attended_abs_cos", "qk_random_abs_cos")
     curves = {k: [r[k] if not isinstance(r[k], list) else r[k][0] for r in rows] for k in keys}
@@ -44,7 +44,7 @@ def run_orthogonality(out: Path, seed: int = 0, size: str = "full", progress: bo
                "start": {k: v[0] for k, v in curves.items()}, "end": {k: v[-1] for k, v in curves.items()},
                "max_over_training": {k: max(v) for k, v in curves.items()},
                "val_loss": [rows[0]["val_loss"], rows[-1]["val_loss"]], "entropy": [rows[0]["entropy_val"][0],
-                                                                                   rows[-1]["entropy_val"][0]]}
+                                                                                       rows[-1]["entropy_val"][0]]}
     return finish(out, "orthogonality", size, seed, metrics, figs, t0)
 
 
@@ -54,5 +54,5 @@ def _summary(m):
         f"{k}: {s[k]:.4f} -> {e[k]:.4f} (max {m['max_over_training'][k]:.4f})" for k in s]
 
 
-register(Experiment("orthogonality", "|cos| of co-occurring tokens and attended query/key pairs over training, "
-                    "1-layer post-LN at width 768, vs sqrt(2/(pi d))", run_orthogonality, _summary))
+EXPERIMENT = Experiment("orthogonality", "|cos| of co-occurring tokens and attended query/key pairs over training, "
+                        "1-layer post-LN at width 768, vs sqrt(2/(pi d))", run_orthogonality, _summary)

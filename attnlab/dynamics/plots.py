@@ -191,10 +191,11 @@ def j2_entropy(path, mu, v_traj, ent_nonlinear, ent_linear) -> Path:
     return _save(fig, path)
 
 
-def j4_hierarchy(path, steps, probe, summary: dict, cooc: dict) -> Path:
+def j4_hierarchy(path, steps, probe, summary: dict, cooc: dict, authors: dict | None = None) -> Path:
     """JoMA Table 1 analogue: class-held-out probe over training (probe: (seeds, S, 2); mean bold,
-    seeds thin) with the layer-1 reference levels, probe table (mean over seeds, untrained /
-    trained / shuffled-latent control), co-occurrence vs ancestor height."""
+    seeds thin) with the layer-1 reference levels, a table (mean over seeds, untrained / trained /
+    shuffled-latent control) of the authors' measure (``authors``, if given) and of the probe,
+    co-occurrence vs ancestor height."""
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.4), gridspec_kw={"width_ratios": [1.3, 1.3, 1.0]})
     ax = axes[0]
     for lvl, color in zip(range(probe.shape[2]), ("C0", "C1")):
@@ -212,15 +213,21 @@ def j4_hierarchy(path, steps, probe, summary: dict, cooc: dict) -> Path:
     ax = axes[1]
     ax.axis("off")
     rows = []
+    for lvl in range(len(authors["trained_true"]) if authors else 0):
+        u, t = authors["untrained_true"][lvl], authors["trained_true"][lvl]
+        rows.append([f"authors, L{lvl}", f"{u:.3f}", f"{t:.3f}", f"{t - u:+.3f}",
+                     f"{authors['gain_shuffled'][lvl]:+.3f}"])
     for lvl in range(len(summary["trained_true"])):
         u, t = summary["untrained_true"][lvl], summary["trained_true"][lvl]
         us, ts = summary["untrained_shuffled"][lvl], summary["trained_shuffled"][lvl]
-        rows.append([f"layer {lvl}", f"{u['probe']:.3f}", f"{t['probe']:.3f}", f"{t['probe'] - u['probe']:+.3f}",
+        rows.append([f"probe, L{lvl}", f"{u['probe']:.3f}", f"{t['probe']:.3f}", f"{t['probe'] - u['probe']:+.3f}",
                      f"{ts['probe'] - us['probe']:+.3f}"])
-    tbl = ax.table(cellText=rows, colLabels=["probe", "untrained", "trained", "gain", "gain, shuffled"],
+    tbl = ax.table(cellText=rows, colLabels=["measure", "untrained", "trained", "gain", "gain, shuffled"],
                    loc="center", cellLoc="center")
-    tbl.scale(1, 1.6)
-    ax.set_title("class-held-out probe of level-l latents (mean over seeds)", fontsize=9)
+    tbl.auto_set_font_size(False)
+    tbl.set_fontsize(8)
+    tbl.scale(1.15, 1.6)
+    ax.set_title("block l vs level-l latents (mean over seeds)", fontsize=9)
     ax = axes[2]
     hs = sorted(cooc)
     ax.plot(hs, [cooc[h][0] for h in hs], "o-")
@@ -245,4 +252,21 @@ def orthogonality(path, steps, curves: dict, baseline: float, dim: int) -> Path:
         ax.set_ylabel("mean |cos|")
         ax.set_title(f"{title}, d = {dim}", fontsize=9)
         ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def j4_authors_bars(path, authors: dict, title: str) -> Path:
+    """The authors' J4 measure per layer: untrained / trained, true vs class-shuffled latents
+    (bars: seed mean; dots: seeds)."""
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), sharey=True)
+    for lvl, ax in enumerate(axes):
+        for i, (stage, tag) in enumerate((("untrained", "true"), ("trained", "true"),
+                                          ("untrained", "shuffled"), ("trained", "shuffled"))):
+            vals = [v[lvl] for v in authors[f"{stage}_{tag}_per_seed"]]
+            ax.bar(i, sum(vals) / len(vals), color="C0" if tag == "true" else "C7", alpha=0.5 if stage == "untrained" else 1)
+            ax.plot([i] * len(vals), vals, "k.", ms=4)
+        ax.set_xticks(range(4), ["untrained\ntrue", "trained\ntrue", "untrained\nshuffled", "trained\nshuffled"], fontsize=7)
+        ax.set_title(f"layer {lvl} vs level-{lvl} latents", fontsize=9)
+    axes[0].set_ylabel("signed max-corr (authors' measure)")
+    fig.suptitle(title, fontsize=9)
     return _save(fig, path)

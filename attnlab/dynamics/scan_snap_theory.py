@@ -137,3 +137,89 @@ def log_time_slope(steps: torch.Tensor, B: torch.Tensor, lo: float, hi: float) -
     if int(sel.sum()) < 3:
         raise AttnlabError(f"fewer than 3 recorded steps in [{lo}, {hi}]")
     return _fit_linear(t[sel].log(), B.double()[sel])[0]
+
+
+# Rival laws for the late growth B(t): name -> (curve(t, *params), parameter names). tau is fitted
+# through its log so it stays positive; "power" saturates at c, "logistic" is a sigmoid in ln t.
+RIVALS = {
+    "lnln": (lambda t, a, lt, b: a * torch.log(torch.log(math.e + t / math.exp(lt))) + b, ("a", "ln_tau", "b")),
+    "ln": (lambda t, a, lt, b: a * torch.log1p(t / math.exp(lt)) + b, ("a", "ln_tau", "b")),
+    "power": (lambda t, c, a, lt, p: c - a * (1 + t / math.exp(lt)) ** (-p), ("c", "a", "ln_tau", "p")),
+    "logistic": (lambda t, b, a, lt, k: b + a * torch.sigmoid(k * (torch.log(t) - lt)), ("b", "a", "ln_tau", "k")),
+}
+DISCRIMINATED_DAIC = 10.0  # "decisive" on the usual AIC scale, after the autocorrelation correction
+
+
+def _fit_rival(name: str, t: torch.Tensor, y: torch.Tensor):
+    """Least-squares fit of RIVALS[name]: (params, standard errors, rss). A grid over the nonlinear
+    parameters with the linear ones solved exactly, then scipy's curve_fit from the best grid point
+    for all parameters and their covariance (errors assume independent residuals: optimistic)."""
+    import numpy as np
+    from scipy.optimize import curve_fit
+
+    curve, _ = RIVALS[name]
+    lts = torch.linspace(math.log(max(float(t.min()), 1.0)) - 4, math.log(float(t.max())) + 2, 31).tolist()
+    shapes = {"power": [0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0],
+              "logistic": [0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0]}.get(name, [None])
+    best = None
+    for lt in lts:
+        for sh in shapes:
+            if name in ("ln", "lnln"):
+                x = curve(t, 1.0, lt, 0.0)
+            elif name == "power":
+                x = -(1 + t / math.exp(lt)) ** (-sh)
+            else:
+                x = torch.sigmoid(sh * (torch.log(t) - lt))
+            a, b, rmse = _fit_linear(x, y)
+            if best is None or rmse < best[0]:
+                p0 = {"ln": (a, lt, b), "lnln": (a, lt, b), "power": (b, a, lt, sh), "logistic": (b, a, lt, sh)}[name]
+                best = (rmse, p0)
+    tn, yn = t.numpy(), y.numpy()
+    f = lambda tt, *p: curve(torch.from_numpy(tt), *p).numpy()  # noqa: E731
+    try:
+        popt, pcov = curve_fit(f, tn, yn, p0=best[1], maxfev=20000)
+        se = np.sqrt(np.clip(np.diag(pcov), 0, None))
+    except (RuntimeError, ValueError):  # no convergence: keep the grid optimum, errors unknown
+        popt, se = np.array(best[1]), np.full(len(best[1]), float("nan"))
+    rss = float(((f(tn, *popt) - yn) ** 2).sum())
+    return [float(v) for v in popt], [float(v) for v in se], rss
+
+
+def compare_rival_fits(steps: torch.Tensor, B: torch.Tensor, start: float, train_frac: float = 0.25) -> dict:
+    """ln ln t against ln t, a saturating power law and a logistic in ln t on t >= ``start``.
+
+    Per law: parameters with standard errors, RMSE, AIC = n ln(RSS/n) + 2k, and the RMSE when fitted
+    on start <= t <= train_frac * t_max and extrapolated to the later points. A recorded trajectory
+    has strongly correlated residuals, so the AIC differences are also given rescaled to an
+    effective sample size n_eff = n (1 - rho) / (1 + rho) (rho: lag-1 autocorrelation of the best
+    law's residuals). 'discriminated' names the best law only if it beats every rival by
+    >= DISCRIMINATED_DAIC in the rescaled AIC *and* extrapolates best; otherwise it is None and
+    'indistinguishable' lists the laws within that margin.
+    """
+    t, y = steps.double(), B.double()
+    late = t >= start
+    fit_part, held = late & (t <= train_frac * t.max()), t > train_frac * t.max()
+    if int(fit_part.sum()) < 8 or int(held.sum()) < 5:
+        raise AttnlabError("too few recorded steps for the late-phase comparison")
+    n, out = int(late.sum()), {"start": float(start), "train_until": float(train_frac * t.max()), "laws": {}}
+    for name, (curve, pnames) in RIVALS.items():
+        p, se, rss = _fit_rival(name, t[late], y[late])
+        ph, _, _ = _fit_rival(name, t[fit_part], y[fit_part])
+        held_rmse = float(((curve(t[held], *ph) - y[held]) ** 2).mean().sqrt())
+        out["laws"][name] = {"params": dict(zip(pnames, p)), "stderr": dict(zip(pnames, se)),
+                             "rmse": math.sqrt(rss / n), "aic": n * math.log(max(rss, 1e-300) / n) + 2 * len(p),
+                             "heldout_rmse": held_rmse}
+    laws = out["laws"]
+    best = min(laws, key=lambda k: laws[k]["aic"])
+    r = y[late] - RIVALS[best][0](t[late], *laws[best]["params"].values())
+    rho = float(torch.corrcoef(torch.stack([r[:-1], r[1:]]))[0, 1])
+    n_eff = max(2.0, n * (1 - rho) / (1 + rho))
+    for k, v in laws.items():
+        v["daic"] = v["aic"] - laws[best]["aic"]
+        v["daic_effective"] = v["daic"] * n_eff / n
+    close = sorted(k for k, v in laws.items() if v["daic_effective"] < DISCRIMINATED_DAIC)
+    best_held = min(laws, key=lambda k: laws[k]["heldout_rmse"])
+    out.update({"n": n, "residual_lag1_autocorr": rho, "n_effective": n_eff, "best_aic": best,
+                "best_heldout": best_held, "indistinguishable": close,
+                "discriminated": best if close == [best] and best_held == best else None})
+    return out

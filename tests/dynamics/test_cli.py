@@ -38,3 +38,21 @@ def test_registering_a_new_experiment_adds_a_subcommand(tmp_path):
         assert args.func(args) == 0 and calls == ["quick"]
     finally:
         EXPERIMENTS.pop("dummy-test")
+
+
+def test_no_experiment_module_imports_the_registry_back():
+    """registry -> experiment modules only (issue 22's dynamics cycle): no module of
+    attnlab.dynamics other than the registry itself imports it."""
+    import ast
+    from pathlib import Path
+
+    import attnlab.dynamics as pkg
+    for f in Path(pkg.__file__).parent.glob("*.py"):
+        if f.name == "registry.py":
+            continue
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [a.name for a in node.names]
+                assert not any(n == "registry" or n.endswith(".registry") for n in names), f.name
+            elif isinstance(node, ast.Import):
+                assert not any(a.name.endswith("dynamics.registry") for a in node.names), f.name

@@ -44,25 +44,17 @@ def test_cooccurrence_decays_with_ancestor_height():
     assert all(a > b for a, b in zip(means, means[1:]))
 
 
-def test_j4_probe_trained_minus_untrained(tmp_path):
-    """Quick size, seeds 0-2 (d = 32, MLP 400, 300 Adam steps at lr 1e-3), leave-one-class-out probe.
-
-    Measured: layer 0 / level-0 latents 0.888 -> 0.879, layer 1 / level-1 0.266 -> 0.183 (gain per
-    seed -0.207, +0.001, -0.044), shuffled latents -0.16 / -0.12. The untrained layer 1 already
-    scores what a perfect level-0 code scores (0.27 vs 0.30), far below a perfect level-1 code (0.66).
-    The full runs (d = 256, 5000 steps at the authors' lr 1e-4; docs/theory.md) show no layer-1 gain
-    either, so the issue's "gain in layer 1 > 0 over seeds" is NOT asserted: this pins what we
-    measure: the probe sees the tree (true >> shuffled), layer 0 > layer 1, the task is learnt,
-    untrained layer 1 sits at the level-0 reference, and the layer-1 gain stays at or below zero."""
-    m = run_hierarchy(tmp_path, seed=0, size="quick", progress=False)
-    S = m["summary"]
-    for stage in ("untrained", "trained"):
-        true, shuf = S[f"{stage}_true"], S[f"{stage}_shuffled"]
-        assert true[0]["probe"] > shuf[0]["probe"] + 0.7 and true[1]["probe"] > shuf[1]["probe"] + 0.15
-        assert true[0]["probe"] > true[1]["probe"] + 0.5  # the ordering of JoMA's Table 1
-    assert min(m["accuracy"]) > 0.9  # 0.95, 0.95, 1.00 (two classes share a leaf set in seeds 0, 1)
-    ref = S["references"][1]
-    assert ref["level1"] > ref["level0"] + 0.25 > ref["leaves"] + 0.25
-    assert abs(S["untrained_true"][1]["probe"] - ref["level0"]) < 0.08
-    assert -0.15 < S["gain_true"][1]["probe"] < 0.03
-    assert S["trained_true"][1]["probe"] < ref["level0"]  # no step towards a level-1 code
+def test_j4_run_records_both_measures_with_their_controls(tmp_path):
+    """The experiment wiring (quick size cut to 50 steps, seeds 0-2): the authors' measure and the
+    probe, untrained and trained, true and shuffled latents, per seed, and the figure. What both
+    show before any training is the tree itself: true latents far above shuffled ones, layer 0
+    above layer 1 (Table 1's ordering, present at initialisation). The learning effect and its
+    control are pinned in test_hierarchy.py."""
+    m = run_hierarchy(tmp_path, seed=0, size="quick", progress=False, steps=50)
+    A, S = m["authors_measure"], m["summary"]
+    assert len(A["gain_true_per_seed"]) == 3 and (tmp_path / "j4_hierarchy.png").exists()
+    assert A["untrained_true"][0] > 0.95 and A["untrained_true"][0] > A["untrained_true"][1] + 0.3
+    assert A["untrained_true"][1] > A["untrained_shuffled"][1] + 0.05
+    t, sh = S["untrained_true"], S["untrained_shuffled"]
+    assert t[0]["probe"] > sh[0]["probe"] + 0.7 and t[1]["probe"] > sh[1]["probe"] + 0.15
+    assert t[0]["probe"] > t[1]["probe"] + 0.5

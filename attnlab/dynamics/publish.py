@@ -1,0 +1,85 @@
+"""Copy a theory-lab run's figures into the docs with the numbers behind them beside each.
+
+``python -m attnlab.dynamics.publish RUN_DIR --command "attnlab dynamics ..." [--rename a.png=b.png]``
+copies every figure named in RUN_DIR/metrics.json to docs/figures/theory/ and writes
+``<figure stem>.json`` next to it: the command, commit, runtime, the machine's load, and the run's
+metrics with long per-step arrays left out (their length kept), so every number the docs quote
+can be checked against a file. Both files are written atomically.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from attnlab.errors import AttnlabError
+from attnlab.io import write_atomic, write_json
+
+MAX_LIST = 200  # longer lists are per-step traces: dropped, their length kept
+
+
+def prune(x):
+    """``x`` with lists longer than MAX_LIST replaced by {'omitted_list_len': n}."""
+    if isinstance(x, dict):
+        return {k: prune(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return {"omitted_list_len": len(x)} if len(x) > MAX_LIST else [prune(v) for v in x]
+    return x
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def publish(run_dir: str | os.PathLike, command: str, dest: str | os.PathLike = "docs/figures/theory",
+            rename: dict | None = None, note: str = "") -> list[Path]:
+    """Copy the run's figures to ``dest`` (renamed per ``rename``) with a JSON beside each."""
+    run_dir, dest, rename = Path(run_dir), Path(dest), rename or {}
+    mfile = run_dir / "metrics.json"
+    if not mfile.exists():
+        raise AttnlabError(f"no metrics.json in {run_dir}")
+    metrics = json.loads(mfile.read_text())
+    figures = metrics.get("figures") or []
+    if not figures:
+        raise AttnlabError(f"{mfile} names no figures")
+    written = []
+    for fig in figures:
+        src = run_dir / fig
+        if not src.exists():
+            raise AttnlabError(f"figure {src} is missing")
+        out = dest / rename.get(fig, fig)
+        write_atomic(out, lambda tmp, s=src: shutil.copyfile(s, tmp))
+        record = {"figure": out.name, "command": command, "commit": _commit(),
+                  "runtime_s": metrics.get("runtime_s"), "load_average": os.getloadavg(), "note": note,
+                  "metrics": prune({k: v for k, v in metrics.items() if k != "figures"})}
+        written += [out, write_json(out.with_suffix(".json"), record)]
+    return written
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("run_dir")
+    ap.add_argument("--command", required=True, help="the command that produced the run")
+    ap.add_argument("--dest", default="docs/figures/theory")
+    ap.add_argument("--rename", action="append", default=[], metavar="OLD=NEW")
+    ap.add_argument("--note", default="")
+    a = ap.parse_args(argv)
+    try:
+        rename = dict(r.split("=", 1) for r in a.rename)
+        for p in publish(a.run_dir, a.command, a.dest, rename, a.note):
+            print(p)
+    except (AttnlabError, ValueError) as e:
+        print(f"error: {e}")
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
