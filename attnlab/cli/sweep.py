@@ -14,7 +14,7 @@ from attnlab.cli.common import UserError, nonneg_int
 def cmd_sweep(args) -> int:
     from attnlab.scale.backends import make_backend
     from attnlab.scale.spec import Spec, load_spec, parse_assignments
-    from attnlab.scale.sweep import run_sweep
+    from attnlab.cli.sweep_cells import run_sweep
 
     if args.spec and args.command_line:
         raise UserError("give a spec file or --command, not both")

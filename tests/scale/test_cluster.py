@@ -26,7 +26,7 @@ ray = pytest.importorskip("ray")
 from attnlab.scale import LocalBackend, RayBackend  # noqa: E402
 from attnlab.scale.backends import node_addresses  # noqa: E402
 from attnlab.scale.spec import Spec  # noqa: E402
-from attnlab.scale.sweep import run_sweep  # noqa: E402
+from attnlab.cli.sweep_cells import run_sweep  # noqa: E402
 
 SPEC = Spec("dynamics scan-snap", {"seed": list(range(8))}, {"quick": True, "iters": 8})
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,7 +10,7 @@ from attnlab.errors import AttnlabError
 from attnlab.scale import Cell, CellStore, LocalBackend, run_cells
 from attnlab.scale.backends import is_loopback
 from attnlab.scale.spec import Spec, load_spec, parse_assignments
-from attnlab.scale.sweep import rows_of, run_sweep, sweep_cells
+from attnlab.cli.sweep_cells import rows_of, run_sweep, sweep_cells
 
 CALLS = []
 

@@ -145,7 +145,7 @@ def sweep_cells(spec: Spec, threads: int = 1) -> list[tuple[dict, Cell]]:
             keyed.pop("out", None)
         check_argv(spec.argv(params) + (["--json"] if FAMILIES.get(name, Family()).json_flag else []))
         readable = "_".join(f"{k}={v}" for k, v in params.items())
-        cell = Cell("attnlab.scale.sweep:run_cli", {"argv": spec.argv(params), "family": name},
+        cell = Cell("attnlab.cli.sweep_cells:run_cli", {"argv": spec.argv(params), "family": name},
                     ident={"command": spec.command, "options": keyed, **input_identity(spec, params)},
                     readable=readable, keyed={"family": name})
         out.append((params, cell))
