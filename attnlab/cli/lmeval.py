@@ -1,0 +1,5 @@
+"""placeholder"""
+
+
+def add_parser(sub) -> None:
+    pass
