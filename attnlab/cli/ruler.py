@@ -58,11 +58,8 @@ def cmd_ruler(args) -> int:
     out = Path(args.out) if args.out else Path("runs") / "ruler" / _slug(Path(str(args.model)).name)
     args.tokens, args.streams, args.offset, args.text = 0, 0, 0, "ruler"
     identity = run_identity(args, "")
-    lm = load_lm(args)
-    if max(lengths) > lm.cfg.context_length:
-        print(f"note: lengths above the model's {lm.cfg.context_length} trained positions test extrapolation too")
     with progress(len(plan(lengths, policies, ratios, args.samples)), "ruler", unit="unit") as bar:
-        units = run_ruler(lm, tasks, lengths, policies, ratios, args.samples, out, identity, args.seed, args.haystack,
+        units = run_ruler(lambda: load_lm(args), tasks, lengths, policies, ratios, args.samples, out, identity, args.seed, args.haystack,
                           args.chunk, args.positions, args.n_sink, args.force, bar.update)
     rows = cells(units)
     seconds = sum(u["seconds"] for u in units)

@@ -99,14 +99,20 @@ def plan(lengths: list[int], policies: list[str], ratios: list[float], samples: 
 def run_ruler(lm, tasks: list[str], lengths: list[int], policies: list[str], ratios: list[float], samples: int,
               out: str | Path, identity: dict, seed: int = 0, haystack: str = "plays", chunk: int = 128,
               positions: str = "original", n_sink: int = 4, force: bool = False, progress=None) -> list[dict]:
-    """Run (or read back) every unit; returns the units' records."""
+    """Run (or read back) every unit; returns the units' records. lm may be a function that loads the
+    model: it is called only if some unit is not on disk yet (a finished run is tabled without a load)."""
     bad = [t for t in tasks if t not in TASKS]
     if bad:
         raise AttnlabError(f"unknown RULER task {bad[0]!r}; choose from {', '.join(TASKS)}")
     identity = {**identity, "tasks": list(tasks), "seed": seed, "haystack": haystack, "chunk": chunk,
                 "positions": positions, "n_sink": n_sink}
-    units, encode = [], lm.encode
-    cached_samples: dict = {}
+    units, cached_samples, loaded = [], {}, []
+
+    def model():
+        if not loaded:
+            loaded.append(lm() if callable(lm) and not hasattr(lm, "forward") else lm)
+        return loaded[0]
+
     for index, length, name, ratio in plan(lengths, policies, ratios, samples):
         key, ident = unit_key(identity, length, name, ratio, index)
         path = Path(out) / "units" / f"{key}.json"
@@ -120,8 +126,9 @@ def run_ruler(lm, tasks: list[str], lengths: list[int], policies: list[str], rat
                 record = None
         if record is None:
             if (length, index) not in cached_samples:
-                cached_samples = {(length, index): [make_sample(t, encode, length, seed, index, haystack) for t in tasks]}
-            record = run_unit(lm, cached_samples[(length, index)], name, ratio, chunk, positions, n_sink)
+                cached_samples = {(length, index): [make_sample(t, model().encode, length, seed, index, haystack)
+                                                    for t in tasks]}
+            record = run_unit(model(), cached_samples[(length, index)], name, ratio, chunk, positions, n_sink)
             record["identity"] = ident
             write_json(path, record)
         units.append(record)
