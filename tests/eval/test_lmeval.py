@@ -120,3 +120,14 @@ def test_bad_policy_is_one_clear_error(lm):
     with pytest.raises(AttnlabError, match="unknown policy"):
         backend(lm, policy="nope")
     assert math.isfinite(backend(lm).loglikelihood_rolling([Req("x y")])[0])
+
+
+def test_shipped_task_files_are_what_the_generator_writes(tmp_path):
+    from attnlab.eval.lmeval_tasks import FILES, TASK_DIR, write_tasks
+    write_tasks(tmp_path)
+    for name in FILES.values():
+        assert (tmp_path / name).read_bytes() == (TASK_DIR / name).read_bytes(), name
+    import json
+    docs = [json.loads(x) for x in (TASK_DIR / FILES["nextline"]).read_text().splitlines()]
+    assert len(docs) == 300 and all(len(d["choices"]) == 4 and 0 <= d["gold"] < 4 for d in docs)
+    assert {d["play"] for d in docs} == {"hamlet", "macbeth", "a-midsummer-night-s-dream"}  # held out
