@@ -138,17 +138,24 @@ class AttnlabLM(TemplateLM):
             out.append((float(logp.gather(-1, target[:, None]).sum()), bool((logp.argmax(-1) == target).all())))
         return out
 
-    def _score(self, items: list[tuple[list[int], int]]) -> list[tuple[float, bool]]:
+    def _score(self, items: list[tuple[list[int], int]], what: str = "loglikelihood") -> list[tuple[float, bool]]:
         """Score [(ids, n_scored)], longest first in batches (full cache) or one by one (policy)."""
-        if self.policy is not None:
-            return [self._stream_scores(ids, n) for ids, n in items]
-        order = sorted(range(len(items)), key=lambda i: -len(items[i][0]))
-        out: list = [None] * len(items)
-        for s in range(0, len(order), self.batch_size):
-            idx = order[s:s + self.batch_size]
-            for i, r in zip(idx, self._full_scores([items[i] for i in idx])):
-                out[i] = r
-        return out
+        from attnlab.io import progress
+        with progress(sum(len(ids) for ids, _ in items), what) as bar:
+            if self.policy is not None:
+                scores = []
+                for ids, n in items:
+                    scores.append(self._stream_scores(ids, n))
+                    bar.update(len(ids))
+                return scores
+            order = sorted(range(len(items)), key=lambda i: -len(items[i][0]))
+            out: list = [None] * len(items)
+            for s in range(0, len(order), self.batch_size):
+                idx = order[s:s + self.batch_size]
+                for i, r in zip(idx, self._full_scores([items[i] for i in idx])):
+                    out[i] = r
+                bar.update(sum(len(items[i][0]) for i in idx))
+            return out
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kw) -> list[tuple[float, bool]]:
         items = []
@@ -176,7 +183,7 @@ class AttnlabLM(TemplateLM):
             else:
                 windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
                     tokens, self.prefix_token_id, self.max_length, context_len=1)]
-                total = sum(s for s, _ in self._score([(ctx + cont, len(cont)) for ctx, cont in windows]))
+                total = sum(s for s, _ in self._score([(ctx + cont, len(cont)) for ctx, cont in windows], "rolling"))
             self.cache_hook.add_partial("loglikelihood_rolling", (string,), total)
             out.append(total)
         return out

@@ -131,3 +131,22 @@ def test_shipped_task_files_are_what_the_generator_writes(tmp_path):
     docs = [json.loads(x) for x in (TASK_DIR / FILES["nextline"]).read_text().splitlines()]
     assert len(docs) == 300 and all(len(d["choices"]) == 4 and 0 <= d["gold"] < 4 for d in docs)
     assert {d["play"] for d in docs} == {"hamlet", "macbeth", "a-midsummer-night-s-dream"}  # held out
+
+
+@pytest.mark.slow
+def test_parity_on_smollm2(smollm2):
+    """The same checks on the embedded model: rolling = `attnlab ppl`'s windows, loglikelihood = LM.logits."""
+    from attnlab.data import corpus
+    b = AttnlabLM(lm=smollm2, max_length=256)
+    ids = b.tok_encode(corpus("shakespeare:test")[:6000])[:2 * 256]
+    text = b.tok_decode(ids)
+    tokens = b.tok_encode(text)
+    assert len(tokens) % 256 == 0 or pytest.skip("decode/encode round trip changed the token count")
+    got = b.loglikelihood_rolling([Req(text)])[0]
+    ref = perplexity(smollm2, [b.prefix_token_id] + tokens, window=256, chunk=128)
+    assert got == pytest.approx(-ref["nll"] * ref["tokens"], rel=1e-5)
+    ctx, cont = text[:400], text[400:460]
+    (logp, _), = b.loglikelihood([Req(ctx, cont)])
+    c, x = b._encode_pair(ctx, cont)
+    lp = F.log_softmax(smollm2.logits(torch.tensor([c + x])[:, :-1])[0].float(), -1)[len(c) - 1:]
+    assert logp == pytest.approx(float(lp.gather(-1, torch.tensor(x)[:, None]).sum()), abs=1e-3)
