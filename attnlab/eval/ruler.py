@@ -150,7 +150,7 @@ def _niah(task: str, rng: random.Random, haystack: str, depth: float | None, n_w
     while len(set(keys)) < 4:
         keys = [_key(rng) for _ in range(4)]
     if task == "niah_single":
-        needles, queries, answers = [(keys[0], _number(rng, 7))], [keys[0]], None
+        needles, queries = [(keys[0], _number(rng, 7))], [keys[0]]
     elif task == "niah_multikey":
         needles, queries = [(k, _number(rng, 7)) for k in keys], [keys[0]]
     elif task == "niah_multivalue":
