@@ -31,7 +31,7 @@ def cmd_lmeval(args) -> int:
     for p in include[1:]:
         if not Path(p).is_dir():
             raise UserError(f"--include-path {p}: not a folder")
-    manager = TaskManager(include_path=include)
+    manager = TaskManager(include_path=include, include_defaults=args.builtin_tasks)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         raise UserError(f"unknown lm-eval task {unknown[0]!r} (local tasks: "
@@ -69,6 +69,8 @@ def add_parser(sub) -> None:
     p.add_argument("--model-args", default="", help="model=smollm2-135m,policy=sink,budget=256,n_sink=4,quant=int8,"
                                                     "compile=1,rope=yarn:2,sparsity=...,kv_dtype=float16,chunk=64")
     p.add_argument("--include-path", action="append", default=None, help="another folder of task YAMLs (repeatable)")
+    p.add_argument("--builtin-tasks", action="store_true",
+                   help="also index lm-eval's own ~15,000 tasks (minutes; their datasets must already be cached)")
     p.add_argument("--limit", type=float, default=None, help="documents per task (a count, or a share if < 1)")
     p.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: each task's own)")
     p.add_argument("--seed", type=int, default=0, help="seed of lm-eval's sampling of few-shot examples")

@@ -150,3 +150,17 @@ def test_parity_on_smollm2(smollm2):
     c, x = b._encode_pair(ctx, cont)
     lp = F.log_softmax(smollm2.logits(torch.tensor([c + x])[:, :-1])[0].float(), -1)[len(c) - 1:]
     assert logp == pytest.approx(float(lp.gather(-1, torch.tensor(x)[:, None]).sum()), abs=1e-3)
+
+
+def test_local_tasks_run_through_lm_eval(lm):
+    """The shipped YAMLs load from the include path and lm-eval's evaluator scores them with the backend."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from attnlab.eval.lmeval_tasks import TASK_DIR
+    tm = TaskManager(include_path=[str(TASK_DIR)], include_defaults=False)
+    assert {"attnlab_nextline", "attnlab_cloze", "attnlab_plays_ppl", "attnlab_shakespeare"} <= set(tm.all_tasks)
+    res = lm_eval.simple_evaluate(model=backend(lm, max_length=64), tasks=["attnlab_nextline", "attnlab_plays_ppl"],
+                                  task_manager=tm, limit=3, bootstrap_iters=0, log_samples=False)
+    assert 0 <= res["results"]["attnlab_nextline"]["acc,none"] <= 1
+    assert res["results"]["attnlab_plays_ppl"]["word_perplexity,none"] > 1
