@@ -69,7 +69,8 @@ def cmd_ruler(args) -> int:
                "compute_seconds": seconds, "cells": rows}
     write_json(out / "summary.json", summary)
     text = (f"RULER on {args.model}: {len(tasks)} tasks x {len(lengths)} lengths, {args.samples} sample(s) per cell "
-            f"(seed {args.seed}), haystack {args.haystack}, score = % of expected answers found\n\n"
+            f"(seed {args.seed}), haystack {args.haystack}, score = % of expected answers found (RULER's "
+            f"string_match_all); RULER's QA tasks are left out (they need downloaded datasets)\n\n"
             f"{table(rows)}\n\nfull cache (the control) per task and length:\n{full_by_task(rows)}\n")
     write_text(out / "table.txt", text)
     plot(rows, out / "ruler.png", title=f"RULER on {Path(str(args.model)).name}, {args.samples} sample(s) per cell")

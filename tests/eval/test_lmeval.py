@@ -158,6 +158,8 @@ def test_local_tasks_run_through_lm_eval(lm):
     from lm_eval.tasks import TaskManager
 
     from attnlab.eval.lmeval_tasks import TASK_DIR
+    from lm_eval.api.registry import get_model
+    assert get_model("attnlab") is AttnlabLM  # simple_evaluate(model="attnlab", ...) finds it by name
     tm = TaskManager(include_path=[str(TASK_DIR)], include_defaults=False)
     assert {"attnlab_nextline", "attnlab_cloze", "attnlab_plays_ppl", "attnlab_shakespeare"} <= set(tm.all_tasks)
     res = lm_eval.simple_evaluate(model=backend(lm, max_length=64), tasks=["attnlab_nextline", "attnlab_plays_ppl"],
