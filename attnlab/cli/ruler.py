@@ -60,24 +60,29 @@ def cmd_ruler(args) -> int:
     identity = run_identity(args, "")
     with progress(len(plan(lengths, policies, ratios, args.samples)), "ruler", unit="unit") as bar:
         units = run_ruler(lambda: load_lm(args), tasks, lengths, policies, ratios, args.samples, out, identity, args.seed, args.haystack,
-                          args.chunk, args.positions, args.n_sink, args.force, bar.update)
+                          args.chunk, args.positions, args.n_sink, args.force, bar.update, compute=not args.table_only)
+    if not units:
+        raise UserError(f"no finished units in {out} for these options")
     rows = cells(units)
     seconds = sum(u["seconds"] for u in units)
     summary = {"command": _command(args, tasks, lengths, policies, ratios), "model": str(args.model), "tasks": tasks,
+               "units_done": len(units), "units_planned": len(plan(lengths, policies, ratios, args.samples)),
                "lengths": lengths, "policies": ["full"] + policies, "ratios": ratios, "samples": args.samples,
                "seed": args.seed, "haystack": args.haystack, "chunk": args.chunk, "positions": args.positions,
-               "compute_seconds": seconds, "cells": rows}
+               "unit_wall_seconds": seconds, "cells": rows}
     write_json(out / "summary.json", summary)
+    cut = "" if len(units) == summary["units_planned"] else \
+        f"; cut short: {len(units)} of {summary['units_planned']} units done, a cell's sample count is its own"
     text = (f"RULER on {args.model}: {len(tasks)} tasks x {len(lengths)} lengths, {args.samples} sample(s) per cell "
             f"(seed {args.seed}), haystack {args.haystack}, score = % of expected answers found (RULER's "
-            f"string_match_all); RULER's QA tasks are left out (they need downloaded datasets)\n\n"
+            f"string_match_all); RULER's QA tasks are left out (they need downloaded datasets){cut}\n\n"
             f"{table(rows)}\n\nfull cache (the control) per task and length:\n{full_by_task(rows)}\n")
     write_text(out / "table.txt", text)
     plot(rows, out / "ruler.png", title=f"RULER on {Path(str(args.model)).name}, {args.samples} sample(s) per cell")
     if args.json:
         print(json.dumps(summary))
     else:
-        print(text + f"\nwrote {out}/summary.json, table.txt, ruler.png ({seconds / 60:.1f} min of compute)")
+        print(text + f"\nwrote {out}/summary.json, table.txt, ruler.png ({seconds / 60:.1f} min in units, wall clock)")
     return 0
 
 
@@ -100,5 +105,7 @@ def add_parser(sub) -> None:
     p.add_argument("--n-sink", type=nonneg_int, default=4, help="attention-sink tokens kept by sink and sink_h2o")
     p.add_argument("--out", default=None, help="run folder (default runs/ruler/MODEL)")
     p.add_argument("--force", action="store_true", help="recompute finished units")
+    p.add_argument("--table-only", action="store_true",
+                   help="compute nothing: table and plot the units already finished (a run cut short)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=cmd_ruler, resume_hint="rerun the same command to continue: finished units are kept")

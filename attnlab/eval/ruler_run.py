@@ -98,9 +98,11 @@ def plan(lengths: list[int], policies: list[str], ratios: list[float], samples: 
 
 def run_ruler(lm, tasks: list[str], lengths: list[int], policies: list[str], ratios: list[float], samples: int,
               out: str | Path, identity: dict, seed: int = 0, haystack: str = "plays", chunk: int = 128,
-              positions: str = "original", n_sink: int = 4, force: bool = False, progress=None) -> list[dict]:
+              positions: str = "original", n_sink: int = 4, force: bool = False, progress=None,
+              compute: bool = True) -> list[dict]:
     """Run (or read back) every unit; returns the units' records. lm may be a function that loads the
-    model: it is called only if some unit is not on disk yet (a finished run is tabled without a load)."""
+    model: it is called only if some unit is not on disk yet (a finished run is tabled without a load).
+    compute=False only reads the finished units back (the table of a run cut short)."""
     bad = [t for t in tasks if t not in TASKS]
     if bad:
         raise AttnlabError(f"unknown RULER task {bad[0]!r}; choose from {', '.join(TASKS)}")
@@ -124,6 +126,8 @@ def run_ruler(lm, tasks: list[str], lengths: list[int], policies: list[str], rat
                 record = None  # a damaged file: recompute
             if record is not None and record.get("identity") != json.loads(json.dumps(ident)):
                 record = None
+        if record is None and not compute:
+            continue
         if record is None:
             if (length, index) not in cached_samples:
                 cached_samples = {(length, index): [make_sample(t, model().encode, length, seed, index, haystack)
