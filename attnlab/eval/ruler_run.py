@@ -155,11 +155,19 @@ def _mean(xs):
     return sum(xs) / len(xs) if xs else float("nan")
 
 
+def _common_lengths(rows: list[dict]) -> list[int]:
+    """Lengths that every (policy, ratio) row has cells at: averages over them compare like with like."""
+    keys = {(r["policy"], r["ratio"]) for r in rows}
+    return sorted(n for n in {r["length"] for r in rows}
+                  if all(any(x["length"] == n and (x["policy"], x["ratio"]) == k for x in rows) for k in keys))
+
+
 def table(rows: list[dict]) -> str:
-    """kvpress-style: one row per (policy, compression ratio), one column per task (mean over lengths)
-    and per length (mean over tasks), then the average."""
+    """kvpress-style: one row per (policy, compression ratio), one column per task and per length, then the
+    average; task columns and the average are over the lengths every row has (all of them in a finished run)."""
     tasks = list(dict.fromkeys(r["task"] for r in rows))
     lengths = sorted({r["length"] for r in rows})
+    common = _common_lengths(rows)
     keys = sorted({(r["policy"], r["ratio"]) for r in rows}, key=lambda k: (k[0] != "full", k[0], k[1]))
     short = {"niah_single": "single", "niah_multikey": "mkey", "niah_multivalue": "mvalue",
              "niah_multiquery": "mquery"}
@@ -168,10 +176,14 @@ def table(rows: list[dict]) -> str:
     lines = [head, "-" * len(head)]
     for p, r in keys:
         sel = [x for x in rows if x["policy"] == p and x["ratio"] == r]
-        by_task = [_mean([x["score"] for x in sel if x["task"] == t]) for t in tasks]
+        inner = [x for x in sel if x["length"] in common]
+        by_task = [_mean([x["score"] for x in inner if x["task"] == t]) for t in tasks]
         by_len = [_mean([x["score"] for x in sel if x["length"] == n]) for n in lengths]
         lines.append(f"{p:<9} {r:>5.2f} " + " ".join(f"{v:>6.1f}" for v in by_task) + " | " +
-                     " ".join(f"{v:>6.1f}" for v in by_len) + f" | {_mean([x['score'] for x in sel]):>5.1f}")
+                     " ".join(f"{v:>6.1f}" if v == v else f"{'-':>6}" for v in by_len) +
+                     f" | {_mean([x['score'] for x in inner]):>5.1f}")
+    if common != lengths:
+        lines.append(f"(task columns and avg over lengths {', '.join(map(str, common))}: the ones every row has)")
     return "\n".join(lines)
 
 
@@ -200,14 +212,19 @@ def plot(rows: list[dict], path: str | Path, title: str = "") -> str:
     policies = sorted({r["policy"] for r in rows} - {"full"})
     for ax, (name, sel_lengths) in zip(axes[0], panels):
         sel = [r for r in rows if r["length"] in sel_lengths]
-        full = _mean([r["score"] for r in sel if r["policy"] == "full"])
         for p in policies:
+            own = sorted({r["length"] for r in sel if r["policy"] == p})  # full on the same lengths as p
+            if not own:
+                continue
             ratios = sorted({r["ratio"] for r in sel if r["policy"] == p})
-            ys = [full] + [_mean([r["score"] for r in sel if r["policy"] == p and r["ratio"] == x]) for x in ratios]
+            ys = [_mean([r["score"] for r in sel if r["policy"] == "full" and r["length"] in own])] + \
+                [_mean([r["score"] for r in sel if r["policy"] == p and r["ratio"] == x]) for x in ratios]
             ax.plot([0.0] + ratios, ys, marker="o", label=p)
+        full = _mean([r["score"] for r in sel if r["policy"] == "full"])
         ax.axhline(full, color="black", ls="--", lw=1, label="full")
         ax.set_title(name, fontsize=9)
         ax.set_xlabel("compression ratio")
+        ax.set_xlim(-0.03, max([r["ratio"] for r in rows] + [0.5]) + 0.05)
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("RULER score (mean over tasks)")
     axes[0][-1].legend(fontsize=7)
