@@ -23,14 +23,14 @@ MAX_JSON = 20 * 2 ** 20  # larger JSON files (per-token dumps) are skipped rathe
 SKIP_DIRS = {"units", "__pycache__", ".git"}
 
 NOTES = {
-    "stream": "perplexity of each policy against the full cache on the same tokens: a policy is as good as its "
-              "ratio to full; the window policy breaks once the first tokens leave the cache, sinks repair it.",
-    "passkey": "accuracy by length and needle depth: a KV policy that evicted the needle cannot answer, however "
-               "flat its perplexity; RoPE extension shows whether positions past the trained length still work.",
     "ruler": "score against compression ratio for each policy, the full cache (ratio 0) as the control: a policy "
              "is good where its line stays near full; cells where full itself is near 0 say nothing about policies.",
     "lm-eval": "lm-eval's metrics on local tasks (acc higher is better, perplexities lower); compare the same tasks "
                "across model args (policy, quantization) rather than against published numbers.",
+    "stream": "perplexity of each policy against the full cache on the same tokens: a policy is as good as its "
+              "ratio to full; the window policy breaks once the first tokens leave the cache, sinks repair it.",
+    "passkey": "accuracy by length and needle depth: a KV policy that evicted the needle cannot answer, however "
+               "flat its perplexity; RoPE extension shows whether positions past the trained length still work.",
     "quant-eval": "perplexity against bits per weight: the knee of the curve is where quantization starts to cost.",
     "dejavu": "perplexity against the share of the MLP (and heads) skipped: Deja Vu works where the curve stays "
               "flat; speed rows say what that sparsity buys in tokens per second.",
@@ -290,9 +290,9 @@ def render(sections: list[Section], title: str = "attnlab runs") -> str:
              f"<meta http-equiv='Content-Security-Policy' content=\"default-src 'none'; img-src data:; "
              f"style-src 'unsafe-inline'\"><style>{CSS}</style></head><body><h1>{e(title)}</h1>",
              f"<p>{len(sections)} runs. Each section: the command that produced it, its table, its figures and "
-             "what to look for.</p><nav>"]
+             f"what to look for.</p><details><summary>contents</summary><nav>"]
     parts += [f"<a href='#s{i}'>{e(s.title)}</a>" for i, s in enumerate(sections)]
-    parts.append("</nav>")
+    parts.append("</nav></details>")
     for i, s in enumerate(sections):
         parts.append(f"<section id='s{i}'><h2><span class='kind'>{e(s.kind)}</span>{e(s.title)}</h2>"
                      f"<div class='src'>{e(str(s.source))}</div>")
