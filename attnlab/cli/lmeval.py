@@ -36,9 +36,13 @@ def cmd_lmeval(args) -> int:
     if unknown:
         raise UserError(f"unknown lm-eval task {unknown[0]!r} (local tasks: "
                         f"{', '.join(t for t in manager.all_tasks if t.startswith('attnlab'))}; nothing is downloaded)")
-    model_args = args.model_args or ""
-    if "threads=" not in model_args:
-        model_args = ",".join(x for x in (model_args, f"threads={args.threads}") if x)
+    pairs = [kv.split("=", 1) for kv in (args.model_args or "").split(",") if kv.strip()]
+    if any(len(kv) != 2 for kv in pairs):
+        raise UserError(f"--model-args must be key=value,key=value, got {args.model_args!r}")
+    given = {("pretrained" if k.strip() == "model" else k.strip()): v.strip() for k, v in pairs}
+    given.setdefault("pretrained", "smollm2-135m")  # lm-eval names its result folder after `pretrained`
+    given.setdefault("threads", str(args.threads))
+    model_args = ",".join(f"{k}={v}" for k, v in given.items())
     out = Path(args.out)
     tracker = EvaluationTracker(output_path=str(out))
     results = lm_eval.simple_evaluate(model="attnlab", model_args=model_args, tasks=tasks, task_manager=manager,

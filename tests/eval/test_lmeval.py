@@ -166,3 +166,16 @@ def test_local_tasks_run_through_lm_eval(lm):
                                   task_manager=tm, limit=3, bootstrap_iters=0, log_samples=False)
     assert 0 <= res["results"]["attnlab_nextline"]["acc,none"] <= 1
     assert res["results"]["attnlab_plays_ppl"]["word_perplexity,none"] > 1
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["lm-eval", "--tasks", "nope"], "unknown lm-eval task 'nope'"),
+    (["lm-eval", "--model-args", "policy"], "key=value"),
+    (["lm-eval", "--include-path", "/nonexistent/tasks"], "not a folder"),
+    (["lm-eval", "--tasks", ","], "--tasks is empty"),
+])
+def test_cli_errors_are_one_line(argv, message, capsys):
+    from attnlab.cli import main
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
