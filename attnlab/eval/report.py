@@ -99,7 +99,7 @@ def _ruler(data, path):
     rows = data["cells"]
     text = (f"{len(data['tasks'])} tasks x lengths {data['lengths']}, {data['samples']} sample(s) per cell, seed "
             f"{data['seed']}\n\n{table(rows)}\n\nfull cache per task and length:\n{full_by_task(rows)}")
-    return Section("ruler", f"RULER: {path.parent.name}", path, data.get("command", ""), text=text,
+    return Section("ruler", f"RULER: {data.get('model', path.parent.name)}", path, data.get("command", ""), text=text,
                    figures=_figures(path.parent, ["ruler"]))
 
 
@@ -273,7 +273,7 @@ CSS = """body{font:14px/1.45 system-ui,sans-serif;margin:0 auto;max-width:1100px
 h1{font-size:22px}h2{font-size:17px;margin:28px 0 4px;border-top:1px solid #ddd;padding-top:14px}
 .kind{display:inline-block;background:#eef;border-radius:4px;padding:0 6px;font-size:12px;margin-right:6px}
 .src{color:#777;font-size:12px}.note{background:#fffbe6;border-left:3px solid #e6c200;padding:4px 8px}
-pre{background:#f6f6f6;padding:8px;overflow-x:auto;font-size:12px}table{border-collapse:collapse;margin:6px 0}
+pre{background:#f6f6f6;padding:8px;overflow-x:auto;font-size:12px}pre.cmd{white-space:pre-wrap;word-break:break-all}table{border-collapse:collapse;margin:6px 0}
 td,th{border:1px solid #ccc;padding:2px 7px;font-size:12px;text-align:right}th{background:#f0f0f0}
 td:first-child{text-align:left}img{max-width:100%;display:block;margin:8px 0;border:1px solid #eee}
 nav a{margin-right:10px;font-size:12px}"""
