@@ -219,7 +219,7 @@ def plot(rows: list[dict], path: str | Path, title: str = "") -> str:
             ratios = sorted({r["ratio"] for r in sel if r["policy"] == p})
             ys = [_mean([r["score"] for r in sel if r["policy"] == "full" and r["length"] in own])] + \
                 [_mean([r["score"] for r in sel if r["policy"] == p and r["ratio"] == x]) for x in ratios]
-            ax.plot([0.0] + ratios, ys, marker="o", label=p)
+            ax.plot([0.0] + ratios, ys, marker="o", label=p, color=f"C{policies.index(p)}", alpha=0.85)
         full = _mean([r["score"] for r in sel if r["policy"] == "full"])
         ax.axhline(full, color="black", ls="--", lw=1, label="full")
         ax.set_title(name, fontsize=9)
@@ -227,6 +227,6 @@ def plot(rows: list[dict], path: str | Path, title: str = "") -> str:
         ax.set_xlim(-0.03, max([r["ratio"] for r in rows] + [0.5]) + 0.05)
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("RULER score (mean over tasks)")
-    axes[0][-1].legend(fontsize=7)
+    axes[0][0].legend(fontsize=7)
     fig.suptitle(title or "RULER score against compression ratio", fontsize=10)
     return save_figure(fig, path, dpi=120)
