@@ -11,7 +11,6 @@ back to dequantise-then-matmul, the same numbers, only slower.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import time
 import warnings
@@ -46,10 +45,7 @@ def _build() -> bool:
         return False
     try:
         from torch.utils.cpp_extension import load
-        # one build folder per source folder: ninja rebuilds whenever the sources' paths change, so two
-        # checkouts sharing a folder would rebuild each other's kernels on every load
-        here = hashlib.sha1(str(Path(__file__).resolve().parent).encode()).hexdigest()[:10]
-        build = CACHE / f"torch-{torch.__version__}-{here}"
+        build = CACHE / f"torch-{torch.__version__}"
         build.mkdir(parents=True, exist_ok=True)
         lock = build / "lock"  # left behind by a build that was killed: torch would wait on it forever
         if lock.exists() and time.time() - lock.stat().st_mtime > 600:
