@@ -74,6 +74,8 @@ browser-deps:
 browser-test: $(STAMP)
 	mkdir -p docs/figures/serve
 	ATTNLAB_SCREENSHOT=docs/figures/serve/page.png $(BIN)/python -m pytest -m browser tests/serve
+	mkdir -p docs/figures/eval
+	ATTNLAB_SCREENSHOT=docs/figures/eval/report.png $(BIN)/python -m pytest -m browser tests/eval/test_report.py
 
 serve: $(STAMP)
 	$(BIN)/python -m attnlab serve --policy sink --budget 1024 --threads $(THREADS)

@@ -23,7 +23,8 @@ from attnlab.textstream import TextStream
 # Subsystems that bring their own subcommands through `add_parser(subparsers)`.
 SUBSYSTEMS = ["attnlab.cli.dynamics", "attnlab.cli.stream", "attnlab.cli.analysis", "attnlab.cli.quantize",
               "attnlab.cli.serve", "attnlab.cli.passkey", "attnlab.cli.extend",
-              "attnlab.cli.dejavu", "attnlab.cli.sweep"]
+              "attnlab.cli.dejavu", "attnlab.cli.sweep", "attnlab.cli.ruler", "attnlab.cli.lmeval",
+              "attnlab.cli.report"]
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
