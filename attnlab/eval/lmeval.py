@@ -28,6 +28,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from attnlab.errors import AttnlabError
+from attnlab.options import Options, PolicySpec
 from attnlab.sampling import Sampler
 
 TRUE = {"1", "true", "yes", "on"}
@@ -53,20 +54,18 @@ class AttnlabLM(TemplateLM):
                  budget="256", n_sink=4, block=1, positions="cache", chunk=64, max_length=None, batch_size=8,
                  lm=None, **_ignored):
         super().__init__()
+        self.chunk = int(chunk)
+        spec = None if str(policy) == "full" else PolicySpec(str(policy), str(budget), int(n_sink), str(positions),
+                                                             int(block), max(self.chunk, 1))
+        opts = Options(dtype=dtype, threads=int(threads), quant=_opt(quant), compile=_flag(compile), rope=_opt(rope),
+                       sparsity=_opt(sparsity), kv_dtype=_opt(kv_dtype), policy=spec)
         if lm is None:
-            import attnlab
-            lm = attnlab.load(pretrained or model, dtype=dtype, threads=int(threads), quant=_opt(quant),
-                              compile=_flag(compile), rope=_opt(rope), sparsity=_opt(sparsity),
-                              kv_dtype=_opt(kv_dtype))
+            from attnlab.engine import LM
+            lm = LM.load(pretrained or model, opts)
         self.lm, self.tokenizer = lm, lm.tokenizer
         if self.tokenizer is None:
             raise AttnlabError(f"lm-eval needs text: {lm.source} has no tokenizer")
-        self.chunk = int(chunk)
-        self.policy = None
-        if str(policy) != "full":
-            from attnlab.kv.policies import make_policy
-            self.policy = make_policy(str(policy), str(budget), positions=str(positions), n_sink=int(n_sink),
-                                      chunk=max(self.chunk, 1), block=int(block))
+        self.spec = spec  # a fresh policy per request, a fractional budget resolved against its length
         self._max_length = int(max_length) if _opt(max_length) else min(lm.cfg.context_length, 2048)
         self.batch_size = int(batch_size) if str(batch_size).isdigit() else 8
 
@@ -99,7 +98,7 @@ class AttnlabLM(TemplateLM):
     # ---------------------------------------------------------------- scoring
 
     def _policy_for(self, n: int):
-        return self.policy.resolve(n) if self.policy is not None else None
+        return self.spec.build(n) if self.spec is not None else None
 
     @torch.inference_mode()
     def _stream_scores(self, ids: list[int], n_scored: int) -> tuple[float, bool]:
@@ -142,7 +141,7 @@ class AttnlabLM(TemplateLM):
         """Score [(ids, n_scored)], longest first in batches (full cache) or one by one (policy)."""
         from attnlab.io import progress
         with progress(sum(len(ids) for ids, _ in items), what) as bar:
-            if self.policy is not None:
+            if self.spec is not None:
                 scores = []
                 for ids, n in items:
                     scores.append(self._stream_scores(ids, n))
@@ -163,7 +162,7 @@ class AttnlabLM(TemplateLM):
             if not cont:
                 raise AttnlabError("lm-eval asked for the likelihood of an empty continuation")
             ids = ctx + cont
-            if self.policy is None:
+            if self.spec is None:
                 ids = ids[-(self.max_length + 1):]  # the full cache sees at most max_length tokens
             items.append((ids, len(cont)))
         results = self._score(items)
@@ -178,7 +177,7 @@ class AttnlabLM(TemplateLM):
             if not tokens:
                 out.append(0.0)
                 continue
-            if self.policy is not None:  # the policy bounds the context: stream the document whole
+            if self.spec is not None:  # the policy bounds the context: stream the document whole
                 total = self._stream_scores([self.prefix_token_id] + tokens, len(tokens))[0]
             else:
                 windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
