@@ -50,26 +50,31 @@ def passages(words: int, count: int) -> list[str]:
     return [" ".join(text[i * words:(i + 1) * words]) + "\n\n" for i in range(count)]
 
 
-def soak(args, policy: str) -> dict:
-    port = free_port()
-    cmd = [sys.executable, "-m", "attnlab", "serve", args.model, "--policy", policy, "--budget", str(args.budget),
-           "--port", str(port), "--threads", str(args.threads), "--max-cache-mib", str(args.max_cache_mib),
-           "--max-sessions", str(args.clients * 2), "--name", "m", "--block", str(args.block)]
-    if args.quant:
-        cmd += ["--quant", args.quant]
+def start_server(serve_args: list[str], port: int, timeout: float) -> tuple[subprocess.Popen, str]:
+    """`attnlab serve SERVE_ARGS --port PORT` in a subprocess, returned once /health answers (or an error)."""
+    cmd = [sys.executable, "-m", "attnlab", "serve", *serve_args, "--port", str(port)]
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + timeout
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return server, url
+        except httpx.HTTPError:
+            pass
+        if server.poll() is not None or time.time() > deadline:
+            server.kill()
+            raise RuntimeError(f"server did not start: {server.stderr.read()[-2000:]}")
+        time.sleep(0.5)
+
+
+def soak(args, policy: str) -> dict:
+    port = free_port()
+    cmd = [args.model, "--policy", policy, "--budget", str(args.budget), "--threads", str(args.threads),
+           "--max-cache-mib", str(args.max_cache_mib), "--max-sessions", str(args.clients * 2), "--name", "m",
+           "--block", str(args.block)] + (["--quant", args.quant] if args.quant else [])
+    server, url = start_server(cmd, port, 300)
     try:
-        deadline = time.time() + 300
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if server.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"server did not start: {server.stderr.read()[-2000:]}")
-            time.sleep(0.5)
         rss = {"loaded": rss_mib(server.pid)}
         peak = [rss["loaded"]]
         stop = threading.Event()

@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import json
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from serve import QUESTIONS, free_port, passages, rss_mib  # noqa: E402
+from serve import QUESTIONS, free_port, passages, rss_mib, start_server  # noqa: E402
 
 from attnlab.io import write_json, write_text  # noqa: E402
 
@@ -120,23 +119,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     levels = [int(x) for x in args.concurrency.split(",")]
     port = free_port()
-    cmd = [sys.executable, "-m", "attnlab", "serve", args.model, "--policy", args.policy, "--budget",
-           str(args.budget), "--port", str(port), "--threads", str(args.threads), "--max-cache-mib",
-           str(args.max_cache_mib), "--max-sessions", str(2 * max(levels)), "--max-active", str(max(levels)),
-           "--name", "m", "--api-key", KEY, "--max-prompt-tokens", "4096"]
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
+    cmd = [args.model, "--policy", args.policy, "--budget", str(args.budget), "--threads", str(args.threads),
+           "--max-cache-mib", str(args.max_cache_mib), "--max-sessions", str(2 * max(levels)),
+           "--max-active", str(max(levels)), "--name", "m", "--api-key", KEY, "--max-prompt-tokens", "4096"]
+    server, url = start_server(cmd, port, 900)
     try:
-        deadline = time.time() + 900
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if server.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"server did not start: {server.stderr.read()[-2000:]}")
-            time.sleep(0.5)
         texts = passages(60, 200)
         rows = [asyncio.run(level(url, n, args, server.pid, texts)) for n in levels]
     finally:
