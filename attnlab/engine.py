@@ -18,7 +18,7 @@ from attnlab.kv.cache import KVCache
 from attnlab.model.llama import ModelConfig, Pass, Transformer
 from attnlab.model.loaders import load_model
 from attnlab.model.tokenizer import load_tokenizer
-from attnlab.options import DTYPES, KV_DTYPES, Options  # noqa: F401  (DTYPES, KV_DTYPES: part of the API)
+from attnlab.options import Options
 from attnlab.sampling import Sampler
 
 DEFAULT_MODEL = "smollm2-135m"

@@ -74,8 +74,9 @@ def check_tokens_fit(tokens: int, text: str, what: str) -> None:
 
 def cmd_info(args) -> int:
     """Architecture summary from the file's metadata only: no weights are read (milliseconds, not seconds)."""
-    from attnlab.engine import DTYPES, set_threads
+    from attnlab.engine import set_threads
     from attnlab.model.metadata import read_config
+    from attnlab.options import DTYPES
 
     set_threads(args.threads)
     c, source = read_config(args.model)
