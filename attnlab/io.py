@@ -74,3 +74,11 @@ def save_figure(fig, path: str | os.PathLike, dpi: int = 110, **kw) -> str:
     fig.savefig(path, dpi=dpi, **kw)
     plt.close(fig)
     return str(path)
+
+
+def keyed_name(readable: str, ident: dict) -> str:
+    """A result file's stem: a readable part and a hash of everything its numbers depend on (`ident`), so a
+    rerun finds its own finished results and never mistakes another run's for them."""
+    import hashlib
+    digest = hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    return f"{readable}-{digest}"

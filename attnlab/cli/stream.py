@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 from attnlab.cli.common import UserError, add_model_args, add_sparsity_arg, load_lm, nonneg_int, positive_int
-from attnlab.io import progress, write_json
+from attnlab.io import keyed_name, progress, write_json
 
 DEFAULT_POLICIES = "full,window,sink,h2o,sink_h2o"
 
@@ -81,10 +81,9 @@ def run_identity(args, text: str) -> dict:
 def run_key(identity: dict, name: str, policy, mode: str) -> tuple[str, dict]:
     """-> (file stem: readable part + hash of everything, the full identity of this run)."""
     ident = {**identity, "policy": name, "policy_fields": dataclasses.asdict(policy), "mode": mode}
-    digest = hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:12]
     readable = _slug(f"{name}-{policy.budget if name != 'full' else 'all'}-{policy.positions}-"
                      f"{identity['tokens']}x{identity['streams']}")
-    return f"{readable}-{digest}", ident
+    return keyed_name(readable, ident), ident
 
 
 class RunStore:

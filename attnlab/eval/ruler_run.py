@@ -13,7 +13,6 @@ a ratio r keeps (1 - r) x length tokens per layer and KV head; the full cache is
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ import torch
 
 from attnlab.errors import AttnlabError
 from attnlab.eval.ruler import TASKS, make_sample, string_match_all
-from attnlab.io import save_figure, write_json
+from attnlab.io import keyed_name, save_figure, write_json
 
 VERSION = 1  # bump when the generators or the decoding change the numbers
 
@@ -73,8 +72,7 @@ def generate_batch(lm, prompts: list[list[int]], max_new: list[int], policy=None
 
 def unit_key(identity: dict, length: int, policy: str, ratio: float, index: int) -> tuple[str, dict]:
     ident = {**identity, "length": length, "policy": policy, "ratio": ratio, "index": index, "version": VERSION}
-    digest = hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:12]
-    return f"{length}-{policy}-{ratio:g}-s{index}-{digest}", ident
+    return keyed_name(f"{length}-{policy}-{ratio:g}-s{index}", ident), ident
 
 
 def run_unit(lm, samples: list[dict], name: str, ratio: float, chunk: int, positions: str, n_sink: int) -> dict:

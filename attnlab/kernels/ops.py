@@ -110,7 +110,12 @@ def bound_rows(kind: str, operands: tuple) -> tuple:
     if enabled():
         mv, axpy = getattr(torch.ops.attnlab, f"{kind}_rows_mv"), getattr(torch.ops.attnlab, f"{kind}_rows_axpy")
         return (lambda x, idx: mv(x, *operands, idx)), (lambda a, idx: axpy(a, *operands, idx))
-    return (lambda x, idx: _rows(kind, operands, idx) @ x), (lambda a, idx: a @ _rows(kind, operands, idx))
+    if kind == "f32":  # a weighted bag of rows: torch streams each row once, no gathered copy
+        start = torch.zeros(1, dtype=torch.long)
+        axpy = lambda a, idx: F.embedding_bag(idx, operands[0], start, per_sample_weights=a, mode="sum")[0]  # noqa: E731
+    else:
+        axpy = lambda a, idx: a @ _rows(kind, operands, idx)  # noqa: E731
+    return (lambda x, idx: _rows(kind, operands, idx) @ x), axpy
 
 
 def rows_mv(kind: str, x: torch.Tensor, operands: tuple, idx: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from attnlab.errors import AttnlabError
@@ -54,7 +53,7 @@ def _rows(weight, idx: torch.Tensor) -> torch.Tensor:
 
 def _operands(weight, kind: str) -> tuple:
     if kind == "f32":
-        return (weight.weight,)
+        return (weight.weight.detach(),)
     if kind == "q8":
         return weight.q, weight.scale, weight.group
     return weight.qs, weight.scale, weight.min, weight.group
@@ -83,13 +82,5 @@ def bind_rows(weight: nn.Linear | QuantLinear) -> tuple:
     small row op. Inputs must already be contiguous float32 / int64 vectors (the plan's own tensors are)."""
     kind = _kernel(weight)
     if kind is not None:
-        if kind != "f32" or ops.enabled():
-            return ops.bound_rows(kind, _operands(weight, kind))
-    if isinstance(weight, nn.Linear) and weight.weight.dtype == torch.float32:
-        start = torch.zeros(1, dtype=torch.long)
-        # a weighted bag of rows: torch streams each row once, no gathered copy
-        combine = lambda a, idx: F.embedding_bag(idx, weight.weight.detach(), start,  # noqa: E731
-                                                 per_sample_weights=a, mode="sum")[0]
-    else:
-        combine = lambda a, idx: a @ _rows(weight, idx)  # noqa: E731
-    return (lambda x, idx: _rows(weight, idx) @ x), combine
+        return ops.bound_rows(kind, _operands(weight, kind))
+    return (lambda x, idx: _rows(weight, idx) @ x), (lambda a, idx: a @ _rows(weight, idx))
