@@ -113,17 +113,22 @@ class QuantLinear(nn.Module):
     def nbytes(self) -> int:
         return self.packed.nbytes
 
+    def kernel(self) -> tuple[str, tuple]:
+        """(op name, operands): `getattr(torch.ops.attnlab, name)(x, *operands)` is x @ W^T for x [M, K]
+        float32 contiguous, M small (decode), no bias. The one place that knows the weight's layout, so
+        a native step (or anyone else) calls the fused kernel without reading buffers itself."""
+        if self.kind == "int8":
+            return "q8_mm", (self.q, self.scale, self.group)
+        if self.kind == "int4":
+            return "q4_mm", (self.qs, self.scale, self.min, self.group)
+        return "lut4_mm", (self.qs, self.lut, self.lut_scale, self.group)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).float()
         if self.fused and x2.shape[0] <= self.max_rows and ops.enabled():
-            x2 = x2.contiguous()
-            if self.kind == "int8":
-                y = ops.q8_mm(x2, self.q, self.scale, self.group)
-            elif self.kind == "int4":
-                y = ops.q4_mm(x2, self.qs, self.scale, self.min, self.group)
-            else:
-                y = ops.lut4_mm(x2, self.qs, self.lut, self.lut_scale, self.group)
+            name, args = self.kernel()
+            y = getattr(ops, name)(x2.contiguous(), *args)
             if self.bias is not None:
                 y = y + self.bias
         else:
