@@ -20,7 +20,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from attnlab.kernels import build
+from attnlab.kernels import build, repack
 from attnlab.kernels.reference import (dequantize_int4, dequantize_int8_blocks, dequantize_lut4, int8_blocks)
 
 _OFF = [False]
@@ -34,6 +34,11 @@ def enabled() -> bool:
 def load() -> bool:
     """Build/load the kernels now (before any torch.compile trace); True if they are available."""
     return build.load()
+
+
+def repacks() -> bool:
+    """Whether int4/int8 layers hold their weights repacked for q4x_mm/q8x_mm (`build.repacks`)."""
+    return build.repacks()
 
 
 @contextmanager
@@ -87,6 +92,29 @@ def lut4_mm(x: torch.Tensor, qs: torch.Tensor, lut: torch.Tensor, lut_scale: tor
     if enabled():
         return torch.ops.attnlab.lut4_mm(x, qs, lut, lut_scale, group)
     return x @ dequantize_lut4(qs, lut, lut_scale, group).T
+
+
+def q4x_mm(x: torch.Tensor, w: torch.Tensor, n: int, group: int) -> torch.Tensor:
+    """q4_mm over weights repacked by `repack.pack_q4` (w uint8 [ceil(n/16), K/group, group*8 + 128])."""
+    if enabled():
+        return torch.ops.attnlab.q4x_mm(x, w, n, group)
+    return x @ dequantize_int4(*repack.unpack_q4(w, n, x.shape[1], group), group).T
+
+
+def q8x_mm(x: torch.Tensor, w: torch.Tensor, n: int, group: int, has_min: bool) -> torch.Tensor:
+    """q8_mm (w = q * s [+ m]) over weights repacked by `repack.pack_q8`."""
+    if enabled():
+        return torch.ops.attnlab.q8x_mm(x, w, n, group, has_min)
+    q, scale, min_ = repack.unpack_q8(w, n, x.shape[1], group, has_min)
+    return x @ dequantize_int8_min(q, scale, min_).T
+
+
+def dequantize_int8_min(q: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor | None) -> torch.Tensor:
+    """int8 codes [N, K] with scale (and min) [N, K/group] -> [N, K] float32: w = q * s (+ m)."""
+    w = dequantize_int8_blocks(q, scale)
+    if min_ is None:
+        return w
+    return w + min_.repeat_interleave(q.shape[-1] // min_.shape[-1], dim=-1)
 
 
 # ---------------------------------------------------------------- row-sparse ops

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnlab.errors import AttnlabError
-from attnlab.kernels import ops
+from attnlab.kernels import ops, repack
 from attnlab.quant.formats import Packed, quantize_int4, quantize_int8, quantize_kmeans
 
 FUSED_MAX_ROWS = 8
@@ -92,31 +92,95 @@ class QuantLinear(nn.Module):
         if fused:
             ops.load()  # build now, never inside a torch.compile trace
         self.out_features, self.in_features = packed.shape
-        for name, t in packed.tensors().items():
-            self.register_buffer(name, t.contiguous())
+        self.has_min = packed.kind == "int8" and getattr(packed, "min", None) is not None
+        self.repacked = fused and self._repackable() and ops.load() and (ops.repacks() or self._needs_repack())
+        if self.repacked:  # one copy: the 16-row blocks replace the row layout (`packed` rebuilds it)
+            if packed.kind == "int4":
+                wp = repack.pack_q4(packed.qs, packed.scale, packed.min, packed.group)
+            else:
+                wp = repack.pack_q8(packed.q, packed.scale, packed.group, packed.min if self.has_min else None)
+            self.register_buffer("wp", wp)
+        else:
+            for name, t in packed.tensors().items():
+                self.register_buffer(name, t.contiguous())
         if packed.kind == "kmeans":  # the kernel's operands: each codebook rounded to int8 (not saved)
             scale = self.codebook.abs().amax(-1).clamp_min(1e-12) / 127
             self.register_buffer("lut", (self.codebook / scale[..., None]).round().to(torch.int8), persistent=False)
             self.register_buffer("lut_scale", scale, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
 
+    def _repackable(self) -> bool:
+        """The repacked kernels' shapes: int4 (groups of 32k), int8 with groups of 16 or 32k, K of 32k."""
+        K, g = self.in_features, self.group
+        return K % 32 == 0 and (self.kind == "int4" or self.kind == "int8" and (g in (16, 32) or g % 32 == 0))
+
+    def _needs_repack(self) -> bool:
+        """int8 with a min or in groups of 16 (GGUF K-quants) has no row-layout kernel."""
+        return self.kind == "int8" and (self.has_min or self.group % 32 != 0)
+
     @property
     def packed(self) -> Packed:
+        """The weight in the row layout (rebuilt from the 16-row blocks when repacked: a new copy)."""
+        N, K = self.out_features, self.in_features
+        if getattr(self, "repacked", False):
+            if self.kind == "int4":
+                qs, scale, mn = repack.unpack_q4(self.wp, N, K, self.group)
+                return Packed("int4", (N, K), self.group, 4, qs=qs, scale=scale, min=mn)
+            q, scale, mn = repack.unpack_q8(self.wp, N, K, self.group, self.has_min)
+            return Packed("int8", (N, K), self.group, 8, q=q, scale=scale, **({"min": mn} if self.has_min else {}))
         names = ("q", "qs", "scale", "min", "codebook")
-        return Packed(self.kind, (self.out_features, self.in_features), self.group, self.bits,
+        return Packed(self.kind, (N, K), self.group, self.bits,
                       **{n: getattr(self, n) for n in names if hasattr(self, n)})
 
     def dequantize(self) -> torch.Tensor:
+        if self.has_min:  # w = q * s + m
+            p = self.packed
+            return ops.dequantize_int8_min(p.q, p.scale, p.min)
         return self.packed.dequantize()
+
+    def row_operands(self) -> tuple:
+        """The row layout's operands of the rows ops (`ops.bound_rows`): (q, scale, group) for int8,
+        (qs, scale, min, group) for int4. Repacked weights rebuild it once and keep it (a second copy,
+        paid only by Deja Vu's row-sparse MLP)."""
+        if not self.repacked:
+            return (self.q, self.scale, self.group) if self.kind == "int8" else (
+                self.qs, self.scale, self.min, self.group)
+        if getattr(self, "_rows", None) is None:
+            p = self.packed
+            self._rows = (p.q, p.scale, self.group) if self.kind == "int8" else (p.qs, p.scale, p.min, self.group)
+        return self._rows
+
+    def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ids of W dequantised, [*ids.shape, K] (a tied embedding's lookup; int8 without min)."""
+        if self.repacked:
+            q, scale = repack.take_q8_rows(self.wp, ids, self.in_features, self.group)
+        else:
+            q, scale = self.q[ids], self.scale[ids]
+        return (q.float().unflatten(-1, (-1, self.group)) * scale[..., None]).flatten(-2)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        """Saved in the row layout whatever the layout in memory (checkpoints do not depend on the CPU)."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if getattr(self, "repacked", False):
+            destination.pop(prefix + "wp")
+            for name, t in self.packed.tensors().items():
+                destination[prefix + name] = t
 
     @property
     def nbytes(self) -> int:
-        return self.packed.nbytes
+        if not self.repacked:
+            return self.packed.nbytes
+        N, K, G = self.out_features, self.in_features, self.in_features // self.group
+        return N * K // (2 if self.kind == "int4" else 1) + N * G * 4 * (2 if self.kind == "int4" or self.has_min else 1)
 
     def kernel(self) -> tuple[str, tuple]:
         """(op name, operands): `getattr(torch.ops.attnlab, name)(x, *operands)` is x @ W^T for x [M, K]
         float32 contiguous, M small (decode), no bias. The one place that knows the weight's layout, so
         a native step (or anyone else) calls the fused kernel without reading buffers itself."""
+        if self.repacked:
+            if self.kind == "int4":
+                return "q4x_mm", (self.wp, self.out_features, self.group)
+            return "q8x_mm", (self.wp, self.out_features, self.group, self.has_min)
         if self.kind == "int8":
             return "q8_mm", (self.q, self.scale, self.group)
         if self.kind == "int4":
@@ -137,7 +201,8 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         g = f", group={self.group}" if self.group else ""
-        return f"{self.in_features} -> {self.out_features}, {self.kind}{g}, bits={self.bits}, fused={self.fused}"
+        r = ", repacked" if self.repacked else ""
+        return f"{self.in_features} -> {self.out_features}, {self.kind}{g}, bits={self.bits}, fused={self.fused}{r}"
 
 
 class QuantEmbedding(nn.Module):
@@ -151,8 +216,7 @@ class QuantEmbedding(nn.Module):
         self.head = [head]  # a plain list: the head's buffers belong to the head, not saved twice
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h = self.head[0]
-        return (h.q[ids].float().unflatten(-1, (-1, h.group)) * h.scale[ids][..., None]).flatten(-2)
+        return self.head[0].embed_rows(ids)
 
 
 def linear_names(model) -> list[str]:

@@ -1,0 +1,97 @@
+"""Which instruction sets this CPU (and its OS) runs, and which kernel variant to build for it.
+
+Why: one extension built for the best ISA the machine has (AVX-512 VNNI's `vpdpbusd` multiplies 64
+int8 pairs per instruction, four times AVX2's maddubs+madd), AVX2 + FMA + F16C the portable floor.
+The flags come from /proc/cpuinfo, which Linux fills only with what the kernel enabled in XCR0, so
+AVX-512 is listed only where the OS saves its registers. AMX needs one more step: the OS grants its
+tile data per process (`arch_prctl(ARCH_REQ_XCOMP_PERM)`); reported, no kernel uses it yet.
+`ATTNLAB_ISA=avx2|avxvnni|avx512|avx512vnni` forces a variant (an error if the CPU lacks it).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+
+from attnlab.errors import AttnlabError
+
+# variant -> (cpuinfo flags it needs, compiler flags), best last
+LEVELS = {
+    "avx2": (("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c")),
+    "avxvnni": (("avx2", "fma", "f16c", "avx_vnni"), ("-mavx2", "-mfma", "-mf16c", "-mavxvnni")),
+    "avx512": (("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"),
+               ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")),
+    "avx512vnni": (("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"),
+                   ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+                    "-mavx512vnni")),
+}
+_CACHE: dict = {}
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux reports them (empty elsewhere: no kernels then)."""
+    if "flags" not in _CACHE:
+        flags: set[str] = set()
+        try:
+            with open("/proc/cpuinfo") as f:
+                for line in f:
+                    if line.startswith("flags"):
+                        flags = set(line.split(":", 1)[1].split())
+                        break
+        except OSError:
+            pass
+        _CACHE["flags"] = frozenset(flags)
+    return _CACHE["flags"]
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def amx_granted() -> bool:
+    """True if the CPU has AMX and the OS grants this process its tile data (Linux >= 5.16)."""
+    if "amx" not in _CACHE:
+        ok = False
+        if {"amx_tile", "amx_int8"} <= cpu_flags() and platform.machine() == "x86_64":
+            try:  # syscall(SYS_arch_prctl = 158, ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18)
+                ok = ctypes.CDLL(None, use_errno=True).syscall(158, 0x1023, 18) == 0
+            except (OSError, AttributeError):
+                ok = False
+        _CACHE["amx"] = ok
+    return _CACHE["amx"]
+
+
+def supported() -> list[str]:
+    """The variants this machine runs, best last."""
+    have = cpu_flags()
+    return [name for name, (need, _) in LEVELS.items() if set(need) <= have]
+
+
+def best() -> str | None:
+    """The variant to build: ATTNLAB_ISA if set (checked), else the best supported; None below AVX2."""
+    forced = os.environ.get("ATTNLAB_ISA", "").strip().lower()
+    ok = supported()
+    if forced:
+        if forced not in LEVELS:
+            raise AttnlabError(f"ATTNLAB_ISA={forced!r} is not one of {', '.join(LEVELS)}")
+        if forced not in ok:
+            missing = sorted(set(LEVELS[forced][0]) - cpu_flags())
+            raise AttnlabError(f"ATTNLAB_ISA={forced}: this CPU lacks {' '.join(missing)}")
+        return forced
+    return ok[-1] if ok else None
+
+
+def describe() -> str:
+    """One line for benchmark headers: CPU model, the ISA flags that matter, AMX grant."""
+    keys = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
+            "avx512_bf16", "avx512_fp16", "amx_tile", "amx_int8")
+    flags = " ".join(k for k in keys if k in cpu_flags())
+    amx = "granted" if amx_granted() else "not granted" if "amx_tile" in cpu_flags() else "absent"
+    return f"{cpu_model()}; {flags}; AMX {amx}"

@@ -1,0 +1,228 @@
+// Matvecs over weights repacked into 16-row blocks (the layout of `attnlab.kernels.repack`), for decode.
+//
+// Why a second layout: with one row per stream, a 512-bit register holds 64 weights of ONE row, and the
+// row's sum ends in a horizontal add per row. Interleaving 16 rows so that each 32-bit lane holds 4
+// consecutive inputs of one row lets one `vpdpbusd` (AVX-512 VNNI) multiply 16 rows by the same 4
+// activations (a broadcast), accumulating 16 row sums side by side: no horizontal adds, one weight
+// stream per block, scales loaded as one vector. llama.cpp repacks Q4 weights the same way.
+//
+// Layout of one (16-row block, group of `group` inputs), bytes:
+//   q4 (w = c * s + m): per 32-input block, 4 chunks j of 64 bytes: lane r's byte t holds code
+//       c[r][32b + 4j + t] in its low nibble and c[r][32b + 16 + 4j + t] in its high one;
+//       then s[16] and m[16] float32.
+//   q8 (w = q * s [+ m]): group/4 chunks of 64 bytes: lane r's byte t = q[r][4c + t] + 128 (unsigned,
+//       as vpdpbusd wants: sum (q + 128) x = sum q x + 128 sum x, the last term removed per sub-block);
+//       then s[16] and, with a min, m[16] float32.
+// Activations are rounded to int8 per 32 (as every integer kernel here); the min terms use float sums
+// of x per group, as q4_mm does. Code paths by compile flags: AVX-512 (with VNNI: dpbusd; without:
+// maddubs/madd), AVX2 (two 8-row halves per block; AVX-VNNI's dpbusd when built with it).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cstring>
+#include <vector>
+
+#include "kernels_simd.h"
+
+namespace {
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+struct V {  // 16 rows per step
+  using I = __m512i;
+  using F = __m512;
+  static constexpr int R = 16;
+  static I load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  static I bcast(const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
+  static I lo4(I w) { return _mm512_and_si512(w, _mm512_set1_epi8(15)); }
+  static I hi4(I w) { return _mm512_and_si512(_mm512_srli_epi16(w, 4), _mm512_set1_epi8(15)); }
+  static I zero() { return _mm512_setzero_si512(); }
+  static I add(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I sub1(I a, int32_t b) { return _mm512_sub_epi32(a, _mm512_set1_epi32(b)); }
+#if defined(__AVX512VNNI__)
+  static I dp7(I acc, I u, I s) { return _mm512_dpbusd_epi32(acc, u, s); }
+  static I dp8(I acc, I u, I s) { return _mm512_dpbusd_epi32(acc, u, s); }
+#else
+  static I dp7(I acc, I u, I s) {  // u <= 127: maddubs cannot saturate
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+  }
+  static I dp8(I acc, I u, I s) {  // any u8: even and odd bytes widened to int16
+    const I ue = _mm512_and_si512(u, _mm512_set1_epi16(0xFF)), uo = _mm512_srli_epi16(u, 8);
+    const I se = _mm512_srai_epi16(_mm512_slli_epi16(s, 8), 8), so = _mm512_srai_epi16(s, 8);
+    return _mm512_add_epi32(acc, _mm512_add_epi32(_mm512_madd_epi16(ue, se), _mm512_madd_epi16(uo, so)));
+  }
+#endif
+  static F cvt(I a) { return _mm512_cvtepi32_ps(a); }
+  static F loadf(const float* p) { return _mm512_loadu_ps(p); }
+  static F set1(float v) { return _mm512_set1_ps(v); }
+  static F zerof() { return _mm512_setzero_ps(); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store(float* o, F v) { _mm512_storeu_ps(o, v); }
+};
+#else
+struct V {  // 8 rows per step: a 16-row block in two halves
+  using I = __m256i;
+  using F = __m256;
+  static constexpr int R = 8;
+  static I load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static I bcast(const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
+  static I lo4(I w) { return _mm256_and_si256(w, _mm256_set1_epi8(15)); }
+  static I hi4(I w) { return _mm256_and_si256(_mm256_srli_epi16(w, 4), _mm256_set1_epi8(15)); }
+  static I zero() { return _mm256_setzero_si256(); }
+  static I add(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I sub1(I a, int32_t b) { return _mm256_sub_epi32(a, _mm256_set1_epi32(b)); }
+#if defined(__AVXVNNI__)
+  static I dp7(I acc, I u, I s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+  static I dp8(I acc, I u, I s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+#else
+  static I dp7(I acc, I u, I s) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+  }
+  static I dp8(I acc, I u, I s) {
+    const I ue = _mm256_and_si256(u, _mm256_set1_epi16(0xFF)), uo = _mm256_srli_epi16(u, 8);
+    const I se = _mm256_srai_epi16(_mm256_slli_epi16(s, 8), 8), so = _mm256_srai_epi16(s, 8);
+    return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(ue, se), _mm256_madd_epi16(uo, so)));
+  }
+#endif
+  static F cvt(I a) { return _mm256_cvtepi32_ps(a); }
+  static F loadf(const float* p) { return _mm256_loadu_ps(p); }
+  static F set1(float v) { return _mm256_set1_ps(v); }
+  static F zerof() { return _mm256_setzero_ps(); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* o, F v) { _mm256_storeu_ps(o, v); }
+};
+#endif
+
+// x [M, K] rounded to int8 per 32 (q, d), with int sums of q per 16 (qs16) and float sums of x per
+// group (fs, [M, K/group]; group may be 16). Per-thread buffers, reused across calls.
+struct Acts {
+  const int8_t* q;
+  const float *d, *fs;
+  const int32_t* qs16;
+  Acts(const float* x, int64_t M, int64_t K, int64_t group, bool sums) {
+    thread_local std::vector<int8_t> qb;
+    thread_local std::vector<float> db, fb;
+    thread_local std::vector<int32_t> sb;
+    if (static_cast<int64_t>(qb.size()) < M * K) qb.resize(M * K), sb.resize(M * K / 16);
+    if (static_cast<int64_t>(db.size()) < M * K / 32) db.resize(M * K / 32);
+    attnlab_simd::quantize_rows(x, M * K / 32, qb.data(), db.data(), nullptr);
+    for (int64_t i = 0; i < M * K / 16; ++i) {
+      int32_t s = 0;
+      for (int t = 0; t < 16; ++t) s += qb[i * 16 + t];
+      sb[i] = s;
+    }
+    q = qb.data(), d = db.data(), qs16 = sb.data(), fs = nullptr;
+    if (!sums) return;
+    fb.assign(M * K / group, 0.f);
+    for (int64_t i = 0; i < M * K; ++i) fb[i / group] += x[i];
+    fs = fb.data();
+  }
+};
+
+void check_x(const torch::Tensor& x, int64_t K) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous() && x.dim() == 2 && x.size(1) == K,
+              "x must be contiguous float32 [M, K]");
+}
+
+// out [M, N] from blocks of `stride` bytes per (16-row block, group): blk(h, p, m, o) writes the R
+// rows of half h of the block at p times activation row m into o[0..R).
+template <class Blk>
+torch::Tensor run(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int64_t G, int64_t stride, Blk blk) {
+  const int64_t M = x.size(0), NB = (N + 15) / 16;
+  TORCH_CHECK(w.scalar_type() == torch::kByte && w.is_contiguous() && w.numel() == NB * G * stride,
+              "repacked weight must be contiguous uint8 [", NB, ", ", G, ", ", stride, "]");
+  auto out = torch::empty({M, N}, x.options());
+  float* O = out.data_ptr<float>();
+  const uint8_t* W = w.data_ptr<uint8_t>();
+  auto part = [&](int64_t b0, int64_t b1) {
+    alignas(64) float tmp[16];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n = std::min<int64_t>(16, N - 16 * b);
+      for (int64_t m = 0; m < M; ++m) {
+        for (int h = 0; h < 16 / V::R; ++h) blk(h, W + b * G * stride, m, tmp + h * V::R);
+        std::memcpy(O + m * N + 16 * b, tmp, n * sizeof(float));
+      }
+    }
+  };
+  if (at::get_num_threads() == 1) part(0, NB); else at::parallel_for(0, NB, 1, part);
+  return out;
+}
+
+}  // namespace
+
+// x [M, K] fp32; w [ceil(N/16), K/group, group*8 + 128] uint8 (q4 layout above) -> [M, N]
+torch::Tensor q4x_mm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t group) {
+  const int64_t K = x.size(1);
+  TORCH_CHECK(group % 32 == 0 && group > 0 && K % group == 0, "q4x: group must be a multiple of 32 dividing K");
+  check_x(x, K);
+  const int64_t G = K / group, per = group / 32, stride = per * 256 + 128;
+  const Acts a(x.data_ptr<float>(), x.size(0), K, group, true);
+  return run(x, w, N, G, stride, [&](int h, const uint8_t* p, int64_t m, float* o) {
+    const int8_t* xq = a.q + m * K;
+    const float* d = a.d + m * K / 32;
+    const float* fs = a.fs + m * G;
+    typename V::F acc = V::zerof(), accm = V::zerof();
+    for (int64_t g = 0; g < G; ++g, p += stride) {
+      const float* sc = reinterpret_cast<const float*>(p + per * 256);
+      const typename V::F s = V::loadf(sc + h * V::R), mn = V::loadf(sc + 16 + h * V::R);
+      for (int64_t b = 0; b < per; ++b) {
+        const uint8_t* c = p + b * 256 + h * V::R * 4;
+        const int8_t* xb = xq + (g * per + b) * 32;
+        typename V::I i0 = V::zero(), i1 = V::zero(), i2 = V::zero(), i3 = V::zero();
+        typename V::I w0 = V::load(c), w1 = V::load(c + 64), w2 = V::load(c + 128), w3 = V::load(c + 192);
+        i0 = V::dp7(i0, V::lo4(w0), V::bcast(xb)), i1 = V::dp7(i1, V::hi4(w0), V::bcast(xb + 16));
+        i2 = V::dp7(i2, V::lo4(w1), V::bcast(xb + 4)), i3 = V::dp7(i3, V::hi4(w1), V::bcast(xb + 20));
+        i0 = V::dp7(i0, V::lo4(w2), V::bcast(xb + 8)), i1 = V::dp7(i1, V::hi4(w2), V::bcast(xb + 24));
+        i2 = V::dp7(i2, V::lo4(w3), V::bcast(xb + 12)), i3 = V::dp7(i3, V::hi4(w3), V::bcast(xb + 28));
+        const typename V::I t = V::add(V::add(i0, i1), V::add(i2, i3));
+        acc = V::fmadd(V::cvt(t), V::mul(s, V::set1(d[g * per + b])), acc);
+      }
+      accm = V::fmadd(mn, V::set1(fs[g]), accm);
+    }
+    const typename V::F y = V::fmadd(V::set1(1.f), acc, accm);
+    V::store(o, y);
+  });
+}
+
+// x [M, K] fp32; w [ceil(N/16), K/group, group*16 + 64 (+ 64 with a min)] uint8 (q8 layout) -> [M, N]
+torch::Tensor q8x_mm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t group, bool has_min) {
+  const int64_t K = x.size(1);
+  TORCH_CHECK(group % 16 == 0 && group > 0 && K % group == 0 && K % 32 == 0,
+              "q8x: group must be a multiple of 16 dividing K (a multiple of 32)");
+  TORCH_CHECK(group <= 32 || group % 32 == 0, "q8x: a group above 32 must be a multiple of 32");
+  check_x(x, K);
+  const int64_t G = K / group, stride = group * 16 + (has_min ? 128 : 64), sub = std::min<int64_t>(group, 32);
+  const Acts a(x.data_ptr<float>(), x.size(0), K, group, has_min);
+  return run(x, w, N, G, stride, [&](int h, const uint8_t* p, int64_t m, float* o) {
+    const int8_t* xq = a.q + m * K;
+    const float* d = a.d + m * K / 32;
+    const int32_t* q16 = a.qs16 + m * K / 16;
+    typename V::F acc = V::zerof(), accm = V::zerof();
+    for (int64_t g = 0; g < G; ++g, p += stride) {
+      const float* sc = reinterpret_cast<const float*>(p + group * 16);
+      const typename V::F s = V::loadf(sc + h * V::R);
+      for (int64_t u = 0; u < group / sub; ++u) {  // sub-blocks of one activation scale and one weight scale
+        const int64_t i = g * group + u * sub;  // first input
+        const uint8_t* c = p + u * sub * 16 + h * V::R * 4;
+        typename V::I i0 = V::zero(), i1 = V::zero();
+        for (int64_t j = 0; j < sub / 4; j += 2) {
+          i0 = V::dp8(i0, V::load(c + 64 * j), V::bcast(xq + i + 4 * j));
+          i1 = V::dp8(i1, V::load(c + 64 * j + 64), V::bcast(xq + i + 4 * j + 4));
+        }
+        const int32_t corr = 128 * (sub == 32 ? q16[i / 16] + q16[i / 16 + 1] : q16[i / 16]);
+        acc = V::fmadd(V::cvt(V::sub1(V::add(i0, i1), corr)), V::mul(s, V::set1(d[i / 32])), acc);
+      }
+      if (has_min) accm = V::fmadd(V::loadf(sc + 16 + h * V::R), V::set1(a.fs[m * G + g]), accm);
+    }
+    V::store(o, V::fmadd(V::set1(1.f), acc, accm));
+  });
+}
+
+TORCH_LIBRARY_FRAGMENT(attnlab, m) {
+  m.def("q4x_mm(Tensor x, Tensor w, int n, int group) -> Tensor");
+  m.def("q8x_mm(Tensor x, Tensor w, int n, int group, bool has_min) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(attnlab, CPU, m) { m.impl("q4x_mm", &q4x_mm), m.impl("q8x_mm", &q8x_mm); }
