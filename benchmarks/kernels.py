@@ -9,12 +9,21 @@ runs over SmolLM2's 3 KV heads x 3 query heads, D 64, at `--depths`, with a floa
 `--clock cpu` times this thread's CPU time (steadier on a shared machine; use wall with --threads > 1).
 `python benchmarks/kernels.py --baseline 4c0e5a3 --clock cpu --repeats 9`
 `python benchmarks/kernels.py --baseline 17a9ce0 --only attention --threads 2 --clock wall`
+
+`--variants avx2,avx512vnni --threads 1,2` instead times the ISA variants against each other: one worker
+process per variant (`ATTNLAB_ISA`; one extension per process), each holding the same weights in the
+layout its variant uses (`QuantLinear.kernel()`: repacked 16-row blocks on avx512vnni), driven in
+turn by this process so every (variant, threads) cell is timed once per repeat, wall clock. Printed:
+microseconds per call, the speedup over the first variant, 2-thread over 1-thread, and GB/s of weights.
+`python benchmarks/kernels.py --variants avx2,avx512vnni --threads 1,2 --repeats 9 --depths ''`
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -22,6 +31,7 @@ from pathlib import Path
 import torch
 
 from attnlab.kernels import build as kernels
+from attnlab.kernels import isa
 from rows_kernels import D, H, linear  # benchmarks/ is on sys.path when this script runs
 
 # (name, out N, in K, format): SmolLM2-135M's batch-1 matvecs; the head is the tied int8 embedding
@@ -57,7 +67,7 @@ def build_baseline(rev: str) -> bool:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         load(name=f"attnlab_base_{rev}", sources=sources, build_directory=str(build),
-             extra_cflags=list(kernels.FLAGS) + ["-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False,
+             extra_cflags=list(kernels.FLAGS) + list(isa.LEVELS["avx2"][1]) + ["-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False,
              is_python_module=False)
     return True
 
@@ -79,16 +89,108 @@ def attention_calls(ops, depth: int, kv: str, layers: int, g: torch.Generator):
 
 
 def call(ops, layer, x, idx=None):
-    """The op QuantLinear's batch-1 forward calls (or with idx, the rows op), from the namespace `ops`."""
-    if idx is not None and layer.kind == "int8":
-        return lambda: ops.q8_rows_mv(x[0], layer.q, layer.scale, layer.group, idx)
+    """The op QuantLinear's batch-1 forward calls (`kernel()`; with idx, the rows op), from the namespace `ops`."""
     if idx is not None:
-        return lambda: ops.q4_rows_mv(x[0], layer.qs, layer.scale, layer.min, layer.group, idx)
-    if layer.kind == "int8":
-        return lambda: ops.q8_mm(x, layer.q, layer.scale, layer.group)
-    if layer.kind == "int4":
-        return lambda: ops.q4_mm(x, layer.qs, layer.scale, layer.min, layer.group)
-    return lambda: ops.lut4_mm(x, layer.qs, layer.lut, layer.lut_scale, layer.group)
+        kind = "q8" if layer.kind == "int8" else "q4"
+        f, operands = getattr(ops, f"{kind}_rows_mv"), layer.row_operands()
+        return lambda: f(x[0], *operands, idx)
+    name, operands = layer.kernel()
+    if ops is not torch.ops.attnlab:  # a baseline build: the row-layout ops of its time
+        name, operands = {"int8": ("q8_mm", lambda p: (p.q, p.scale, p.group)),
+                          "int4": ("q4_mm", lambda p: (p.qs, p.scale, p.min, p.group))}.get(
+            layer.kind, (name, lambda p: operands))
+        operands = operands(layer.packed) if callable(operands) else operands
+    f = getattr(ops, name)
+    return lambda: f(x, *operands)
+
+
+def matrix_cases(args, g: torch.Generator) -> list:
+    """(label, layer bytes, [calls]) for each matrix shape, weights from g (the same in every process)."""
+    out, only = [], set(args.only.split(",")) - {""}
+    for name, N, K, fmt in SHAPES:
+        if only and name not in only:
+            continue
+        n = 2 if N > 10000 else args.layers
+        layers = [linear(torch.randn(N, K, generator=g) * 0.05, fmt) for _ in range(n)]
+        xs = [torch.randn(1, K, generator=g) for _ in range(n)]
+        out.append((f"{name:9} {fmt:9} {N:>6}x{K:<5}", layers[0].nbytes,
+                    [call(torch.ops.attnlab, layer, x) for layer, x in zip(layers, xs)]))
+    return out
+
+
+def worker(args) -> None:
+    """One variant's process: reads 'CASE THREADS' lines, times one pass over that case's layers, prints us."""
+    if not kernels.load():
+        raise SystemExit("fused kernels unavailable")
+    cases = matrix_cases(args, torch.Generator().manual_seed(0))
+    print(f"ready {kernels.variant()} repacked={kernels.repacks()} {len(cases)}", flush=True)
+    for line in sys.stdin:
+        i, threads = map(int, line.split())
+        torch.set_num_threads(threads)
+        calls = cases[i][2]
+        calls[0]()  # the thread pool at this size, awake
+        start = time.perf_counter()
+        for c in calls:
+            c()
+        print((time.perf_counter() - start) / len(calls) * 1e6, flush=True)
+
+
+def read_bandwidth(threads: int, mb: int = 256, repeats: int = 5) -> float:
+    """GB/s of streaming reads at `threads` (torch's sum over a buffer far larger than the caches): the
+    bound a memory-bound matvec approaches."""
+    torch.set_num_threads(threads)
+    buf = torch.ones(mb * 2 ** 20 // 4)
+    buf.sum()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buf.sum()
+        times.append(time.perf_counter() - start)
+    return buf.numel() * 4 / statistics.median(times) / 1e9
+
+
+def compare_variants(args) -> None:
+    """Drive one worker per variant, interleaved per repeat; print the table."""
+    variants, threads = args.variants.split(","), [int(t) for t in args.threads.split(",")]
+    print(f"# {isa.describe()}")
+    print("# read bandwidth (torch sum over 256 MiB): " + ", ".join(f"{read_bandwidth(t):.1f} GB/s at {t} thread(s)"
+                                                                for t in threads))
+    print(f"# variants {variants} (one process each), threads {threads}, repeats {args.repeats}, wall clock, "
+          f"medians; load average {os.getloadavg()[0]:.2f} at start")
+    procs, names = {}, []
+    for v in variants:
+        env = {**os.environ, "ATTNLAB_ISA": v}
+        cmd = [sys.executable, __file__, "--worker", "--only", args.only, "--layers", str(args.layers)]
+        procs[v] = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        ready = procs[v].stdout.readline().split()
+        if not ready or ready[0] != "ready":
+            raise SystemExit(f"worker for {v} failed to start")
+        print(f"# {v}: {' '.join(ready[1:3])}")
+    labels = [(label, nbytes) for label, nbytes, _ in matrix_cases(args, torch.Generator().manual_seed(0))]
+    cells = [(v, t) for v in variants for t in threads]
+    head = " ".join(f"{f'{v}@{t}t':>14}" for v, t in cells)
+    extra = [f"x{v}/{variants[0]}@{t}" for v in variants[1:] for t in threads] + [f"2t/1t {v}" for v in variants
+                                                                                  if len(threads) > 1]
+    print(f"{'shape':9} {'format':9} {'N x K':>12} {head} " + " ".join(f"{e:>16}" for e in extra)
+          + "  GB/s(best@1t)")
+    for i, (label, nbytes) in enumerate(labels):
+        times = {c: [] for c in cells}
+        for _ in range(args.repeats):
+            for v, t in cells:
+                procs[v].stdin.write(f"{i} {t}\n")
+                procs[v].stdin.flush()
+                times[(v, t)].append(float(procs[v].stdout.readline()))
+        med = {c: statistics.median(x) for c, x in times.items()}
+        ratios = [med[(variants[0], t)] / med[(v, t)] for v in variants[1:] for t in threads]
+        if len(threads) > 1:
+            ratios += [med[(v, threads[0])] / med[(v, threads[1])] for v in variants]
+        best = min(med[(v, threads[0])] for v in variants)
+        print(f"{label} " + " ".join(f"{med[c]:14.1f}" for c in cells) + " "
+              + " ".join(f"{r:16.2f}" for r in ratios) + f"  {nbytes / best / 1e3:8.1f}", flush=True)
+    for p in procs.values():
+        p.stdin.close()
+        p.wait()
+    print(f"# load average {os.getloadavg()[0]:.2f} at end")
 
 
 def main() -> None:
@@ -99,16 +201,23 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=30, help="distinct weight copies cycled (the head: 2)")
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--clock", choices=("wall", "cpu"), default="cpu")
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", default="1", help="thread count (with --variants: a list, e.g. 1,2)")
+    p.add_argument("--variants", default="", help="ISA variants to compare, one process each (e.g. avx2,avx512vnni)")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--depths", default="1024,4096", help="cache depths of the attention cases ('' to skip them)")
     args = p.parse_args()
+    if args.worker:
+        return worker(args)
+    if args.variants:
+        return compare_variants(args)
     clock = time.perf_counter if args.clock == "wall" else time.thread_time
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(int(args.threads))
     if not kernels.load():
         raise SystemExit("fused kernels unavailable (no compiler or no AVX2)")
     impls = {"new": torch.ops.attnlab}
     if args.baseline and build_baseline(args.baseline):
         impls = {"base": torch.ops.attnlab_base, **impls}
+    print(f"# {isa.describe()}; variant {kernels.variant()}")
     print(f"threads {args.threads}, clock {args.clock}, repeats {args.repeats}, baseline {args.baseline or '-'}")
     print(f"{'shape':9} {'format':9} {'N x K':>12} " + " ".join(f"{k + ' us':>9}" for k in impls)
           + ("   speedup  max|diff|" if len(impls) > 1 else ""))

@@ -3,7 +3,9 @@
 At batch 1 the layer multiplies straight from the codes (a fused kernel, see
 `attnlab.kernels`: int8 activations, k-means centroids rounded to int8);
 from `FUSED_MAX_ROWS` rows on (prefill, perplexity) it dequantises the weight
-once and runs a float matmul, which is compute-bound anyway. `fused=False` keeps the talk's cautionary baseline: look the weights up,
+once and runs a float matmul, which is compute-bound anyway, except where the weights are
+repacked into 16-row blocks (`attnlab.kernels.repack`, AVX-512 VNNI): there the integer kernel
+serves every M (measured faster than the float matmul at M = 512). `fused=False` keeps the talk's cautionary baseline: look the weights up,
 then matmul, at every call.
 """
 from __future__ import annotations
@@ -190,7 +192,8 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).float()
-        if self.fused and x2.shape[0] <= self.max_rows and ops.enabled():
+        # repacked blocks: the integer kernel at any M (prefill too: faster than dequantise + float matmul)
+        if self.fused and (x2.shape[0] <= self.max_rows or self.repacked) and ops.enabled():
             name, args = self.kernel()
             y = getattr(ops, name)(x2.contiguous(), *args)
             if self.bias is not None:

@@ -54,9 +54,7 @@ def _rows(weight, idx: torch.Tensor) -> torch.Tensor:
 def _operands(weight, kind: str) -> tuple:
     if kind == "f32":
         return (weight.weight.detach(),)
-    if kind == "q8":
-        return weight.q, weight.scale, weight.group
-    return weight.qs, weight.scale, weight.min, weight.group
+    return weight.row_operands()  # the row layout, whatever the layer holds (repacked blocks)
 
 
 def rows_matvec(weight: nn.Linear | QuantLinear, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

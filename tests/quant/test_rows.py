@@ -49,8 +49,10 @@ def test_matvec_equals_dense_matvec_at_idx(weights, fmt, k):
     x, idx = torch.randn(K), pick(k, k)
     got = rows_matvec(layer, x, idx)
     assert got.shape == (k,) and got.dtype == torch.float32
-    if isinstance(layer, QuantLinear) and ops.enabled():
+    if isinstance(layer, QuantLinear) and ops.enabled() and not layer.repacked:
         assert torch.equal(got, layer(x[None])[0, idx])
+    elif isinstance(layer, QuantLinear) and ops.enabled():  # 16-row blocks sum in another order
+        torch.testing.assert_close(got, layer(x[None])[0, idx], atol=1e-5, rtol=1e-5)
     else:
         torch.testing.assert_close(got, (dense(layer) @ x)[idx], atol=1e-5, rtol=1e-5)
 

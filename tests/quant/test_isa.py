@@ -1,0 +1,120 @@
+"""Kernel variants per ISA and weights repacked into 16-row blocks.
+
+Each variant runs in its own process (one extension per process, `ATTNLAB_ISA` forces it) and must
+equal the reference arithmetic (int8-rounded activations times the codes, float sums for the mins)
+on ragged shapes. The floor (avx2) and the machine's best variant run by default; the variants in
+between are built only by the slow suite (a cold build costs 1-3 minutes each).
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnlab.errors import AttnlabError
+from attnlab.kernels import isa, ops, repack
+from attnlab.quant import QuantLinear, quantize_model
+from attnlab.quant.formats import Packed
+from tests.conftest import tiny_lm
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _variants():
+    ok = isa.supported()
+    fast = {"avx2", ok[-1]} if ok else set()
+    return [pytest.param(v, marks=() if v in fast else (pytest.mark.slow,)) for v in ok]
+
+
+@pytest.mark.parametrize("variant", _variants())
+def test_every_variant_equals_the_reference_on_ragged_shapes(variant):
+    env = {**os.environ, "ATTNLAB_ISA": variant, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}
+    env.pop("ATTNLAB_NO_KERNELS", None)
+    got = subprocess.run([sys.executable, "-m", "tests.quant.isa_check", variant], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=900)
+    assert got.returncode == 0, got.stdout[-2000:] + got.stderr[-2000:]
+    assert f"ok {variant}" in got.stdout
+
+
+def test_forcing_a_variant_the_cpu_lacks_is_a_one_line_error(monkeypatch):
+    missing = [v for v in isa.LEVELS if v not in isa.supported()]
+    monkeypatch.setenv("ATTNLAB_ISA", "sse2")
+    with pytest.raises(AttnlabError, match="not one of"):
+        isa.best()
+    if missing:
+        monkeypatch.setenv("ATTNLAB_ISA", missing[0])
+        with pytest.raises(AttnlabError, match="lacks"):
+            isa.best()
+    monkeypatch.delenv("ATTNLAB_ISA")
+    assert isa.best() == (isa.supported() or [None])[-1]
+    assert isa.cpu_model() in isa.describe()
+
+
+def test_repack_round_trips_and_takes_rows():
+    g = torch.Generator().manual_seed(0)
+    N, K = 37, 128
+    q = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
+    s, m = torch.rand(N, K // 16, generator=g), torch.randn(N, K // 16, generator=g)
+    got = repack.unpack_q8(repack.pack_q8(q, s, 16, m), N, K, 16, True)
+    assert all(torch.equal(a, b) for a, b in zip(got, (q, s, m)))
+    w = repack.pack_q8(q[:, :], s[:, ::2].contiguous(), 32)
+    ids = torch.tensor([[0, 36], [17, 16]])
+    codes, scale = repack.take_q8_rows(w, ids, K, 32)
+    assert torch.equal(codes, q[ids]) and torch.equal(scale, s[:, ::2][ids])
+    qs = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=g)
+    got = repack.unpack_q4(repack.pack_q4(qs, s[:, :2], m[:, :2], 64), N, K, 64)
+    assert all(torch.equal(a, b) for a, b in zip(got, (qs, s[:, :2], m[:, :2])))
+
+
+def _layers(model):
+    return [m for m in model.modules() if isinstance(m, QuantLinear)]
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_repacked_weights_give_the_row_layout_logits(monkeypatch, tie):
+    if not ops.load():
+        pytest.skip("no C++ kernels on this machine")
+    lms = {}
+    for flag in "01":
+        monkeypatch.setenv("ATTNLAB_REPACK", flag)
+        lm = tiny_lm(tie_embeddings=tie)  # head: 97 rows, not a multiple of 16
+        quantize_model(lm.model, "int4:32")
+        assert [m.repacked for m in _layers(lm.model)] == [flag == "1"] * len(_layers(lm.model))
+        lms[flag] = lm
+    ids = torch.randint(0, 97, (1, 24), generator=torch.Generator().manual_seed(0))
+    # prefill (dequantised matrices): the row layout is rebuilt exactly
+    assert torch.equal(lms["0"].logits(ids), lms["1"].logits(ids))
+    for a, b in zip(_layers(lms["0"].model), _layers(lms["1"].model)):
+        assert torch.equal(a.dequantize(), b.dequantize())
+        assert a.state_dict().keys() == b.state_dict().keys() and a.nbytes == b.nbytes
+    # decode-sized inputs (the fused kernels): the same sums in another order
+    short = ids[:, :6]
+    torch.testing.assert_close(lms["1"].logits(short), lms["0"].logits(short), atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("group,has_min", [(16, False), (32, True), (16, True)])
+def test_int8_with_min_and_group_16(group, has_min):
+    """GGUF K-quants' shapes (Q6_K: int8 group 16; Q5_K: int8 group 32 with a min): w = q * s (+ m)."""
+    g = torch.Generator().manual_seed(1)
+    N, K = 45, 192
+    q = torch.randint(-32, 32, (N, K), dtype=torch.int8, generator=g)
+    s = torch.rand(N, K // group, generator=g) * 0.02
+    m = -torch.rand(N, K // group, generator=g) * 0.1 if has_min else None
+    layer = QuantLinear(Packed("int8", (N, K), group, 8, q=q, scale=s, min=m))
+    w = (q.float().view(N, -1, group) * s[..., None] + (0 if m is None else m[..., None])).view(N, K)
+    torch.testing.assert_close(layer.dequantize(), w)
+    x = torch.randn(20, K, generator=g)
+    torch.testing.assert_close(layer(x), x @ w.T, atol=1e-5, rtol=1e-5)  # prefill: the dequantised matrix
+    if not ops.load():
+        return
+    assert layer.repacked and layer.kernel()[0] == "q8x_mm"
+    x = x[:5]
+    from attnlab.kernels.reference import round_activations
+    codes = (q.float().view(N, -1, group) * s[..., None]).view(N, K)
+    ref = round_activations(x) @ codes.T + (0 if m is None else x @ (w - codes).T)
+    torch.testing.assert_close(layer(x), ref, atol=1e-4, rtol=1e-4)
+    saved = layer.state_dict()
+    assert torch.equal(saved["q"], q) and torch.equal(saved["scale"], s)
+    assert (m is None) == ("min" not in saved)
