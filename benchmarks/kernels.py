@@ -15,11 +15,13 @@ process per variant (`ATTNLAB_ISA`; one extension per process), each holding the
 layout its variant uses (`QuantLinear.kernel()`: repacked 16-row blocks on avx512vnni), driven in
 turn by this process so every (variant, threads) cell is timed once per repeat, wall clock. Printed:
 microseconds per call, the speedup over the first variant, 2-thread over 1-thread, and GB/s of weights.
+`--clock cpu` times 1-thread cells in CPU time (steady on a shared machine); more threads need wall time.
 `python benchmarks/kernels.py --variants avx2,avx512vnni --threads 1,2 --repeats 9 --depths ''`
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -124,15 +126,17 @@ def worker(args) -> None:
         raise SystemExit("fused kernels unavailable")
     cases = matrix_cases(args, torch.Generator().manual_seed(0))
     print(f"ready {kernels.variant()} repacked={kernels.repacks()} {len(cases)}", flush=True)
+    print(json.dumps([(label, nbytes) for label, nbytes, _ in cases]), flush=True)
     for line in sys.stdin:
         i, threads = map(int, line.split())
         torch.set_num_threads(threads)
         calls = cases[i][2]
         calls[0]()  # the thread pool at this size, awake
-        start = time.perf_counter()
+        clock = time.thread_time if args.clock == "cpu" and threads == 1 else time.perf_counter
+        start = clock()
         for c in calls:
             c()
-        print((time.perf_counter() - start) / len(calls) * 1e6, flush=True)
+        print((clock() - start) / len(calls) * 1e6, flush=True)
 
 
 def read_bandwidth(threads: int, mb: int = 256, repeats: int = 5) -> float:
@@ -155,18 +159,20 @@ def compare_variants(args) -> None:
     print(f"# {isa.describe()}")
     print("# read bandwidth (torch sum over 256 MiB): " + ", ".join(f"{read_bandwidth(t):.1f} GB/s at {t} thread(s)"
                                                                 for t in threads))
-    print(f"# variants {variants} (one process each), threads {threads}, repeats {args.repeats}, wall clock, "
+    clock = "this thread's CPU time at 1 thread, wall clock above" if args.clock == "cpu" else "wall clock"
+    print(f"# variants {variants} (one process each), threads {threads}, repeats {args.repeats}, {clock}, "
           f"medians; load average {os.getloadavg()[0]:.2f} at start")
     procs, names = {}, []
     for v in variants:
         env = {**os.environ, "ATTNLAB_ISA": v}
-        cmd = [sys.executable, __file__, "--worker", "--only", args.only, "--layers", str(args.layers)]
+        cmd = [sys.executable, __file__, "--worker", "--only", args.only, "--layers", str(args.layers),
+               "--clock", args.clock]
         procs[v] = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         ready = procs[v].stdout.readline().split()
         if not ready or ready[0] != "ready":
             raise SystemExit(f"worker for {v} failed to start")
+        labels = json.loads(procs[v].stdout.readline())  # the same cases in every worker
         print(f"# {v}: {' '.join(ready[1:3])}")
-    labels = [(label, nbytes) for label, nbytes, _ in matrix_cases(args, torch.Generator().manual_seed(0))]
     cells = [(v, t) for v in variants for t in threads]
     head = " ".join(f"{f'{v}@{t}t':>14}" for v, t in cells)
     extra = [f"x{v}/{variants[0]}@{t}" for v in variants[1:] for t in threads] + [f"2t/1t {v}" for v in variants

@@ -70,7 +70,7 @@ def _integer_reference(layer, x, bias):
 @pytest.mark.parametrize("rows", [1, 3, 16])
 def test_layer_equals_dequantised_matmul(w, spec, rows):
     """Every path against dequantise-then-float-matmul: exact with float activations (the naive
-    path, and every format from FUSED_MAX_ROWS rows on), within activation (and centroid)
+    path, and every row-layout format from FUSED_MAX_ROWS rows on), within activation (and centroid)
     rounding for the integer kernels, whose own arithmetic is checked against a float emulation."""
     s = QuantSpec.parse(spec)
     bias = torch.randn(96)
@@ -78,7 +78,8 @@ def test_layer_equals_dequantised_matmul(w, spec, rows):
     x = torch.randn(2, rows, 256)
     ref = torch.nn.functional.linear(x, layer.dequantize(), bias)
     got = layer(x)
-    integer = s.fused and 2 * rows <= FUSED_MAX_ROWS and ops.enabled()
+    # repacked layers (AVX-512 VNNI) run the integer kernel at every M
+    integer = s.fused and (2 * rows <= FUSED_MAX_ROWS or layer.repacked) and ops.enabled()
     if integer:
         torch.testing.assert_close(got, _integer_reference(layer, x, bias), atol=1e-4, rtol=1e-5)
         assert (got - ref).norm() / (ref - bias).norm() < 3e-2  # int8 activations: about 1% on random data
