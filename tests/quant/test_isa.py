@@ -15,7 +15,7 @@ import torch
 
 from attnlab.errors import AttnlabError
 from attnlab.kernels import isa, ops, repack
-from attnlab.quant import QuantLinear, quantize_model
+from attnlab.quant import QuantLinear, QuantSpec, quantize_model
 from attnlab.quant.formats import Packed
 from tests.conftest import tiny_lm
 
@@ -30,7 +30,7 @@ def _variants():
 
 @pytest.mark.parametrize("variant", _variants())
 def test_every_variant_equals_the_reference_on_ragged_shapes(variant):
-    env = {**os.environ, "ATTNLAB_ISA": variant, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}
+    env = {**os.environ, "ATTNLAB_ISA": variant, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("ATTNLAB_NO_KERNELS", None)
     got = subprocess.run([sys.executable, "-m", "tests.quant.isa_check", variant], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=900)
@@ -130,3 +130,25 @@ def test_int8_with_min_and_group_16(group, has_min):
     saved = layer.state_dict()
     assert torch.equal(saved["q"], q) and torch.equal(saved["scale"], s)
     assert (m is None) == ("min" not in saved)
+
+
+def test_repacked_kernels_split_rows_across_threads_without_changing_the_sums():
+    """Threads own whole 16-row blocks: any thread count gives the same bits."""
+    if not ops.load():
+        pytest.skip("no C++ kernels on this machine")
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(200, 576, generator=g)
+    layers = [QuantLinear(QuantSpec.parse(s).quantize(w)) for s in ("int4:32", "int8:32")]
+    layers.append(QuantLinear(Packed("int8", (200, 576), 16, 8, q=torch.randint(-32, 32, (200, 576), dtype=torch.int8,
+                                                                             generator=g),
+                                     scale=torch.rand(200, 36, generator=g), min=torch.randn(200, 36, generator=g))))
+    x = torch.randn(3, 576, generator=g)
+    before = torch.get_num_threads()
+    try:
+        ys = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            ys.append([getattr(torch.ops.attnlab, n)(x, *a) for n, a in (m.kernel() for m in layers)])
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for a, b in zip(*ys))
