@@ -46,6 +46,7 @@ class GGUFHeader:
     meta: dict = field(default_factory=dict)  # key -> int | float | bool | str | GGUFArray
     tensors: dict[str, GGUFTensorInfo] = field(default_factory=dict)
     data_offset: int = 0
+    order: str = "<"  # struct's byte order of the file: "<" little-endian, ">" big-endian
 
 
 class _Cursor:
@@ -135,7 +136,7 @@ def scan_gguf(path: Path) -> GGUFHeader:
             raise error(path, f"corrupt or truncated GGUF file: header claims {n_kv} metadata entries, more than the file can hold")
         if n_tensors > MAX_TENSORS or n_tensors * 24 > cur.size - cur.pos:
             raise error(path, f"corrupt or truncated GGUF file: header claims {n_tensors} tensors, more than the file can hold")
-        head = GGUFHeader(version)
+        head = GGUFHeader(version, order=cur.order)
         for _ in range(n_kv):
             key = cur.string("metadata key", limit=1 << 16)
             if key in head.meta:

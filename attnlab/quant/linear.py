@@ -118,8 +118,12 @@ class QuantLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features).float()
         if self.fused and x2.shape[0] <= self.max_rows and ops.enabled():
             x2 = x2.contiguous()
-            if self.kind == "int8":
+            if self.kind == "int8" and self.group % 32:  # GGUF Q6_K's groups of 16: no kernel yet
+                y = x2 @ self.dequantize().T
+            elif self.kind == "int8":
                 y = ops.q8_mm(x2, self.q, self.scale, self.group)
+                if getattr(self, "min", None) is not None:  # GGUF Q5_1/Q5_K: w = q*s + m, so y += (sum of x per group) m
+                    y = y + x2.view(x2.shape[0], -1, self.group).sum(-1) @ self.min.T
             elif self.kind == "int4":
                 y = ops.q4_mm(x2, self.qs, self.scale, self.min, self.group)
             else:
@@ -141,13 +145,14 @@ class QuantEmbedding(nn.Module):
 
     def __init__(self, head: QuantLinear):
         super().__init__()
-        if head.kind != "int8":
-            raise AttnlabError("QuantEmbedding reads an int8 head")
+        if head.kind not in ("int8", "int4"):
+            raise AttnlabError("QuantEmbedding reads an int8 or int4 head")
         self.head = [head]  # a plain list: the head's buffers belong to the head, not saved twice
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h = self.head[0]
-        return (h.q[ids].float().unflatten(-1, (-1, h.group)) * h.scale[ids][..., None]).flatten(-2)
+        flat = ids.reshape(-1)
+        rows = self.head[0].packed.map_rows(lambda t: t[flat])
+        return rows.dequantize().view(*ids.shape, -1)
 
 
 def linear_names(model) -> list[str]:
@@ -177,7 +182,7 @@ def quantize_model(model, spec: QuantSpec | str, packed: dict[str, Packed] | Non
             continue
         fmt = spec if name != "lm_head" else QuantSpec.parse(spec.head) if spec.method != "int8" else spec
         p = packed.get(name)
-        if p is None or p.kind != fmt.method or (fmt.group or p.shape[1]) != p.group:
+        if p is None or p.kind != fmt.method or (fmt.group or p.shape[1]) != p.group or (p.kind == "int8" and p.min is not None):
             p = fmt.quantize(p.dequantize() if p is not None else old.weight.data)
         _set(model, name, QuantLinear(p, getattr(old, "bias", None), fused=spec.fused))
     if model.cfg.tie_embeddings:
