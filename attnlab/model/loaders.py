@@ -8,6 +8,7 @@ dequantised with the `gguf` package.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -124,7 +125,7 @@ def build(cfg: ModelConfig, tensors: dict, dtype: torch.dtype | None = torch.flo
     def take(name):
         return tensors.pop(name)
 
-    with torch.device("meta"):
+    with torch.device("meta"), _skip_init():
         model = Transformer(cfg)
     state = {"embed.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
     if not cfg.tie_embeddings:
@@ -163,6 +164,21 @@ def build(cfg: ModelConfig, tensors: dict, dtype: torch.dtype | None = torch.flo
     if missing:
         raise ModelLoadError(f"checkpoint does not fill {missing[0]}")
     return model.eval().requires_grad_(False)
+
+
+@contextmanager
+def _skip_init():
+    """No random initialisation of weights about to be replaced: on the meta device it costs nothing but
+    imports torch's compiler on first use (seconds of every load)."""
+    names = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "zeros_", "ones_")
+    saved = {n: getattr(torch.nn.init, n) for n in names}
+    try:
+        for n in names:
+            setattr(torch.nn.init, n, lambda t, *args, **kwargs: t)
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(torch.nn.init, n, fn)
 
 
 def _keep_packed(model: Transformer, packed: dict) -> None:
