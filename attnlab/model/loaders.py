@@ -26,12 +26,14 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(tuple(w.shape))
 
 
-def read_gguf(path: Path, packed_types: tuple[str, ...] | None = None):
+def read_gguf(path: Path, packed_types: tuple[str, ...] | None = None, hf_layout: bool = True):
     """-> (ModelConfig, {hf_name: float32 tensor or Packed}) from a GGUF file.
 
     Tensors of packed_types (default: every type `formats.GGUF_PACKED` holds exactly; () dequantises all)
     stay quantized as `attnlab.quant.Packed`, on the file's own grid. Each tensor is read once, by itself,
     from the file straight into its packed layout: no map of the whole file stays resident, no float copy.
+    hf_layout=False leaves a llama file's q/k rows in llama.cpp's order, which is the network's (`build`'s
+    qk_interleaved): two row permutations of every q/k matrix saved.
     """
     import gguf
 
@@ -59,7 +61,7 @@ def read_gguf(path: Path, packed_types: tuple[str, ...] | None = None):
             except Exception as e:
                 raise ModelLoadError(f"cannot read tensor {name} of {path}: {type(e).__name__}: {e}") from None
             block = name.split(".")[2] if name.startswith("blk.") else None
-            if arch == "llama" and block in ("attn_q", "attn_k"):
+            if hf_layout and arch == "llama" and block in ("attn_q", "attn_k"):
                 heads = n_heads if block == "attn_q" else n_kv
                 data = data.map_rows(lambda a: _unpermute(a, heads)) if isinstance(data, formats.Packed) \
                     else _unpermute(data, heads)
@@ -100,13 +102,15 @@ def read_hf_folder(path: Path):
 
 # ---------------------------------------------------------------- assembly
 
-def build(cfg: ModelConfig, tensors: dict, dtype: torch.dtype | None = torch.float32, quant=None) -> Transformer:
+def build(cfg: ModelConfig, tensors: dict, dtype: torch.dtype | None = torch.float32, quant=None,
+          qk_interleaved: bool = False) -> Transformer:
     """Create the network and move Hugging Face-named tensors into its fused layout (consuming `tensors`:
     each entry leaves the dict as it is placed, so no matrix is held twice).
 
     Matrices that arrive quantized (`Packed`, from GGUF blocks) are permuted and concatenated as codes,
     never expanded to float. dtype None (with no quant) keeps them in their own formats (the file's);
     a dtype expands them to it; quant (a QuantSpec or its text) makes every linear layer that format.
+    qk_interleaved: q/k rows already pair adjacent dimensions as the network rotates them (a llama GGUF).
     """
     from attnlab.quant import Packed, quantize_model
     from attnlab.quant.formats import cat_rows
@@ -115,6 +119,8 @@ def build(cfg: ModelConfig, tensors: dict, dtype: torch.dtype | None = torch.flo
     dtype = dtype or torch.float32
 
     def rows(fn, t):
+        if qk_interleaved:
+            return t
         return t.map_rows(fn) if isinstance(t, Packed) else fn(t)
 
     def cat(parts):
@@ -224,11 +230,11 @@ def load_model(spec: str | Path, dtype: torch.dtype | None = None, quant=None, r
         cfg, tensors = read_hf_folder(path)
         dtype = dtype or torch.float32
     else:
-        cfg, tensors = read_gguf(path)
+        cfg, tensors = read_gguf(path, hf_layout=False)
     if rope is not None:
         cfg.rope_scaling = parse_rope(rope, _trained_length(cfg))
     validate.check_weights(path, tensors)
-    model = build(cfg, tensors, dtype, quant)
+    model = build(cfg, tensors, dtype, quant, qk_interleaved=not path.is_dir() and cfg.arch == "llama")
     validate.check_model(path, model)
     return model, cfg, path
 
