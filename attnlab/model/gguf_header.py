@@ -84,6 +84,17 @@ class _Cursor:
         self.need(n, what)
         self.pos += n
 
+    def skip_strings(self, count: int, what: str) -> None:
+        """`count` strings skipped in a tight loop (a vocabulary and its merges: ~100k, a second of `skip_string`
+        calls); a bad length falls back to skip_string for its message."""
+        unpack, buf, pos, size = struct.Struct(self.order + "Q").unpack_from, self.buf, self.pos, self.size
+        for _ in range(count):
+            if pos + 8 > size or pos + 8 + unpack(buf, pos)[0] > size:
+                self.pos = pos
+                self.skip_string(what)  # raises, naming the offset
+            pos += 8 + unpack(buf, pos)[0]
+        self.pos = pos
+
 
 def _value(cur: _Cursor, vtype: int, key: str, depth: int = 0):
     if vtype in _SCALARS:
@@ -102,8 +113,7 @@ def _value(cur: _Cursor, vtype: int, key: str, depth: int = 0):
             cur.pos += count * size
         elif itype == 8:
             cur.need(count * 8, f"{key} ({count} strings)")  # each string has at least its 8-byte length
-            for _ in range(count):
-                cur.skip_string(key)
+            cur.skip_strings(count, key)
         else:
             raise error(cur.path, f"metadata {key}: unsupported array item type {itype}")
         return GGUFArray(itype, count)
