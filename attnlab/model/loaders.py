@@ -8,6 +8,7 @@ dequantised with the `gguf` package.
 """
 from __future__ import annotations
 
+from collections.abc import MutableMapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -26,49 +27,72 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(tuple(w.shape))
 
 
-def read_gguf(path: Path, packed_types: tuple[str, ...] | None = None, hf_layout: bool = True):
-    """-> (ModelConfig, {hf_name: float32 tensor or Packed}) from a GGUF file.
+def read_gguf(path: Path, packed_types: tuple[str, ...] | None = None, hf_layout: bool = True, lazy: bool = False):
+    """-> (ModelConfig, {hf_name: float32 tensor or Packed}) from a GGUF file, every tensor checked
+    (`validate.check_weights`) as it is read.
 
     Tensors of packed_types (default: every type `formats.GGUF_PACKED` holds exactly; () dequantises all)
-    stay quantized as `attnlab.quant.Packed`, on the file's own grid. Each tensor is read once, by itself,
-    from the file straight into its packed layout: no map of the whole file stays resident, no float copy.
+    stay quantized as `attnlab.quant.Packed`, on the file's own grid. Each tensor is read by itself from
+    the file straight into its packed layout: no map of the whole file stays resident, no float copy.
     hf_layout=False leaves a llama file's q/k rows in llama.cpp's order, which is the network's (`build`'s
-    qk_interleaved): two row permutations of every q/k matrix saved.
+    qk_interleaved): two row permutations of every q/k matrix saved. lazy: a mapping that reads each
+    tensor when it is taken, so `build` holds the model plus one layer, never the model twice.
     """
-    import gguf
-
-    from attnlab.quant import formats
-
     head = validate.scan_gguf(path)  # before anything is built from what the header claims
     cfg = metadata.gguf_config(path, head)
     if head.order != "<":
         raise ModelLoadError(f"{path}: big-endian GGUF files are not supported")
-    packed_types = formats.GGUF_PACKED if packed_types is None else packed_types
-    arch, n_heads, n_kv = cfg.arch, cfg.n_heads, cfg.n_kv_heads
-    tensors = {}
-    with open(path, "rb") as f:
-        for name, info in head.tensors.items():
-            hf = validate.hf_name(name)
-            if hf is None:  # rope_freqs (already in cfg) and tensors the network does not use
-                continue
-            kind = gguf.GGMLQuantizationType(info.ggml_type).name
-            try:
-                raw = torch.empty(info.nbytes, dtype=torch.uint8)
-                f.seek(head.data_offset + info.offset)
-                if f.readinto(raw.numpy()) != info.nbytes:
-                    raise EOFError("the file ended inside the tensor")
-                data = _tensor(raw, kind, info.shape, packed_types)
-            except Exception as e:
-                raise ModelLoadError(f"cannot read tensor {name} of {path}: {type(e).__name__}: {e}") from None
-            block = name.split(".")[2] if name.startswith("blk.") else None
-            if hf_layout and arch == "llama" and block in ("attn_q", "attn_k"):
-                heads = n_heads if block == "attn_q" else n_kv
-                data = data.map_rows(lambda a: _unpermute(a, heads)) if isinstance(data, formats.Packed) \
-                    else _unpermute(data, heads)
-            tensors[hf] = data
+    tensors = GGUFTensors(path, head, cfg, packed_types, hf_layout)
     if "model.embed_tokens.weight" not in tensors:
         raise ModelLoadError(f"GGUF file {path} has no token_embd.weight")
-    return cfg, tensors
+    return cfg, tensors if lazy else dict(tensors)
+
+
+class GGUFTensors(MutableMapping):
+    """Hugging Face name -> a GGUF file's tensor, read from the file (and checked) on access."""
+
+    def __init__(self, path: Path, head, cfg: ModelConfig, packed_types, hf_layout: bool):
+        from attnlab.quant import formats
+        self.path, self.head, self.cfg, self.hf_layout = path, head, cfg, hf_layout
+        self.packed_types = formats.GGUF_PACKED if packed_types is None else packed_types
+        # rope_freqs (already in cfg) and tensors the network does not use have no name here
+        self.names = {hf: name for name in head.tensors if (hf := validate.hf_name(name)) is not None}
+
+    def __getitem__(self, hf: str):
+        import gguf
+
+        from attnlab.quant import formats
+        name = self.names[hf]
+        info = self.head.tensors[name]
+        kind = gguf.GGMLQuantizationType(info.ggml_type).name
+        try:
+            raw = torch.empty(info.nbytes, dtype=torch.uint8)
+            with open(self.path, "rb") as f:
+                f.seek(self.head.data_offset + info.offset)
+                if f.readinto(raw.numpy()) != info.nbytes:
+                    raise EOFError("the file ended inside the tensor")
+            data = _tensor(raw, kind, info.shape, self.packed_types)
+        except Exception as e:
+            raise ModelLoadError(f"cannot read tensor {name} of {self.path}: {type(e).__name__}: {e}") from None
+        block = name.split(".")[2] if name.startswith("blk.") else None
+        if self.hf_layout and self.cfg.arch == "llama" and block in ("attn_q", "attn_k"):
+            heads = self.cfg.n_heads if block == "attn_q" else self.cfg.n_kv_heads
+            data = data.map_rows(lambda a: _unpermute(a, heads)) if isinstance(data, formats.Packed) \
+                else _unpermute(data, heads)
+        validate.check_weights(self.path, {hf: data})
+        return data
+
+    def __setitem__(self, hf: str, value) -> None:
+        raise TypeError("GGUFTensors is read-only")
+
+    def __delitem__(self, hf: str) -> None:
+        del self.names[hf]
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
 
 
 def _tensor(raw: torch.Tensor, kind: str, shape: tuple[int, ...], packed_types):
@@ -229,11 +253,11 @@ def load_model(spec: str | Path, dtype: torch.dtype | None = None, quant=None, r
     if path.is_dir():
         cfg, tensors = read_hf_folder(path)
         dtype = dtype or torch.float32
-    else:
-        cfg, tensors = read_gguf(path, hf_layout=False)
+        validate.check_weights(path, tensors)
+    else:  # each tensor read and checked when build takes it
+        cfg, tensors = read_gguf(path, hf_layout=False, lazy=True)
     if rope is not None:
         cfg.rope_scaling = parse_rope(rope, _trained_length(cfg))
-    validate.check_weights(path, tensors)
     model = build(cfg, tensors, dtype, quant, qk_interleaved=not path.is_dir() and cfg.arch == "llama")
     validate.check_model(path, model)
     return model, cfg, path
