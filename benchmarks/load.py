@@ -63,13 +63,13 @@ def cpu() -> tuple[str, list[str]]:
     return name, [f for f in SHOWN_FLAGS if f in flags]
 
 
-def spawn_measured(cmd: list[str], env: dict | None = None) -> tuple[float, float, int, str]:
+def spawn_measured(cmd: list[str], env: dict | None = None, cwd: str | None = None) -> tuple[float, float, int, str]:
     """(wall seconds from start to exit, peak RSS in MiB, exit code, stdout) of a fresh process, reaped
     with wait4 so that ru_maxrss is this child's own peak."""
     import tempfile
     with tempfile.TemporaryFile("w+") as out:
         start = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.DEVNULL, env=env)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.DEVNULL, env=env, cwd=cwd)
         _, status, usage = os.wait4(proc.pid, 0)
         wall = time.perf_counter() - start
         proc.returncode = os.waitstatus_to_exitcode(status)
@@ -105,6 +105,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--llamacpp", default=None, help="path of llama-cli or llama-simple")
     p.add_argument("--no-llamacpp", action="store_true")
+    p.add_argument("--attnlab", default=str(ROOT), help="the checkout whose attnlab is timed (default: this one; "
+                   "another commit's worktree gives a before/after)")
     p.add_argument("--json", default=None, help="write every measurement here")
     args = p.parse_args(argv)
 
@@ -117,7 +119,8 @@ def main(argv=None) -> int:
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} (a shared machine: see the spread)")
     print(f"file: {path} ({size:.1f} MiB)")
 
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=args.attnlab + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    print(f"attnlab from {args.attnlab}")
     cmds = {}
     for v in [v.strip() for v in args.variants.split(",") if v.strip()]:
         options = {} if v == "default" else {"dtype": v} if v in ("float32", "bfloat16") else {"quant": v}
@@ -133,7 +136,7 @@ def main(argv=None) -> int:
     names = list(cmds)
     for r in range(args.repeats):
         for k in names[r % len(names):] + names[:r % len(names)]:
-            wall, peak, rc, out = spawn_measured(cmds[k], env)
+            wall, peak, rc, out = spawn_measured(cmds[k], env, cwd=args.attnlab)  # `python -c` imports from its cwd
             if rc != 0:
                 print(f"{k}: exit status {rc}; output tail: {out[-400:]!r}")
                 runs.pop(k, None)
