@@ -53,7 +53,7 @@ class LM:
         sparsity, kv_dtype, policy; see `attnlab.options.Options`). Bad options fail before the slow load."""
         opts = Options(**fields) if options is None else options.but(**fields) if fields else options
         set_threads(opts.threads)
-        model, _, path = load_model(spec, opts.torch_dtype, opts.quant, rope=opts.rope)
+        model, _, path = load_model(spec, opts.weights_dtype, opts.quant, rope=opts.rope)
         from attnlab.kernels import ops
         ops.load()  # the fused kernels: built once per machine, loaded before any forward or trace
         plan = None

@@ -69,13 +69,14 @@ class PolicySpec:
 
 @dataclass(frozen=True)
 class Options:
-    """dtype: float32 | bfloat16. threads: torch threads (None: leave torch's). quant: 'int8', 'int4:32',
+    """dtype: None (the file's format: a quantized GGUF stays packed, float32 activations), float32 or
+    bfloat16 (every weight expanded to it). threads: torch threads (None: leave torch's). quant: 'int8', 'int4:32',
     'kmeans:4', ... (`attnlab.quant.QuantSpec`). compile: compile the single-token decode step.
     rope: a context-extension override ('yarn:4', 'linear:2', 'none'; `attnlab.rope.parse_rope`).
     sparsity: Deja Vu, 'PATH[:MLP[:HEADS]]', 'threshold@PATH:0.5', 'oracle:0.5', 'lowbit:0.5'
     (`attnlab.sparsity.plan.parse`). kv_dtype: KV-cache storage float32 | float16 | int8 (default: dtype).
     policy: the default KV-cache policy of generation and serving ('sink:1024' or a PolicySpec; None = full)."""
-    dtype: str = "float32"
+    dtype: str | None = None
     threads: int | None = None
     quant: object = None
     compile: bool = False
@@ -85,7 +86,7 @@ class Options:
     policy: PolicySpec | None = field(default=None)
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
+        if self.dtype is not None and self.dtype not in DTYPES:
             raise AttnlabError(f"unknown dtype {self.dtype!r}; choose from float32, bfloat16")
         if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
             raise AttnlabError(f"unknown KV-cache dtype {self.kv_dtype!r}; choose from {', '.join(KV_DTYPES)}")
@@ -105,7 +106,13 @@ class Options:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        """The activations' dtype (float32 unless bfloat16 is asked for)."""
+        return DTYPES[self.dtype or "float32"]
+
+    @property
+    def weights_dtype(self) -> torch.dtype | None:
+        """What the loader expands weights to: None keeps the file's own format."""
+        return DTYPES[self.dtype] if self.dtype else None
 
     @property
     def torch_kv_dtype(self) -> torch.dtype | None:

@@ -16,7 +16,7 @@ def _one_thread():
 @pytest.fixture(scope="session")
 def smollm2():
     import attnlab
-    return attnlab.load("smollm2-135m")
+    return attnlab.load("smollm2-135m", dtype="float32")  # fp32 weights: the reference parity tests compare with
 
 
 @pytest.fixture(scope="session")

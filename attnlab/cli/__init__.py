@@ -84,14 +84,14 @@ def cmd_info(args) -> int:
         from attnlab.model.loaders import _trained_length
         from attnlab.rope import parse_rope
         c.rope_scaling = parse_rope(args.rope, _trained_length(c))
-    element = DTYPES[args.dtype].itemsize
+    element = DTYPES[args.dtype or "float32"].itemsize  # the cache follows the activations
     rows = [("source", str(source)), ("architecture", c.arch), ("parameters", f"{c.n_params / 1e6:.1f}M"),
             ("layers", c.n_layers), ("hidden size", c.dim), ("MLP size", c.hidden_dim),
             ("attention heads", f"{c.n_heads} query / {c.n_kv_heads} key-value (GQA group {c.n_heads // c.n_kv_heads})"),
             ("head dim", c.head_dim), ("vocabulary", c.vocab_size), ("context length", c.context_length),
             ("RoPE base", c.rope_base), ("RoPE scaling", c.rope_scaling or "none"),
             ("sliding window", c.sliding_window or "none"), ("q/k/v bias", c.qkv_bias),
-            ("tied embeddings", c.tie_embeddings), ("dtype", args.dtype),
+            ("tied embeddings", c.tie_embeddings), ("dtype", args.dtype or "the file's format, float32 activations"),
             ("KV cache per token", f"{2 * c.n_layers * c.n_kv_heads * c.head_dim * element} bytes")]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:

@@ -161,6 +161,7 @@ def add_parser(subparsers) -> None:
                               description="Per-layer/per-head attention statistics over a real text, "
                                           "and StreamingLLM's drop/replace/keep sink experiment.")
     add_model_args(p)
+    p.set_defaults(dtype="float32")  # the documented anatomy is of the float model
     p.add_argument("--text", default="shakespeare:test", help="shakespeare[:split|:play] or a file path")
     p.add_argument("--tokens", type=positive_int, default=512, help="tokens analysed (default 512)")
     p.add_argument("--offset", type=nonneg_int, default=0, help="skip this many tokens of the text first")

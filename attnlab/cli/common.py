@@ -29,13 +29,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     """MODEL positional (default: the embedded SmolLM2) plus dtype and thread options."""
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL, metavar="MODEL",
                    help="embedded name, .gguf file or Hugging Face folder")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and activations")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="expand every weight to this dtype (default: the file's format; a quantized GGUF stays "
+                        "packed, activations float32)")
     p.add_argument("--rope", default=None, metavar="NAME:F", help="RoPE scaling override: linear|ntk|dynamic|yarn|llama3:F, none")
     p.add_argument("--threads", type=positive_int, default=1,
                    help="torch intra-op threads (1 by measurement: a busy machine slows 2+ threads down 3x or more)")
     p.add_argument("--quant", type=quant_spec, default=None, metavar="SPEC",
                    help="quantized weights: int8, int4[:GROUP] (default group 32), kmeans[:BITS[:GROUP]], "
-                        "kmeans-naive[:BITS] (lookup-then-matmul baseline); default: float weights")
+                        "kmeans-naive[:BITS] (lookup-then-matmul baseline); default: the file's own formats")
     p.add_argument("--compile", action="store_true",
                    help="compile the single-token decode step (torch.compile; tens of seconds on first use)")
     p.add_argument("--kv-dtype", default=None, choices=["float32", "float16", "int8"],

@@ -178,6 +178,7 @@ def add_parser(sub) -> None:
 
     def common(q, text="shakespeare:train", tokens=4096):
         add_model_args(q)
+        q.set_defaults(dtype="float32")  # without --quant: the float model the method is about, not the file's packing
         q.add_argument("--out", default="runs/dejavu", help="folder for activity, predictors and results (default: %(default)s)")
         q.add_argument("--text", default=text, help="text (default: %(default)s)")
         if tokens:

@@ -29,7 +29,7 @@ def _command(args, tasks, lengths, policies, ratios) -> str:
     for opt in ("quant", "kv_dtype", "rope", "sparsity"):
         if getattr(args, opt, None) is not None:
             parts += [f"--{opt.replace('_', '-')}", str(getattr(args, opt))]
-    if args.dtype != "float32":
+    if args.dtype is not None:
         parts += ["--dtype", args.dtype]
     return " ".join(parts)
 

@@ -106,15 +106,7 @@ def q8x_mm(x: torch.Tensor, w: torch.Tensor, n: int, group: int, has_min: bool) 
     if enabled():
         return torch.ops.attnlab.q8x_mm(x, w, n, group, has_min)
     q, scale, min_ = repack.unpack_q8(w, n, x.shape[1], group, has_min)
-    return x @ dequantize_int8_min(q, scale, min_).T
-
-
-def dequantize_int8_min(q: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor | None) -> torch.Tensor:
-    """int8 codes [N, K] with scale (and min) [N, K/group] -> [N, K] float32: w = q * s (+ m)."""
-    w = dequantize_int8_blocks(q, scale)
-    if min_ is None:
-        return w
-    return w + min_.repeat_interleave(q.shape[-1] // min_.shape[-1], dim=-1)
+    return x @ dequantize_int8_blocks(q, scale, min_=min_).T
 
 
 # ---------------------------------------------------------------- row-sparse ops

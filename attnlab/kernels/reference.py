@@ -35,9 +35,12 @@ def int8_blocks(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, torc
     return q.flatten(-2), scale
 
 
-def dequantize_int8_blocks(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """int8_blocks' inverse: codes [..., K], scales [..., K/group] -> [..., K]."""
-    return (q.to(dtype).unflatten(-1, (scale.shape[-1], -1)) * scale[..., None].to(dtype)).flatten(-2)
+def dequantize_int8_blocks(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32,
+                           min_: torch.Tensor | None = None) -> torch.Tensor:
+    """int8_blocks' inverse: codes [..., K], scales [..., K/group] -> [..., K]: w = q * s (+ m[g] with min_,
+    the rule GGUF's Q5_1 / Q5_K blocks keep, their 5-bit codes held as int8)."""
+    w = q.to(dtype).unflatten(-1, (scale.shape[-1], -1)) * scale[..., None].to(dtype)
+    return (w if min_ is None else w + min_[..., None].to(dtype)).flatten(-2)
 
 
 def round_activations(x: torch.Tensor) -> torch.Tensor:

@@ -68,20 +68,3 @@ def unpack_q8(w: torch.Tensor, N: int, K: int, group: int, has_min: bool):
     off = group * 16
     mn = _unfloats(w[:, :, off + 64:off + 128], N) if has_min else None
     return q, _unfloats(w[:, :, off:off + 64], N), mn
-
-
-def take_q8_rows(w: torch.Tensor, ids: torch.Tensor, K: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows ids (any shape) of a repacked int8 weight: (codes [..., K] int8, scale [..., K/group]); for a
-    tied embedding's lookup, without rebuilding the whole matrix."""
-    G = K // group
-    flat = ids.reshape(-1)
-    blk, r = flat // ROWS, flat % ROWS
-    sel = w.index_select(0, blk)  # [n, G, stride]
-    n = flat.numel()
-    codes = sel[:, :, :group * 16].reshape(n, G, group // 4, ROWS, 4)
-    ar = torch.arange(n)
-    codes = codes.permute(0, 3, 1, 2, 4)[ar, r].reshape(n, K)
-    scale = sel[:, :, group * 16:group * 16 + 64].contiguous().view(torch.float32).view(n, G, ROWS)
-    scale = scale.permute(0, 2, 1)[ar, r]
-    q = (codes.to(torch.int16) - 128).to(torch.int8)
-    return q.view(*ids.shape, K), scale.reshape(*ids.shape, G)

@@ -46,6 +46,7 @@ class GGUFHeader:
     meta: dict = field(default_factory=dict)  # key -> int | float | bool | str | GGUFArray
     tensors: dict[str, GGUFTensorInfo] = field(default_factory=dict)
     data_offset: int = 0
+    order: str = "<"  # struct's byte order of the file: "<" little-endian, ">" big-endian
 
 
 class _Cursor:
@@ -83,6 +84,17 @@ class _Cursor:
         self.need(n, what)
         self.pos += n
 
+    def skip_strings(self, count: int, what: str) -> None:
+        """`count` strings skipped in a tight loop (a vocabulary and its merges: ~100k, a second of `skip_string`
+        calls); a bad length falls back to skip_string for its message."""
+        unpack, buf, pos, size = struct.Struct(self.order + "Q").unpack_from, self.buf, self.pos, self.size
+        for _ in range(count):
+            if pos + 8 > size or pos + 8 + unpack(buf, pos)[0] > size:
+                self.pos = pos
+                self.skip_string(what)  # raises, naming the offset
+            pos += 8 + unpack(buf, pos)[0]
+        self.pos = pos
+
 
 def _value(cur: _Cursor, vtype: int, key: str, depth: int = 0):
     if vtype in _SCALARS:
@@ -101,8 +113,7 @@ def _value(cur: _Cursor, vtype: int, key: str, depth: int = 0):
             cur.pos += count * size
         elif itype == 8:
             cur.need(count * 8, f"{key} ({count} strings)")  # each string has at least its 8-byte length
-            for _ in range(count):
-                cur.skip_string(key)
+            cur.skip_strings(count, key)
         else:
             raise error(cur.path, f"metadata {key}: unsupported array item type {itype}")
         return GGUFArray(itype, count)
@@ -135,7 +146,7 @@ def scan_gguf(path: Path) -> GGUFHeader:
             raise error(path, f"corrupt or truncated GGUF file: header claims {n_kv} metadata entries, more than the file can hold")
         if n_tensors > MAX_TENSORS or n_tensors * 24 > cur.size - cur.pos:
             raise error(path, f"corrupt or truncated GGUF file: header claims {n_tensors} tensors, more than the file can hold")
-        head = GGUFHeader(version)
+        head = GGUFHeader(version, order=cur.order)
         for _ in range(n_kv):
             key = cur.string("metadata key", limit=1 << 16)
             if key in head.meta:

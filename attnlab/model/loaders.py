@@ -8,6 +8,8 @@ dequantised with the `gguf` package.
 """
 from __future__ import annotations
 
+from collections.abc import MutableMapping
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -25,50 +27,87 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(tuple(w.shape))
 
 
-def read_gguf(path: Path, packed_types: tuple[str, ...] = ()):
-    """-> (ModelConfig, {hf_name: float32 tensor or Packed}) from a GGUF file.
+def read_gguf(path: Path, packed_types: tuple[str, ...] | None = None, hf_layout: bool = True, lazy: bool = False):
+    """-> (ModelConfig, {hf_name: float32 tensor or Packed}) from a GGUF file, every tensor checked
+    (`validate.check_weights`) as it is read.
 
-    Tensors of packed_types ("Q4_0", "Q4_1", "Q8_0") stay quantized (`attnlab.quant.Packed`),
-    with no float copy: lower peak memory and load time when the model runs quantized anyway.
+    Tensors of packed_types (default: every type `formats.GGUF_PACKED` holds exactly; () dequantises all)
+    stay quantized as `attnlab.quant.Packed`, on the file's own grid. Each tensor is read by itself from
+    the file straight into its packed layout: no map of the whole file stays resident, no float copy.
+    hf_layout=False leaves a llama file's q/k rows in llama.cpp's order, which is the network's (`build`'s
+    qk_interleaved): two row permutations of every q/k matrix saved. lazy: a mapping that reads each
+    tensor when it is taken, so `build` holds the model plus one layer, never the model twice.
     """
+    head = validate.scan_gguf(path)  # before anything is built from what the header claims
+    cfg = metadata.gguf_config(path, head)
+    if head.order != "<":
+        raise ModelLoadError(f"{path}: big-endian GGUF files are not supported")
+    tensors = GGUFTensors(path, head, cfg, packed_types, hf_layout)
+    if "model.embed_tokens.weight" not in tensors:
+        raise ModelLoadError(f"GGUF file {path} has no token_embd.weight")
+    return cfg, tensors if lazy else dict(tensors)
+
+
+class GGUFTensors(MutableMapping):
+    """Hugging Face name -> a GGUF file's tensor, read from the file (and checked) on access."""
+
+    def __init__(self, path: Path, head, cfg: ModelConfig, packed_types, hf_layout: bool):
+        from attnlab.quant import formats
+        self.path, self.head, self.cfg, self.hf_layout = path, head, cfg, hf_layout
+        self.packed_types = formats.GGUF_PACKED if packed_types is None else packed_types
+        # rope_freqs (already in cfg) and tensors the network does not use have no name here
+        self.names = {hf: name for name in head.tensors if (hf := validate.hf_name(name)) is not None}
+
+    def __getitem__(self, hf: str):
+        import gguf
+
+        from attnlab.quant import formats
+        name = self.names[hf]
+        info = self.head.tensors[name]
+        kind = gguf.GGMLQuantizationType(info.ggml_type).name
+        try:
+            raw = torch.empty(info.nbytes, dtype=torch.uint8)
+            with open(self.path, "rb") as f:
+                f.seek(self.head.data_offset + info.offset)
+                if f.readinto(raw.numpy()) != info.nbytes:
+                    raise EOFError("the file ended inside the tensor")
+            data = _tensor(raw, kind, info.shape, self.packed_types)
+        except Exception as e:
+            raise ModelLoadError(f"cannot read tensor {name} of {self.path}: {type(e).__name__}: {e}") from None
+        block = name.split(".")[2] if name.startswith("blk.") else None
+        if self.hf_layout and self.cfg.arch == "llama" and block in ("attn_q", "attn_k"):
+            heads = self.cfg.n_heads if block == "attn_q" else self.cfg.n_kv_heads
+            data = data.map_rows(lambda a: _unpermute(a, heads)) if isinstance(data, formats.Packed) \
+                else _unpermute(data, heads)
+        validate.check_weights(self.path, {hf: data})
+        return data
+
+    def __setitem__(self, hf: str, value) -> None:
+        raise TypeError("GGUFTensors is read-only")
+
+    def __delitem__(self, hf: str) -> None:
+        del self.names[hf]
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def _tensor(raw: torch.Tensor, kind: str, shape: tuple[int, ...], packed_types):
+    """One GGUF tensor's bytes -> Packed (a packed type, a matrix) or a float32 tensor of `shape`."""
     import gguf
 
     from attnlab.quant import formats
 
-    cfg = metadata.gguf_config(path, validate.scan_gguf(path))  # before the reader builds what the header claims
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # the reader raises many types on truncated or garbled files
-        raise ModelLoadError(f"corrupt or truncated GGUF file {path}: {type(e).__name__}: {e}") from None
-    arch, n_heads, n_kv = cfg.arch, cfg.n_heads, cfg.n_kv_heads
-    tensors = {}
-    for t in reader.tensors:
-        hf = validate.hf_name(t.name)
-        if hf is None:  # rope_freqs (already in cfg) and tensors the network does not use
-            continue
-        shape = [int(d) for d in reversed(t.shape)]
-        kind = t.tensor_type.name
-        try:
-            if kind in packed_types and len(shape) == 2:
-                raw = np.require(np.asarray(t.data), requirements=["C", "W"])
-                data = formats.from_gguf_q8_0(raw, tuple(shape)) if kind == "Q8_0" else \
-                    formats.from_gguf_q4(raw, kind, tuple(shape))
-            else:
-                data = gguf.quants.dequantize(t.data, t.tensor_type)
-                data = np.asarray(data, dtype=np.float32).reshape(shape)
-        except Exception as e:
-            raise ModelLoadError(f"cannot read tensor {t.name} of {path}: {type(e).__name__}: {e}") from None
-        block = t.name.split(".")[2] if t.name.startswith("blk.") else None
-        if arch == "llama" and block in ("attn_q", "attn_k"):
-            heads = n_heads if block == "attn_q" else n_kv
-            data = data.map_rows(lambda a: _unpermute(a, heads)) if isinstance(data, formats.Packed) \
-                else _unpermute(data, heads)
-        if not isinstance(data, formats.Packed):
-            data = torch.from_numpy(np.require(data, requirements=['C', 'W']))  # copies read-only maps
-        tensors[hf] = data
-    if "model.embed_tokens.weight" not in tensors:
-        raise ModelLoadError(f"GGUF file {path} has no token_embd.weight")
-    return cfg, tensors
+    if kind in packed_types and len(shape) == 2:
+        return formats.from_gguf(raw, kind, shape)
+    floats = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+    if kind in floats:
+        return raw.view(floats[kind]).reshape(shape).float()
+    data = gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType[kind])  # other block types, as floats
+    return torch.from_numpy(np.asarray(data, dtype=np.float32).reshape(shape))
 
 
 def read_hf_folder(path: Path):
@@ -87,17 +126,25 @@ def read_hf_folder(path: Path):
 
 # ---------------------------------------------------------------- assembly
 
-def build(cfg: ModelConfig, tensors: dict, dtype: torch.dtype = torch.float32, quant=None) -> Transformer:
-    """Create the network and copy Hugging Face-named tensors into its fused layout.
+def build(cfg: ModelConfig, tensors: dict, dtype: torch.dtype | None = torch.float32, quant=None,
+          qk_interleaved: bool = False) -> Transformer:
+    """Create the network and move Hugging Face-named tensors into its fused layout (consuming `tensors`:
+    each entry leaves the dict as it is placed, so no matrix is held twice).
 
-    With quant (a QuantSpec or its text) the linear layers become QuantLinear; matrices that
-    arrive already quantized (`Packed`, from GGUF blocks) are permuted and concatenated as
-    codes and never expanded to float.
+    Matrices that arrive quantized (`Packed`, from GGUF blocks) are permuted and concatenated as codes,
+    never expanded to float. dtype None (with no quant) keeps them in their own formats (the file's);
+    a dtype expands them to it; quant (a QuantSpec or its text) makes every linear layer that format.
+    qk_interleaved: q/k rows already pair adjacent dimensions as the network rotates them (a llama GGUF).
     """
     from attnlab.quant import Packed, quantize_model
     from attnlab.quant.formats import cat_rows
 
+    native = dtype is None and quant is None
+    dtype = dtype or torch.float32
+
     def rows(fn, t):
+        if qk_interleaved:
+            return t
         return t.map_rows(fn) if isinstance(t, Packed) else fn(t)
 
     def cat(parts):
@@ -105,48 +152,90 @@ def build(cfg: ModelConfig, tensors: dict, dtype: torch.dtype = torch.float32, q
             return cat_rows(parts)
         return torch.cat([t.dequantize() if isinstance(t, Packed) else t for t in parts])
 
-    with torch.device("meta"):
+    def take(name):
+        return tensors.pop(name)
+
+    with torch.device("meta"), _skip_init():
         model = Transformer(cfg)
-    state = {"embed.weight": tensors["model.embed_tokens.weight"], "norm.weight": tensors["model.norm.weight"]}
+    state = {"embed.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
     if not cfg.tie_embeddings:
-        state["lm_head.weight"] = tensors["lm_head.weight"]
-    elif quant is not None:  # the head is the embedding; the embedding then reads the quantized head
-        state["lm_head.weight"] = state.pop("embed.weight")
+        state["lm_head.weight"] = take("lm_head.weight")
+    elif quant is not None or (native and isinstance(state["embed.weight"], Packed)):
+        state["lm_head.weight"] = state.pop("embed.weight")  # the head is the embedding, read back by lookups
     for i in range(cfg.n_layers):
         p, a = f"model.layers.{i}.", f"layers.{i}."
         try:
             for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
-                q, k, v = (tensors[p + f"self_attn.{n}_proj.{kind}"] for n in "qkv")
+                q, k, v = (take(p + f"self_attn.{n}_proj.{kind}") for n in "qkv")
                 state[a + f"attn.wqkv.{kind}"] = cat(  # the network rotates adjacent pairs
                     [rows(lambda w: interleave_rows(w, cfg.n_heads), q), rows(lambda w: interleave_rows(w, cfg.n_kv_heads), k), v])
-            state[a + "attn.wo.weight"] = tensors[p + "self_attn.o_proj.weight"]
-            state[a + "mlp.w13.weight"] = cat([tensors[p + "mlp.gate_proj.weight"], tensors[p + "mlp.up_proj.weight"]])
-            state[a + "mlp.w2.weight"] = tensors[p + "mlp.down_proj.weight"]
-            state[a + "attn_norm.weight"] = tensors[p + "input_layernorm.weight"]
-            state[a + "mlp_norm.weight"] = tensors[p + "post_attention_layernorm.weight"]
+            state[a + "attn.wo.weight"] = take(p + "self_attn.o_proj.weight")
+            state[a + "mlp.w13.weight"] = cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+            state[a + "mlp.w2.weight"] = take(p + "mlp.down_proj.weight")
+            state[a + "attn_norm.weight"] = take(p + "input_layernorm.weight")
+            state[a + "mlp_norm.weight"] = take(p + "post_attention_layernorm.weight")
         except KeyError as e:
             raise ModelLoadError(f"checkpoint is missing tensor {e.args[0]}") from None
     if isinstance(state.get("embed.weight"), Packed):  # an untied embedding is looked up, not multiplied
         state["embed.weight"] = state["embed.weight"].dequantize()
-    packed = {k.removesuffix(".weight"): v for k, v in state.items() if isinstance(v, Packed)}
-    if quant is None:
-        packed = {k: v.dequantize() for k, v in packed.items()}
-        state.update({k + ".weight": v for k, v in packed.items()})
+    packed = {k.removesuffix(".weight"): state.pop(k) for k in list(state) if isinstance(state[k], Packed)}
+    if quant is None and not native:
+        state.update({k + ".weight": v.dequantize() for k, v in packed.items()})
         packed = {}
-    state = {k: v.to(dtype) for k, v in state.items() if k.removesuffix(".weight") not in packed}
+    state = {k: v.to(dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=False, assign=True)
-    if cfg.tie_embeddings and quant is None:
+    if cfg.tie_embeddings and "lm_head.weight" not in state and "lm_head" not in packed:
         model.lm_head.weight = model.embed.weight
     if quant is not None:
         quantize_model(model, quant, packed)
+    elif native and packed:
+        _keep_packed(model, packed)
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise ModelLoadError(f"checkpoint does not fill {missing[0]}")
     return model.eval().requires_grad_(False)
 
 
-def load_model(spec: str | Path, dtype: torch.dtype = torch.float32, quant=None, rope: str | None = None):
+@contextmanager
+def _skip_init():
+    """No random initialisation of weights about to be replaced: on the meta device it costs nothing but
+    imports torch's compiler on first use (seconds of every load)."""
+    names = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "zeros_", "ones_")
+    saved = {n: getattr(torch.nn.init, n) for n in names}
+    try:
+        for n in names:
+            setattr(torch.nn.init, n, lambda t, *args, **kwargs: t)
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(torch.nn.init, n, fn)
+
+
+def _keep_packed(model: Transformer, packed: dict) -> None:
+    """The file's formats as they are: each packed matrix becomes a QuantLinear (float ones stay nn.Linear);
+    a tied embedding reads its rows from the packed head. model.quant names the format ('int4:32' for a
+    Q4_0/Q4_1 file, whose head is int8:32 as under --quant int4:32; 'gguf: int4:32, int8:16' when mixed)."""
+    from attnlab.quant.linear import QuantEmbedding, QuantLinear, linear_names
+
+    formats = []
+    for name, p in packed.items():
+        parent, _, leaf = name.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        setattr(owner, leaf, QuantLinear(p, getattr(getattr(owner, leaf), "bias", None)))
+        if name != "lm_head":
+            formats.append(p.format)
+    if model.cfg.tie_embeddings and "lm_head" in packed:
+        model.embed = QuantEmbedding(model.lm_head)
+    kinds = sorted(set(formats))
+    uniform = len(kinds) == 1 and len(formats) == len(linear_names(model)) - 1 and "+" not in kinds[0]
+    model.quant = kinds[0] if uniform else "gguf: " + ", ".join(kinds)
+
+
+def load_model(spec: str | Path, dtype: torch.dtype | None = None, quant=None, rope: str | None = None):
     """-> (Transformer, ModelConfig, source path) for any supported checkpoint (quantized if quant).
+
+    dtype None: the file's own format (a quantized GGUF stays packed, with float32 activations; float
+    checkpoints load as float32); a dtype asks for every weight in it.
 
     rope: a context-extension override such as "yarn:4" (see `attnlab.rope.parse_rope`),
     replacing the checkpoint's own scaling; "none" removes it.
@@ -157,19 +246,19 @@ def load_model(spec: str | Path, dtype: torch.dtype = torch.float32, quant=None,
     path = resolve(spec)
     quant = QuantSpec.parse(quant) if quant is not None else None
     if path.is_dir() and is_quantized_folder(path):
-        model = load_quantized(path, dtype)
+        model = load_quantized(path, dtype or torch.float32)
         if quant is not None and str(quant) != model.quant:
             raise ModelLoadError(f"{path} holds {model.quant} weights; load it without --quant or with --quant {model.quant}")
         return model, model.cfg, path
     if path.is_dir():
         cfg, tensors = read_hf_folder(path)
-    else:
-        keep = () if quant is None else ("Q8_0",) + (("Q4_0", "Q4_1") if quant.method == "int4" and quant.group == 32 else ())
-        cfg, tensors = read_gguf(path, keep)
+        dtype = dtype or torch.float32
+        validate.check_weights(path, tensors)
+    else:  # each tensor read and checked when build takes it
+        cfg, tensors = read_gguf(path, hf_layout=False, lazy=True)
     if rope is not None:
         cfg.rope_scaling = parse_rope(rope, _trained_length(cfg))
-    validate.check_weights(path, tensors)
-    model = build(cfg, tensors, dtype, quant)
+    model = build(cfg, tensors, dtype, quant, qk_interleaved=not path.is_dir() and cfg.arch == "llama")
     validate.check_model(path, model)
     return model, cfg, path
 

@@ -5,7 +5,8 @@ reordered and concatenated (the loaders' q/k permutations, the fused q/k/v and
 gate/up projections) without dequantising. 4-bit codes use ggml's block layout
 (see kernels.cpp): GGUF Q4_0/Q4_1 tensors map onto `int4` group 32 by copy.
 
-- int8:   symmetric, one scale per row (or group of G).   w = q * s[g]          (Q8_0's rule at G = 32)
+- int8:   symmetric, one scale per row (or group of G).   w = q * s[g] (+ m[g])  (Q8_0's rule at G = 32;
+          the min is there only for GGUF blocks that carry one: Q5_1, Q5_K)
 - int4:   asymmetric min/max per group of G inputs.      w = c * s[g] + m[g]   (Q4_1's rule)
 - kmeans: 2**bits centroids per row (or group), Lloyd.    w = codebook[g][c]
 """
@@ -22,8 +23,8 @@ from attnlab.kernels.reference import (  # noqa: F401  (the formats' shared rule
 
 @dataclass
 class Packed:
-    """A quantized matrix. kind: 'int8' (q [N, K] int8, scale [N, K/group]), 'int4' (qs [N, K/2], scale
-    and min [N, K/group]), 'kmeans' (qs [N, K/2], codebook [N, K/group, 16]); group K = one per row."""
+    """A quantized matrix. kind: 'int8' (q [N, K] int8, scale and optional min [N, K/group]), 'int4' (qs [N, K/2],
+    scale and min [N, K/group]), 'kmeans' (qs [N, K/2], codebook [N, K/group, 16]); group K = one per row."""
     kind: str
     shape: tuple[int, int]
     group: int = 0
@@ -49,17 +50,49 @@ class Packed:
         """[N, K] float32."""
         N, K = self.shape
         if self.kind == "int8":
-            return dequantize_int8_blocks(self.q, self.scale)
+            return dequantize_int8_blocks(self.q, self.scale, min_=self.min)
         if self.kind == "int4":
             return dequantize_int4(self.qs, self.scale, self.min, self.group)
         codes = unpack4(self.qs).view(N, K // self.group, self.group)
         return torch.gather(self.codebook, 2, codes.long()).view(N, K)
 
 
+    @property
+    def format(self) -> str:
+        """'int4:32', 'int8:16', 'int8:32+min', ...: what `promote` and error messages compare."""
+        return f"{self.kind}:{self.group}" + ("+min" if self.kind == "int8" and self.min is not None else "")
+
+
+def promote(p: Packed, kind: str, group: int, with_min: bool) -> Packed:
+    """p in a format that holds it exactly: int4 codes as int8 (with their min), a group split into
+    `group`-sized ones (scales repeated), a zero min added. Nothing is rounded."""
+    if p.kind == "kmeans" or p.group % group or (p.kind == "int8" and kind == "int4"):
+        raise AttnlabError(f"a {p.format} matrix does not fit {kind}:{group} exactly")
+    if (p.kind, p.group, p.min is not None or p.kind == "int4") == (kind, group, with_min):
+        return p
+    rep = p.group // group
+    scale = p.scale.repeat_interleave(rep, 1)
+    mn = None if not with_min else (torch.zeros_like(p.scale) if p.min is None else p.min).repeat_interleave(rep, 1)
+    if kind == "int4":
+        return replace(p, group=group, scale=scale, min=mn)
+    q = p.q if p.kind == "int8" else unpack4(p.qs).view(torch.int8)  # codes 0..15 are int8 as they are
+    return Packed("int8", p.shape, group, 8, q=q, scale=scale, min=mn)
+
+
 def cat_rows(parts: list[Packed]) -> Packed:
+    """Rows of several matrices as one (the fused q/k/v and gate/up); mixed formats (a Q4_K_M file's Q4_K
+    q beside a Q6_K v) meet in the smallest format all fit exactly (`promote`), never dequantised."""
     first = parts[0]
-    if any(p.kind != first.kind or p.group != first.group or p.shape[1] != first.shape[1] for p in parts):
-        raise AttnlabError("cannot concatenate matrices of different formats")
+    if any(p.shape[1] != first.shape[1] for p in parts):
+        raise AttnlabError("cannot concatenate matrices of different widths")
+    if any(p.format != first.format for p in parts):
+        if any(p.kind == "kmeans" for p in parts):
+            raise AttnlabError("cannot concatenate k-means matrices of different formats")
+        kind = "int4" if all(p.kind == "int4" for p in parts) else "int8"
+        group = min(p.group for p in parts)
+        with_min = any(p.min is not None for p in parts)
+        parts = [promote(p, kind, group, with_min) for p in parts]
+        first = parts[0]
     fields = {k: torch.cat([p.tensors()[k] for p in parts]) for k in first.tensors()}
     return replace(first, shape=(sum(p.shape[0] for p in parts), first.shape[1]), **fields)
 
@@ -115,27 +148,76 @@ def quantize_kmeans(w: torch.Tensor, bits: int = 4, group: int | None = None, it
                   codebook=books.view(N, K // group, 16))
 
 
-def from_gguf_q4(blocks, kind: str, shape: tuple[int, int]) -> Packed:
-    """GGUF Q4_0 / Q4_1 raw blocks [N, K/32, bytes] (uint8) -> int4 group 32, without dequantising.
+# ---------------------------------------------------------------- GGUF blocks, by copy
 
-    Q4_0 block: fp16 d, 16 bytes of codes; w = (c - 8) d.  Q4_1: fp16 d, fp16 m, codes; w = c d + m.
+# GGUF block types that map onto a packed format exactly: their own grid, nothing requantised.
+GGUF_PACKED = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
+_BLOCK_BYTES = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
+                "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
+
+
+def _f16(raw: torch.Tensor, at: int) -> torch.Tensor:
+    """The fp16 at byte `at` of every block [nb, bytes] -> float32 [nb]."""
+    return raw.view(torch.int16)[:, at // 2].view(torch.float16).float()  # every block size and `at` are even
+
+
+def _shifted(b: torch.Tensor, shifts: list[int], mask: int) -> torch.Tensor:
+    """b [nb, n, w] uint8 -> [nb, n, len(shifts), w]: (b >> s) & mask for each shift."""
+    return (b[:, :, None, :] >> torch.tensor(shifts, dtype=torch.uint8)[:, None]) & mask
+
+
+def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K's 12 bytes of eight 6-bit scales and mins [nb, 12] -> float32 scales, mins [nb, 8] (ggml's layout)."""
+    d, m, md = s.view(-1, 3, 4).unbind(1)
+    sc = torch.cat([d & 63, (md & 15) | ((d >> 2) & 48)], 1)
+    mn = torch.cat([m & 63, (md >> 4) | ((m >> 2) & 48)], 1)
+    return sc.float(), mn.float()
+
+
+def _fifth_bit(qh: torch.Tensor) -> torch.Tensor:
+    """Q5_0 / Q5_1: 4 bytes of high bits [nb, 4] -> [nb, 32] (bit j of the little-endian word is value j's)."""
+    return ((qh[:, :, None] >> torch.arange(8, dtype=torch.uint8)) & 1).reshape(-1, 32)
+
+
+def _low_high(qs: torch.Tensor) -> torch.Tensor:
+    """ggml's 32-value nibble block [nb, 16] (value j low nibble, j + 16 high) -> codes [nb, 32]."""
+    return torch.cat([qs & 15, qs >> 4], 1)
+
+
+def from_gguf(raw, kind: str, shape: tuple[int, int]) -> Packed:
+    """GGUF raw blocks (uint8, any shape holding the tensor's bytes) of a `GGUF_PACKED` type -> Packed, exactly.
+
+    The value each format keeps is the file's, bit for bit after dequantisation (w = d*sc*q - dmin*m for
+    Q4_K/Q5_K in groups of 32, d*sc*(q-32) for Q6_K in groups of 16). Vectorised over all blocks.
     """
-    raw = torch.as_tensor(blocks).view(torch.uint8)
     N, K = shape
-    raw = raw.reshape(N, K // BLOCK, -1)
-    head = 2 if kind == "Q4_0" else 4
-    d = raw[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()
-    m = -8 * d if kind == "Q4_0" else raw[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float()
-    qs = raw[..., head:].reshape(N, K // 2).contiguous()
-    return Packed("int4", (N, K), BLOCK, 4, qs=qs, scale=d, min=m)
-
-
-def from_gguf_q8_0(blocks, shape: tuple[int, int]) -> Packed:
-    """GGUF Q8_0 (fp16 scale per 32, int8 codes) -> int8 group 32, by copy (lossless)."""
-    raw = torch.as_tensor(blocks).view(torch.uint8)
-    N, K = shape
-    raw = raw.reshape(N, K // BLOCK, 2 + BLOCK)
-    d = raw[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()   # [N, K/32]
-    q = raw[..., 2:].contiguous().view(torch.int8).reshape(N, K)
-    return Packed("int8", (N, K), BLOCK, 8, q=q, scale=d)
-
+    size, nbytes = _BLOCK_BYTES[kind]
+    raw = torch.as_tensor(raw).view(torch.uint8).reshape(N * K // size, nbytes)
+    if kind == "Q8_0":
+        return Packed("int8", (N, K), BLOCK, 8, q=raw[:, 2:].contiguous().view(torch.int8).reshape(N, K),
+                      scale=_f16(raw, 0).view(N, K // BLOCK))
+    if kind in ("Q4_0", "Q4_1"):  # ggml's nibble layout is the kernels': copied as it is
+        d = _f16(raw, 0)
+        m = -8 * d if kind == "Q4_0" else _f16(raw, 2)
+        qs = raw[:, 2 if kind == "Q4_0" else 4:].reshape(N, K // 2).contiguous()
+        return Packed("int4", (N, K), BLOCK, 4, qs=qs, scale=d.view(N, -1), min=m.view(N, -1))
+    if kind in ("Q5_0", "Q5_1"):
+        head = 2 if kind == "Q5_0" else 4
+        q = (_low_high(raw[:, head + 4:]) | (_fifth_bit(raw[:, head:head + 4]) << 4)).view(torch.int8)
+        m = _f16(raw, 2).view(N, -1) if kind == "Q5_1" else None
+        return Packed("int8", (N, K), BLOCK, 8, q=(q if m is not None else q - 16).reshape(N, K),
+                      scale=_f16(raw, 0).view(N, -1), min=m)
+    if kind == "Q6_K":
+        ql = _shifted(raw[:, :128].reshape(-1, 2, 64), [0, 4], 15).reshape(-1, 8, 32)
+        qh = _shifted(raw[:, 128:192].reshape(-1, 2, 32), [0, 2, 4, 6], 3).reshape(-1, 8, 32)
+        q = (ql | (qh << 4)).view(torch.int8) - 32
+        scale = _f16(raw, 208)[:, None] * raw[:, 192:208].view(torch.int8).float()
+        return Packed("int8", (N, K), 16, 8, q=q.reshape(N, K), scale=scale.view(N, K // 16))
+    d, dmin = _f16(raw, 0)[:, None], _f16(raw, 2)[:, None]
+    sc, mn = _k_scales(raw[:, 4:16])
+    scale, min_ = (d * sc).view(N, -1), (-(dmin * mn)).view(N, -1)
+    ql = _shifted(raw[:, -128:].reshape(-1, 4, 32), [0, 4], 15).reshape(-1, 8, 32)  # sub-block 2c: low, 2c+1: high
+    if kind == "Q4_K":
+        return Packed("int4", (N, K), BLOCK, 4, qs=pack4(ql.reshape(N, K)), scale=scale, min=min_)
+    qh = _shifted(raw[:, 16:48].reshape(-1, 1, 32), list(range(8)), 1).reshape(-1, 8, 32)  # Q5_K: bit s of byte j
+    return Packed("int8", (N, K), BLOCK, 8, q=(ql | (qh << 4)).view(torch.int8).reshape(N, K), scale=scale, min=min_)

@@ -135,9 +135,6 @@ class QuantLinear(nn.Module):
                       **{n: getattr(self, n) for n in names if hasattr(self, n)})
 
     def dequantize(self) -> torch.Tensor:
-        if self.has_min:  # w = q * s + m
-            p = self.packed
-            return ops.dequantize_int8_min(p.q, p.scale, p.min)
         return self.packed.dequantize()
 
     def row_operands(self) -> tuple:
@@ -153,12 +150,21 @@ class QuantLinear(nn.Module):
         return self._rows
 
     def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows ids of W dequantised, [*ids.shape, K] (a tied embedding's lookup; int8 without min)."""
-        if self.repacked:
-            q, scale = repack.take_q8_rows(self.wp, ids, self.in_features, self.group)
+        """Rows ids of W dequantised, [*ids.shape, K]: a tied embedding's lookup. Repacked weights unpack
+        only the 16-row blocks that hold the rows asked for."""
+        flat = ids.reshape(-1)
+        if not self.repacked:
+            return self.packed.map_rows(lambda t: t[flat]).dequantize().view(*ids.shape, -1)
+        R, n, K, g = repack.ROWS, flat.numel(), self.in_features, self.group
+        blocks = self.wp[flat // R]
+        if self.kind == "int4":
+            qs, scale, mn = repack.unpack_q4(blocks, n * R, K, g)
+            p = Packed("int4", (n * R, K), g, 4, qs=qs, scale=scale, min=mn)
         else:
-            q, scale = self.q[ids], self.scale[ids]
-        return (q.float().unflatten(-1, (-1, self.group)) * scale[..., None]).flatten(-2)
+            q, scale, mn = repack.unpack_q8(blocks, n * R, K, g, self.has_min)
+            p = Packed("int8", (n * R, K), g, 8, q=q, scale=scale, min=mn if self.has_min else None)
+        pick = torch.arange(n) * R + flat % R
+        return p.map_rows(lambda t: t[pick]).dequantize().view(*ids.shape, -1)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         """Saved in the row layout whatever the layout in memory (checkpoints do not depend on the CPU)."""
@@ -214,8 +220,8 @@ class QuantEmbedding(nn.Module):
 
     def __init__(self, head: QuantLinear):
         super().__init__()
-        if head.kind != "int8":
-            raise AttnlabError("QuantEmbedding reads an int8 head")
+        if head.kind not in ("int8", "int4"):
+            raise AttnlabError("QuantEmbedding reads an int8 or int4 head")
         self.head = [head]  # a plain list: the head's buffers belong to the head, not saved twice
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -249,7 +255,7 @@ def quantize_model(model, spec: QuantSpec | str, packed: dict[str, Packed] | Non
             continue
         fmt = spec if name != "lm_head" else QuantSpec.parse(spec.head) if spec.method != "int8" else spec
         p = packed.get(name)
-        if p is None or p.kind != fmt.method or (fmt.group or p.shape[1]) != p.group:
+        if p is None or p.kind != fmt.method or (fmt.group or p.shape[1]) != p.group or (p.kind == "int8" and p.min is not None):
             p = fmt.quantize(p.dequantize() if p is not None else old.weight.data)
         _set(model, name, QuantLinear(p, getattr(old, "bias", None), fused=spec.fused))
     if model.cfg.tie_embeddings:

@@ -47,7 +47,7 @@ def extend(model_spec: str, out: str | Path, factor: float, method: str = "pi", 
     from attnlab.train.trainer import TrainConfig, Trainer
 
     out = Path(out)
-    lm = LM.load(model_spec)
+    lm = LM.load(model_spec, dtype="float32")  # fine-tuning needs float weights, not the file's packed ones
     if lm.tokenizer is None:
         raise AttnlabError(f"{model_spec} has no tokenizer to read the training text with")
     original = _trained_length(lm.cfg)

@@ -88,7 +88,7 @@ def test_force_discards_checkpoint_and_corrupt_result_is_reported(fake, capsys):
     ckpt = result.with_name(result.name[:-len(".json")] + ".ckpt.pt")
     result.write_text("{ not json")
     assert main(["stream", "--out", str(fake.out), "--text", str(fake.text), "--policy", "sink", "--budget", "8",
-                 "--tokens", "24"]) == 2
+                 "--tokens", "24", "--dtype", "float32"]) == 2
     err = capsys.readouterr().err
     assert "unreadable" in err and "rerun with --force" in err
     ckpt.write_bytes(b"garbage")

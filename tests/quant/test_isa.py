@@ -59,10 +59,6 @@ def test_repack_round_trips_and_takes_rows():
     s, m = torch.rand(N, K // 16, generator=g), torch.randn(N, K // 16, generator=g)
     got = repack.unpack_q8(repack.pack_q8(q, s, 16, m), N, K, 16, True)
     assert all(torch.equal(a, b) for a, b in zip(got, (q, s, m)))
-    w = repack.pack_q8(q[:, :], s[:, ::2].contiguous(), 32)
-    ids = torch.tensor([[0, 36], [17, 16]])
-    codes, scale = repack.take_q8_rows(w, ids, K, 32)
-    assert torch.equal(codes, q[ids]) and torch.equal(scale, s[:, ::2][ids])
     qs = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=g)
     got = repack.unpack_q4(repack.pack_q4(qs, s[:, :2], m[:, :2], 64), N, K, 64)
     assert all(torch.equal(a, b) for a, b in zip(got, (qs, s[:, :2], m[:, :2])))
@@ -152,3 +148,19 @@ def test_repacked_kernels_split_rows_across_threads_without_changing_the_sums():
     finally:
         torch.set_num_threads(before)
     assert all(torch.equal(a, b) for a, b in zip(*ys))
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8:16+min"])
+def test_embedding_rows_of_a_head_in_any_layout(fmt):
+    """A tied head's lookup (`embed_rows`) reads the rows asked for, whichever layout holds the weight."""
+    g = torch.Generator().manual_seed(1)
+    N, K = 37, 64
+    if fmt == "int4":
+        qs = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=g)
+        p = Packed("int4", (N, K), 32, 4, qs=qs, scale=torch.rand(N, 2, generator=g), min=torch.randn(N, 2, generator=g))
+    else:
+        q = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
+        p = Packed("int8", (N, K), 16, 8, q=q, scale=torch.rand(N, 4, generator=g), min=torch.randn(N, 4, generator=g))
+    layer = QuantLinear(p)
+    ids = torch.tensor([[0, 36], [17, 16]])
+    assert torch.equal(layer.embed_rows(ids), p.dequantize()[ids])

@@ -1,0 +1,172 @@
+"""Loading a GGUF file: time to first token and peak RSS of a fresh process, ours beside llama.cpp's.
+
+Each run is a new process (nothing cached in it but the OS's page cache, warm after the first run),
+timed from its start to its exit: ours imports attnlab, runs `attnlab.LM.load` (tokenizer included,
+as `attnlab generate` does) and one forward step on one token; llama.cpp's `llama-cli`/`llama-simple`
+loads the file and generates one token. Peak RSS is the child's own high-water mark (`wait4`'s
+ru_maxrss). Runs are interleaved (the order rotates every repeat) and medians are printed with the
+ratio of TTFT to llama.cpp's and of peak RSS to the file's size, the goals being 2x and 1.3x.
+
+    python benchmarks/load.py                                  # the embedded SmolLM2 Q4_1 file
+    python benchmarks/load.py --model ~/.cache/attnlab/bench/llama1b-q4_0.gguf --variants default
+    python benchmarks/load.py --variants default,float32,int4:32 --repeats 5 --json load.json
+
+Variants: `default` (the file's own formats), `float32` (`--dtype float32`: every weight expanded, the
+old default) and any `--quant` spec. llama.cpp's binaries are looked for under build/llamacpp/*/bin of
+this checkout (`make bench-llamacpp`) and ~/.cache/attnlab/llamacpp/build/*/bin, or given by --llamacpp.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SHOWN_FLAGS = ["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+               "avx512_fp16", "avx_vnni", "amx_tile", "amx_int8"]
+
+CHILD = """
+import json, sys, time
+t0 = time.perf_counter()
+import torch
+torch.set_num_threads({threads})
+from attnlab.engine import LM
+t1 = time.perf_counter()
+lm = LM.load({path!r}, **{options!r})
+t2 = time.perf_counter()
+with torch.inference_mode():
+    bos = lm.cfg.bos_token_id if lm.cfg.bos_token_id is not None else 1
+    logits = lm.forward(torch.tensor([[bos]]), lm.new_cache(capacity=16), last_only=True)
+    token = int(logits[0, -1].argmax())
+t3 = time.perf_counter()
+print(json.dumps({{"import_s": t1 - t0, "load_s": t2 - t1, "token_s": t3 - t2, "token": token,
+                  "quant": lm.quant}}))
+"""
+
+
+def cpu() -> tuple[str, list[str]]:
+    """The CPU's model name and the ISA flags that matter here, from /proc/cpuinfo."""
+    name, flags = "unknown", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and name == "unknown":
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return name, [f for f in SHOWN_FLAGS if f in flags]
+
+
+def spawn_measured(cmd: list[str], env: dict | None = None, cwd: str | None = None) -> tuple[float, float, int, str]:
+    """(wall seconds from start to exit, peak RSS in MiB, exit code, stdout) of a fresh process, reaped
+    with wait4 so that ru_maxrss is this child's own peak."""
+    import tempfile
+    with tempfile.TemporaryFile("w+") as out:
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.DEVNULL, env=env, cwd=cwd)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - start
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        return wall, usage.ru_maxrss / 1024, proc.returncode, out.read()
+
+
+def llamacpp_binary(given: str | None) -> Path | None:
+    """llama-cli or llama-simple: --llamacpp, else the builds of `make bench-llamacpp`."""
+    if given:
+        return Path(given)
+    roots = [ROOT / "build" / "llamacpp", Path.home() / ".cache" / "attnlab" / "llamacpp" / "build"]
+    for root in roots:
+        for name in ("llama-cli", "llama-simple"):
+            found = sorted(root.glob(f"*/bin/{name}"))
+            if found:
+                return found[0]
+    return None
+
+
+def llamacpp_cmd(binary: Path, model: Path, threads: int) -> list[str]:
+    if binary.name == "llama-simple":  # no thread option: ggml's default count
+        return [str(binary), "-m", str(model), "-n", "1", "Hello"]
+    return [str(binary), "-m", str(model), "-t", str(threads), "-n", "1", "-p", "Hello", "-no-cnv",
+            "--no-warmup", "-c", "512"]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m", help="a .gguf file or the embedded model's name")
+    p.add_argument("--variants", default="default,float32", help="comma list: default, float32, a --quant spec")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--llamacpp", default=None, help="path of llama-cli or llama-simple")
+    p.add_argument("--no-llamacpp", action="store_true")
+    p.add_argument("--attnlab", default=str(ROOT), help="the checkout whose attnlab is timed (default: this one; "
+                   "another commit's worktree gives a before/after)")
+    p.add_argument("--json", default=None, help="write every measurement here")
+    args = p.parse_args(argv)
+
+    sys.path.insert(0, str(ROOT))
+    from attnlab.model.files import resolve
+    path = resolve(args.model)
+    size = path.stat().st_size / 2**20
+    name, flags = cpu()
+    print(f"CPU: {name}; flags: {' '.join(flags)}; {os.cpu_count()} CPUs; threads: {args.threads}")
+    print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} (a shared machine: see the spread)")
+    print(f"file: {path} ({size:.1f} MiB)")
+
+    env = dict(os.environ, PYTHONPATH=args.attnlab + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    print(f"attnlab from {args.attnlab}")
+    cmds = {}
+    for v in [v.strip() for v in args.variants.split(",") if v.strip()]:
+        options = {} if v == "default" else {"dtype": v} if v in ("float32", "bfloat16") else {"quant": v}
+        cmds[f"attnlab {v}"] = [sys.executable, "-c", CHILD.format(threads=args.threads, path=str(path), options=options)]
+    binary = None if args.no_llamacpp else llamacpp_binary(args.llamacpp)
+    if binary is not None and binary.exists():
+        cmds[f"llama.cpp {binary.name}"] = llamacpp_cmd(binary, path, args.threads)
+    elif not args.no_llamacpp:
+        print("llama.cpp: missing (no llama-cli/llama-simple under build/llamacpp/*/bin; run `make bench-llamacpp` "
+              "or pass --llamacpp)")
+
+    runs = {k: [] for k in cmds}
+    names = list(cmds)
+    for r in range(args.repeats):
+        for k in names[r % len(names):] + names[:r % len(names)]:
+            wall, peak, rc, out = spawn_measured(cmds[k], env, cwd=args.attnlab)  # `python -c` imports from its cwd
+            if rc != 0:
+                print(f"{k}: exit status {rc}; output tail: {out[-400:]!r}")
+                runs.pop(k, None)
+                names.remove(k)
+                break
+            inner = json.loads(out.strip().splitlines()[-1]) if k.startswith("attnlab") else {}
+            runs[k].append({"ttft_s": wall, "peak_rss_mib": peak, **inner})
+            print(f"  run {r + 1} {k}: {wall:.2f} s, peak RSS {peak:.0f} MiB", file=sys.stderr)
+
+    peer = next((statistics.median(x["ttft_s"] for x in v) for k, v in runs.items() if k.startswith("llama")), None)
+    print(f"\n| engine | TTFT s (median of {args.repeats}) | import / load / token s | peak RSS MiB | "
+          f"RSS / file | TTFT / llama.cpp |")
+    print("|---|---|---|---|---|---|")
+    summary = {}
+    for k, v in runs.items():
+        if not v:
+            continue
+        med = {key: statistics.median(x[key] for x in v) for key in v[0] if key.endswith(("_s", "_mib"))}
+        parts = " / ".join(f"{med[x]:.2f}" for x in ("import_s", "load_s", "token_s") if x in med) or "-"
+        ratio = f"{med['ttft_s'] / peer:.2f}x" if peer else "-"
+        print(f"| {k} | {med['ttft_s']:.2f} | {parts} | {med['peak_rss_mib']:.0f} | "
+              f"{med['peak_rss_mib'] / size:.2f}x | {ratio} |")
+        summary[k] = med
+    print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if args.json:
+        from attnlab.io import write_json
+        write_json(args.json, {"cpu": name, "flags": flags, "threads": args.threads, "file": str(path),
+                               "file_mib": size, "runs": runs, "medians": summary})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
