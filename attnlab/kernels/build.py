@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 _STATE: dict = {}
-SOURCES = ("kernels.cpp", "attend.cpp")  # quantized matmuls; single-query attention over the KV cache
+SOURCES = ("kernels.cpp", "attend.cpp", "step.cpp")  # quantized matmuls; decode attention; the native decode step
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c")
 CACHE = Path(os.environ.get("ATTNLAB_CACHE", Path.home() / ".cache" / "attnlab")) / "kernels"
 
