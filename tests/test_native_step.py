@@ -153,7 +153,12 @@ def _agreement(ref, got):
 @pytest.mark.slow
 def test_smollm2_int4_f16_cache_native_tracks_eager_at_depth(monkeypatch):
     """SmolLM2 int4:32 with a float16 cache, teacher-forced through 200 steps of Hamlet after 1,024 tokens:
-    the native step against eager; the same step with one layer's sign flipped fails the bounds."""
+    the native step against eager; the same step with one layer's sign flipped fails the bounds.
+
+    Bounds from measurement: native vs eager top-1 0.89, KL 0.0167 nats/token, which is eager's own
+    noise floor (eager with one norm weight nudged by 1e-6 against eager: 0.92 / 0.0171; the int8
+    rounding of activations turns any 1e-7 difference into that); layer 15's w2 (or wo) with its sign
+    flipped: 0.61 / 0.33 (0.57 / 0.38), layer 0's: <= 0.05 / 6.5."""
     import attnlab
     from attnlab.data import play_text
     torch.set_num_threads(1)
@@ -168,9 +173,9 @@ def test_smollm2_int4_f16_cache_native_tracks_eager_at_depth(monkeypatch):
     top1, kl = _agreement(ref, _teacher_forced(lm, state, ids, start))
     assert lm.compiled.calls["native"] == 200
     print(f"native vs eager: top-1 {top1:.3f}, KL {kl:.5f}")
-    assert top1 >= 0.97 and kl < 0.01
+    assert top1 >= 0.85 and kl < 0.03
     _flip_one_layer(monkeypatch, lm.model.layers[15].mlp.w2)
     lm.compile_decode()
     top1, kl = _agreement(ref, _teacher_forced(lm, state, ids, start))
     print(f"broken vs eager: top-1 {top1:.3f}, KL {kl:.5f}")
-    assert not (top1 >= 0.97 and kl < 0.01)
+    assert not (top1 >= 0.85 and kl < 0.03)
