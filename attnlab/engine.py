@@ -3,11 +3,12 @@
 Data flows one way: text -> token ids -> `LM` (network + KV cache/policy + options) -> logits ->
 a `Sampler` (generation) or an evaluator (perplexity, analysis). The network (`Transformer`) is
 pure tensor work; the engine's step (`LM.forward`) owns what happens around it: the cache's
-bookkeeping before and after, and the choice among the compiled, the sparse and the eager path.
+bookkeeping before and after, and the choice among the native, the sparse and the eager path.
 """
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,7 +36,7 @@ class LM:
     """A causal LM ready for inference. `model` is a plain `Transformer`; `tokenizer` a transformers tokenizer.
 
     sparsity: the Deja Vu plan every pass runs with (None = dense); `with_sparsity` gives a view of the
-    same weights under another plan. compiled: the compiled single-token step, if asked for."""
+    same weights under another plan. compiled: the native single-token step (`compile_decode`), if asked for."""
 
     def __init__(self, model: Transformer, tokenizer=None, source: Path | None = None, tokenizer_error: str = "",
                  kv_dtype: torch.dtype | None = None, options: Options | None = None, sparsity=None):
@@ -72,14 +73,17 @@ class LM:
             lm.compile_decode()
         return lm
 
-    def compile_decode(self, fullgraph: bool = False, options: dict | None = None) -> None:
-        """Compile the network for single-token decode steps (eager stays the reference and the fallback).
-
-        The cache length is a dynamic size (one graph for every length), the KV buffers are written in
-        place, and RoPE uses real cos/sin tables (inductor has no complex kernels). Steps in a situation
-        already compiled skip dynamo's guards (see `attnlab.model.compiled`). options: inductor settings."""
-        from attnlab.model.compiled import DecodeStep
-        self.compiled = DecodeStep(self.model, fullgraph, options)
+    def compile_decode(self) -> None:
+        """Run single-token decode steps as one native call (`attnlab.model.native`; eager stays the
+        reference and the fallback). Takes milliseconds: the step is C++ in the kernels' per-machine build.
+        Build it again after swapping a module of the network. Where the network is one the native step
+        cannot run (bfloat16, unfused quantized layers, no C++ kernels) it warns once and decodes eagerly."""
+        from attnlab.model.native import NativeStep
+        try:
+            self.compiled = NativeStep(self.model)
+        except ValueError as e:
+            self.compiled = None
+            warnings.warn(f"attnlab: --compile: the native decode step cannot run {e}; decoding eagerly")
 
     def with_sparsity(self, plan) -> "LM":
         """The same weights, cache settings and tokenizer under another sparsity plan (None = dense)."""
@@ -131,15 +135,17 @@ class LM:
     def forward(self, ids: torch.Tensor, cache: KVCache, last_only: bool = False, observers=()) -> torch.Tensor:
         """The engine's step: append ids [B, T] to the cache and return their logits [B, T (or 1), vocab].
 
-        Positions and room first (`cache.begin`), then the network, compiled for a plain single-token step
-        when compiled, eager otherwise, then counting and eviction (`cache.advance`)."""
+        Positions and room first (`cache.begin`), then the network: the native step for a plain single-token
+        step when compiled (`compile_decode`), eager otherwise; then counting and eviction (`cache.advance`)."""
         ids = _as_ids(ids)
         T = ids.shape[1]
         observers = (*observers, *cache.observers)
         fast = self.compiled is not None and T == 1 and not observers and self.sparsity is None
         step = cache.begin(T, self.model.rope, real=fast)
-        ctx = Pass(step.rot, step, cache.layers, observers=observers, sparsity=self.sparsity)
-        logits = (self.compiled if fast and not step.padded else self.model)(ids, ctx, last_only)
+        logits = self.compiled(ids, step, cache.layers) if fast and not step.padded else None
+        if logits is None:  # not a step the native one covers (batch, padding, cache layout): eager
+            ctx = Pass(step.rot, step, cache.layers, observers=observers, sparsity=self.sparsity)
+            logits = self.model(ids, ctx, last_only)
         cache.advance(T)
         return logits
 

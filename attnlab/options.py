@@ -71,7 +71,7 @@ class PolicySpec:
 class Options:
     """dtype: None (the file's format: a quantized GGUF stays packed, float32 activations), float32 or
     bfloat16 (every weight expanded to it). threads: torch threads (None: leave torch's). quant: 'int8', 'int4:32',
-    'kmeans:4', ... (`attnlab.quant.QuantSpec`). compile: compile the single-token decode step.
+    'kmeans:4', ... (`attnlab.quant.QuantSpec`). compile: the native single-token decode step.
     rope: a context-extension override ('yarn:4', 'linear:2', 'none'; `attnlab.rope.parse_rope`).
     sparsity: Deja Vu, 'PATH[:MLP[:HEADS]]', 'threshold@PATH:0.5', 'oracle:0.5', 'lowbit:0.5'
     (`attnlab.sparsity.plan.parse`). kv_dtype: KV-cache storage float32 | float16 | int8 (default: dtype).

@@ -184,7 +184,7 @@ class Rope:
 
     def rotation(self, pos: torch.Tensor, real: bool = False) -> torch.Tensor:
         """The table for `apply`: pos [B, T] -> [B, 1, T, head_dim / 2] complex (broadcast over heads),
-        or [B, 1, T, head_dim / 2, 2] (cos, sin) if real (for torch.compile, which has no complex kernels)."""
+        or [B, 1, T, head_dim / 2, 2] (cos, sin) if real (what the native decode step reads)."""
         rot = self.tables(pos)[:, None]
         return torch.view_as_real(rot) if real else rot
 

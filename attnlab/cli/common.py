@@ -39,7 +39,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="quantized weights: int8, int4[:GROUP] (default group 32), kmeans[:BITS[:GROUP]], "
                         "kmeans-naive[:BITS] (lookup-then-matmul baseline); default: the file's own formats")
     p.add_argument("--compile", action="store_true",
-                   help="compile the single-token decode step (torch.compile; tens of seconds on first use)")
+                   help="run each single-token decode step as one native C++ call (float32 activations; ready at load)")
     p.add_argument("--kv-dtype", default=None, choices=["float32", "float16", "int8"],
                    help="KV-cache storage (float16: half the cache memory and bytes read per token; int8: codes "
                         "and a scale per 32 numbers, 0.28x of float32; default: --dtype)")

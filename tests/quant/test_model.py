@@ -1,11 +1,10 @@
-"""Quantized networks: GGUF blocks loaded directly, saved checkpoints, the compiled decode step."""
+"""Quantized networks: GGUF blocks loaded directly, saved checkpoints (the native decode step: tests/test_native_step.py)."""
 import gguf
 import pytest
 import torch
 import transformers
 
 from attnlab.engine import LM
-from attnlab.kv import make_policy
 from attnlab.model.loaders import build, read_gguf
 from attnlab.quant import QuantLinear, model_bytes, quantize_model
 from attnlab.quant.store import save_quantized
@@ -62,79 +61,6 @@ def test_quantized_model_is_smaller_and_close(gguf_file):
         lm = LM.load(path, quant=spec, tokenizer=False)
         assert model_bytes(lm.model) < model_bytes(ref.model) / 2.5
         assert (lm.logits(ids) - base).abs().max() < tol * base.abs().max()
-
-
-@pytest.mark.parametrize("spec,kv", [(None, None), ("kmeans-naive:4", None), ("int4:32", None), (None, torch.int8)])
-def test_compiled_decode_step_equals_eager(spec, kv):
-    """The compiled single-token step against eager, with a block-evicting sink cache in `cache`
-    positions (keys re-rotated on eviction), through enough steps to evict several times.
-
-    Float paths agree to rounding. The fused int4 path rounds activations to int8 and an int8 cache
-    rounds keys and values, a step function: the 1e-7 differences of compiled elementwise code flip
-    an occasional code, which this deliberately sharp random model amplifies; there the check is
-    closeness, not equality."""
-    torch._dynamo.reset()
-    shape = dict(dim=64, hidden_dim=128, head_dim=32 if kv == torch.int8 else 0)
-    eager, fast = tiny_lm(**shape), tiny_lm(**shape)
-    for lm in (eager, fast):
-        lm.kv_dtype = kv
-        if spec:
-            quantize_model(lm.model, spec)
-    fast.compile_decode(fullgraph=True)  # a graph break would raise here
-    ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(0))
-    outs = []
-    for lm in (eager, fast):
-        policy = make_policy("sink", 12, positions="cache", n_sink=2, chunk=8, block=4)
-        cache = lm.new_cache(policy=policy)
-        lm.prefill(ids[:, :8], cache)
-        outs.append(torch.cat([lm.forward(ids[:, t:t + 1], cache) for t in range(8, 40)], 1))
-        assert len(cache) <= 12 + 3
-    assert fast.compiled.calls["direct"] >= 24  # past the first steps, dynamo's guards are skipped
-    if spec != "int4:32" and kv is None:
-        torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=1e-5)
-    else:
-        assert (outs[1] - outs[0]).norm() / outs[0].norm() < 0.05
-        assert (outs[1].argmax(-1) == outs[0].argmax(-1)).float().mean() >= 0.9
-
-
-def test_compiled_step_skips_dynamo_only_where_it_recorded_the_inputs():
-    """The guard-free path must follow every change dynamo would have caught: a new (grown) cache,
-    a fresh conversation, the last-only head, and a module swapped after compiling (3-bit codebooks
-    where 4-bit ones were: same paths, tensors of other shapes), each time with the eager logits."""
-    torch._dynamo.reset()
-    eager, fast = tiny_lm(dim=64, hidden_dim=128), tiny_lm(dim=64, hidden_dim=128)
-    for lm in (eager, fast):
-        quantize_model(lm.model, "kmeans-naive:4")  # a float path: compiled and eager agree to rounding
-    fast.compile_decode()
-    ids = torch.randint(0, 97, (1, 30), generator=torch.Generator().manual_seed(1))
-
-    def decode(lm, cache, a, b, last_only=False):
-        return torch.cat([lm.forward(ids[:, t:t + 1], cache, last_only=last_only) for t in range(a, b)], 1)
-
-    caches = {}
-    for lm in (eager, fast):
-        caches[lm] = lm.new_cache(capacity=8)  # grows to 16 and 32 on the way
-        lm.prefill(ids[:, :4], caches[lm])
-    calls = fast.compiled.calls
-    torch.testing.assert_close(decode(fast, caches[fast], 4, 20), decode(eager, caches[eager], 4, 20),
-                               atol=2e-5, rtol=1e-5)
-    assert calls["direct"] >= 8 and calls["dynamo"] >= 3  # first steps, then one per capacity
-    assert calls["compiles"] == 2  # the slot is a size from the first step; the capacity once the cache grows
-    for lm in (eager, fast):  # a new conversation, read through the last-only head
-        caches[lm] = lm.new_cache(capacity=64)
-        lm.prefill(ids[:, :4], caches[lm])
-    before = dict(calls)
-    torch.testing.assert_close(decode(fast, caches[fast], 4, 12, True), decode(eager, caches[eager], 4, 12, True),
-                               atol=2e-5, rtol=1e-5)
-    assert calls["dynamo"] > before["dynamo"] and calls["direct"] > before["direct"]
-    donor = tiny_lm(dim=64, hidden_dim=128)
-    quantize_model(donor.model, "kmeans-naive:3")
-    for lm in (eager, fast):
-        lm.model.layers[1].mlp.w13 = donor.model.layers[1].mlp.w13
-    before = dict(calls)
-    torch.testing.assert_close(decode(fast, caches[fast], 12, 20, True), decode(eager, caches[eager], 12, 20, True),
-                               atol=2e-5, rtol=1e-5)
-    assert calls["dynamo"] > before["dynamo"]
 
 
 def test_smollm2_int4_loads_from_its_blocks_and_tracks_fp32(smollm2):

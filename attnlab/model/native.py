@@ -1,0 +1,139 @@
+"""The single-token decode step in one native call: `attnlab::DecodeStep` (`attnlab/kernels/step.cpp`).
+
+Why native and not compiled: a decode step is ~150 kernel calls, and what surrounds them (Python,
+dispatch, a compiled graph's ~500-tensor input list and dynamo's guards) is serial work that a
+second thread cannot share. `torch.compile` also cost 83-100 s on first use in every process whose
+inductor cache was gone, and skipping its guards took a recorder tied to one torch version's
+internals. The native step is plain C++ compiled into the kernels' extension: its only artefact is
+that per-machine build (`attnlab.kernels.build`), so a second process builds nothing and the step
+is ready the moment the model is loaded (walking the modules once, milliseconds).
+
+`NativeStep(model)` reads, once, every tensor a step needs and each linear layer's kernel call
+(`QuantLinear.kernel()`: op name + packed operands, whatever layout the kernels chose; a float
+`nn.Linear` is a matmul). It holds the network's tensors, not its modules: swap a module after
+building the step and build it again (`LM.compile_decode()`). A call covers batch 1, one token,
+no padding, a float32 / float16 / int8 cache, a sliding window over a cache that never evicted;
+anything else returns None and the engine's step runs the eager network instead (so do sparsity
+plans, observers and policies that score by attention: the engine never sends those here).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from attnlab.kernels import ops
+from attnlab.model.llama import Attention, Block, FeedForward, RMSNorm, Transformer
+from attnlab.quant.linear import QuantEmbedding, QuantLinear
+
+KV_DTYPES = (torch.float32, torch.float16, torch.int8)
+
+
+def kernel_call(layer: nn.Module) -> tuple[str, tuple, torch.Tensor | None] | str:
+    """(op name, operands after x, bias) of a linear layer ('' = a float weight), or why the step cannot run it."""
+    if type(layer) is nn.Linear:
+        if layer.weight.dtype != torch.float32:
+            return f"a {layer.weight.dtype} linear layer"
+        return "", (layer.weight.detach().contiguous(),), layer.bias
+    if type(layer) is not QuantLinear:
+        return f"a {type(layer).__name__} layer"
+    if not layer.fused:
+        return "unfused (naive) quantized layers"
+    op, args = layer.kernel()
+    return op, tuple(args), layer.bias
+
+
+def unsupported(model: nn.Module) -> str | None:
+    """Why the native step cannot run this network (None: it can)."""
+    if not ops.enabled():
+        return "the C++ kernels are not available"
+    if type(model) is not Transformer:
+        return f"a {type(model).__name__} network"
+    cfg = model.cfg
+    if model.norm.weight.dtype != torch.float32:
+        return f"{model.norm.weight.dtype} weights (float32 activations only)"
+    if cfg.head_dim % 8:
+        return f"head size {cfg.head_dim} (a multiple of 8 needed)"
+    if not (type(model.embed) is QuantEmbedding or type(model.embed) is nn.Embedding
+            and model.embed.weight.dtype == torch.float32):
+        return f"a {type(model.embed).__name__} embedding"
+    norms = [model.norm] + [n for b in model.layers for n in (b.attn_norm, b.mlp_norm)]
+    if any(type(n) is not RMSNorm or n.eps != model.norm.eps for n in norms):
+        return "norms other than one RMSNorm"
+    for b in model.layers:
+        if (type(b), type(b.attn), type(b.mlp)) != (Block, Attention, FeedForward):
+            return "a modified block"
+    for layer in _linears(model):
+        why = kernel_call(layer)
+        if isinstance(why, str):
+            return why
+    return None
+
+
+def _linears(model: Transformer) -> list[nn.Module]:
+    return [m for b in model.layers for m in (b.attn.wqkv, b.attn.wo, b.mlp.w13, b.mlp.w2)] + [model.lm_head]
+
+
+class NativeStep:
+    """A network's decode step as one `attnlab::DecodeStep`; call it with the engine's step and cache layers.
+
+    calls counts steps run natively ("native") and those handed back to eager ("eager")."""
+
+    def __init__(self, model: Transformer):
+        why = unsupported(model)
+        if why:
+            raise ValueError(why)
+        cfg = model.cfg
+        self.model = model
+        self.step = torch.classes.attnlab.DecodeStep(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                                                     cfg.hidden_dim, float(model.norm.eps))
+        self.embed = None  # the embedding looked up in Python (a head in repacked blocks, int4, with mins)
+        if type(model.embed) is QuantEmbedding:
+            head = model.embed.head[0]
+            if head.kind == "int8" and not head.repacked and not head.has_min:
+                self.step.set_embedding(head.q, head.scale, head.group)
+            else:
+                self.embed = model.embed
+        else:
+            self.step.set_embedding(model.embed.weight.detach().contiguous(), None, 0)
+        for b in model.layers:
+            self.step.add_norm(b.attn_norm.weight.detach())
+            self.step.add_norm(b.mlp_norm.weight.detach())
+        self.step.add_norm(model.norm.weight.detach())
+        for layer in _linears(model):
+            op, args, bias = kernel_call(layer)
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            ints = [int(a) for a in args if isinstance(a, int)]  # bools included
+            floats = [float(a) for a in args if isinstance(a, float)]
+            if len(tensors) + len(ints) + len(floats) != len(args):
+                raise ValueError(f"{op}: operands the native step cannot pass")
+            self.step.add_linear(op, tensors, ints, floats, None if bias is None else bias.detach().float())
+        self._bound: tuple = ()
+        self.calls = {"native": 0, "eager": 0}
+
+    def __call__(self, ids: torch.Tensor, step, kvs: list) -> torch.Tensor | None:
+        """Logits [1, 1, vocab] of one token at the cache's step (`KVCache.begin`), or None where not covered."""
+        kv0 = kvs[0]
+        slot, window = step.start, kv0.window
+        if ids.shape != (1, 1) or kv0.padded or kv0.k.dtype not in KV_DTYPES or kv0.k.shape[0] != 1:
+            self.calls["eager"] += 1
+            return None
+        first = 0
+        if window is not None and slot + 1 > window:  # the window is the last slots only if none was evicted
+            if not all(layer.natural for layer in kvs):
+                self.calls["eager"] += 1
+                return None
+            first = slot + 1 - window
+        if not self._bound or kv0.k is not self._bound[0] or kvs[-1].k is not self._bound[1]:
+            self._bind(kvs)
+        rot = step.rot if not step.rot.is_complex() else torch.view_as_real(step.rot)
+        self.calls["native"] += 1
+        x = None if self.embed is None else self.embed(ids).reshape(-1).contiguous()
+        return self.step.run(int(ids), slot, int(step.pos), first, rot, x)
+
+    def _bind(self, kvs: list) -> None:
+        """Hand the cache's buffers to the step (a new cache, or one whose buffers grew)."""
+        int8 = kvs[0].k_scale is not None
+        self.step.bind([layer.k for layer in kvs], [layer.v for layer in kvs],
+                       [layer.k_scale for layer in kvs] if int8 else [], [layer.v_scale for layer in kvs] if int8 else [],
+                       [layer.pos for layer in kvs])
+        self._bound = (kvs[0].k, kvs[-1].k)
