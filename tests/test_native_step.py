@@ -6,6 +6,7 @@ deliberately sharp random models amplify (a 1e-6 nudge of one norm weight moves 
 logits by 1-12%), so there the check is closeness, and a kernel with one layer's sign flipped shows
 that the bounds still catch a real error.
 """
+import dataclasses
 import os
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from attnlab.kernels import build, ops
 from attnlab.kv import make_policy
 from attnlab.kv.cache import cache_state, load_cache_state
 from attnlab.model import native
-from attnlab.quant import quantize_model
+from attnlab.quant import QuantLinear, quantize_model
 from tests.conftest import tiny_lm
 
 pytestmark = pytest.mark.skipif(not ops.load(), reason="C++ kernels not built (no compiler or AVX2)")
@@ -103,14 +104,18 @@ def test_networks_the_step_cannot_run_warn_and_decode_eagerly():
 
 
 def _flip_one_layer(monkeypatch, layer):
-    """kernel_call with one layer's weight negated (its float operands: weight, or scales and minima)."""
+    """kernel_call with one layer's weight negated (a float weight, or a quantized one's scales and minima,
+    in whatever layout the kernels hold it)."""
     real = native.kernel_call
+    if isinstance(layer, QuantLinear):
+        p = layer.packed
+        negated = QuantLinear(dataclasses.replace(p, scale=-p.scale, min=None if p.min is None else -p.min))
+    else:
+        negated = torch.nn.Linear(layer.in_features, layer.out_features, bias=False)
+        negated.weight.data = -layer.weight.data
 
     def flipped(m):
-        op, args, bias = real(m)
-        if m is layer:
-            args = tuple(-a if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
-        return op, args, bias
+        return real(negated if m is layer else m)
     monkeypatch.setattr(native, "kernel_call", flipped)
 
 
@@ -125,8 +130,9 @@ def test_a_broken_kernel_fails_the_quantized_bounds(monkeypatch):
 
 def test_a_second_process_builds_nothing():
     """The step's only artefact is the kernels' per-machine build: a new process loads it as it is."""
-    so = build.CACHE.glob("*/attnlab_qkernels.so")
+    so = build.CACHE.glob("*/attnlab_qkernels*.so")
     before = {p: p.stat().st_mtime for p in so}
+    assert before, "the kernels are built by the tests before this one"
     code = ("import time; t = time.perf_counter(); from attnlab.kernels import ops; assert ops.load(); "
             "import torch; torch.classes.attnlab.DecodeStep(64, 4, 2, 16, 96, 1e-5); print(time.perf_counter() - t)")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
