@@ -131,7 +131,7 @@ def parse_bench(text: str) -> list[dict]:
         raise ValueError("no JSON array in llama-bench output")
     rows = []
     for r in json.loads(text[start:]):
-        rows.append({"threads": int(r["n_threads"]), "flash": bool(r.get("flash_attn", False)),
+        rows.append({"threads": int(r["n_threads"]), "flash": int(r.get("flash_attn", 0)) == 1,
                      "depth": int(r.get("n_depth", 0)), "n_prompt": int(r["n_prompt"]), "n_gen": int(r["n_gen"]),
                      "ub": int(r.get("n_ubatch", 0)), "tps": float(r["avg_ts"]), "tps_sd": float(r.get("stddev_ts", 0)),
                      "samples": [float(s) for s in r.get("samples_ts", [])]})
