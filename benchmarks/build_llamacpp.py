@@ -53,20 +53,29 @@ def source(version: str | None) -> Path:
 
 
 def build(tree: Path, name: str, spec: dict, jobs: int) -> Path:
-    """Configure and build one variant (cached by source and flags); returns its bin folder."""
+    """Configure and build one variant; returns a folder holding its binaries (cached by source and flags).
+    Every variant reuses one build folder per source: reconfiguring changes only ggml-cpu's ISA flags, so
+    the second variant recompiles ggml-cpu alone, not libllama and common (minutes on a 2-core machine)."""
     key = hashlib.sha256(json.dumps([str(tree), COMMON, spec["cmake"], TARGETS]).encode()).hexdigest()[:10]
-    out = CACHE / "build" / f"{name}-{key}"
-    bins = out / "bin"
-    if all((bins / t).exists() for t in TARGETS):
-        print(f"{name}: cached build {out}")
-        return bins
+    done = CACHE / "bins" / f"{name}-{key}"
+    if all((done / t).exists() for t in TARGETS):
+        print(f"{name}: cached build {done}")
+        return done
+    out = CACHE / "build" / hashlib.sha256(str(tree).encode()).hexdigest()[:10]
     t = time.time()
     subprocess.run(["cmake", "-S", str(tree), "-B", str(out), *COMMON, *spec["cmake"]], check=True,
                    stdout=subprocess.DEVNULL)
     subprocess.run(["nice", "-n", "10", "cmake", "--build", str(out), "-j", str(jobs), "--target", *TARGETS],
                    check=True)
+    tmp = done.with_name(done.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for target in TARGETS:
+        shutil.copy2(out / "bin" / target, tmp / target)
+    shutil.rmtree(done, ignore_errors=True)
+    tmp.rename(done)
     print(f"{name}: built in {time.time() - t:.0f} s ({' '.join(spec['cmake'])})")
-    return bins
+    return done
 
 
 def install(bins: Path, dest: Path, meta: dict) -> None:
