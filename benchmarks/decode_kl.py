@@ -56,6 +56,8 @@ def main(argv=None) -> None:
     p.add_argument("--kv", default="float32", help="our KV-cache dtype on the decode path (float32, float16, int8)")
     p.add_argument("--files", default="q4_1,q4_k_m", help=f"llama.cpp's quantized files, among {','.join(FILES)}; "
                    "each also loaded by us (--quant unset) where our loader reads it")
+    p.add_argument("--file-paths", default="prefill,decode", help="our paths for each of --files (prefill is how "
+                   "llama-perplexity computes; decode is one token per step)")
     p.add_argument("--n-ctx", type=int, default=2048)
     p.add_argument("--chunks", type=int, default=1)
     p.add_argument("--threads", type=int, default=1)
@@ -92,7 +94,8 @@ def main(argv=None) -> None:
     for spec in filter(None, args.formats.split(",")):
         formats[f"{spec}{' compiled' if spec in args.compile.split(',') else ''} decode"] = ours(spec)
     for f in filter(None, args.files.split(",")):
-        formats[f"{f} file prefill"] = ours("file", "prefill", FILES[f])
+        for path in filter(None, args.file_paths.split(",")):
+            formats[f"{f} file {path}"] = ours("file", path, FILES[f])
     reference = lambda: attnlab.LM.load(ref_file, tokenizer=False)  # noqa: E731
     rows = []
     for name, (load, path) in formats.items():  # one at a time: a format our loader cannot read is reported
