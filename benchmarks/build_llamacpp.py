@@ -54,8 +54,8 @@ def source(version: str | None) -> Path:
 
 def build(tree: Path, name: str, spec: dict, jobs: int) -> Path:
     """Configure and build one variant; returns a folder holding its binaries (cached by source and flags).
-    Every variant reuses one build folder per source: reconfiguring changes only ggml-cpu's ISA flags, so
-    the second variant recompiles ggml-cpu alone, not libllama and common (minutes on a 2-core machine)."""
+    Every variant reuses one build folder per source: reconfiguring changes the ISA flags, so the second
+    variant reruns 77 of the 144 build steps (measured: common's objects are kept), not all of them."""
     key = hashlib.sha256(json.dumps([str(tree), COMMON, spec["cmake"], TARGETS]).encode()).hexdigest()[:10]
     done = CACHE / "bins" / f"{name}-{key}"
     if all((done / t).exists() for t in TARGETS):
