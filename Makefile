@@ -57,11 +57,11 @@ dejavu: $(STAMP)
 pi-repro: $(STAMP)
 	$(BIN)/python benchmarks/pi_repro.py --threads $(THREADS)
 
-# llama.cpp, the speed anchor: built from the llama-cpp-python source package into the venv
-# (native CPU flags), so the benchmarks time it on the same GGUF file. Not a dependency of attnlab.
+# llama.cpp, the speed and quality peer: its vendored tree in the llama-cpp-python source package, built two
+# ways (native; generic ISA flags without AMX) into build/llamacpp/{native,generic}/bin (LLAMACPP_PREFIX=dir
+# elsewhere). An AMX probe records where the native build needs -ub 1. Not a dependency of attnlab.
 bench-llamacpp: $(STAMP)
-	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \
-		$(BIN)/pip install --no-binary llama-cpp-python llama-cpp-python
+	$(BIN)/python benchmarks/build_llamacpp.py $(if $(LLAMACPP_PREFIX),--prefix $(LLAMACPP_PREFIX))
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -7,13 +7,16 @@ ratio to our fp32 eager engine and the % of each variant's memory-bandwidth boun
 must read per token: weights + KV cache at that depth, over the measured read bandwidth).
 
 Variants: ours fp32/bf16/int8/int4:32/kmeans:4 (fused) and kmeans-naive:4 (lookup-then-matmul),
-eager and (`--compile`) compiled; transformers fp32; llama.cpp through llama-cpp-python when
-installed (`make bench-llamacpp`), flash attention on and off (the faster is the anchor).
-A compiled variant gets a fresh step per depth, one static-capacity graph as a process whose cache
-keeps one size runs (a server's bounded cache); `--shared-graph` keeps one step across depths, which
-dynamo recompiles with the capacity dynamic at the second depth, as a process whose caches change size.
+eager and (`--compile`) compiled; transformers fp32; llama.cpp's own `llama-bench` (`make bench-llamacpp`:
+a native and a generic build, `-ub 1` where the native one needs it), flash attention on and off, one
+repetition per interleaved round; the ratio table compares ours with llama.cpp's fastest build per cell.
+The run starts with the CPU model, its ISA flags and attnlab's kernel variant. `--model` times another
+GGUF (benchmarks/make_gguf.py makes a Q4_K_M SmolLM2 and a Llama-3.2-1B-shaped file).
+A compiled variant runs the native single-token step (`--compile`, `attnlab/kernels/step.cpp`).
 
     python benchmarks/decode_speed.py --threads 1,2 --repeats 5 --compile
+    python benchmarks/decode_speed.py --variants int4:32 --no-transformers --steps 32 --repeats 3 \
+        --model ~/.cache/attnlab/bench/llama1b-q4_0.gguf --lengths 128,4096 --threads 1,2   # at 1B size
     python benchmarks/decode_speed.py --variants fp32,int4:32 --lengths 128 --threads 1   # quick
     python benchmarks/decode_speed.py --variants fp32 --compile int4:32 --kv float32,float16,int8 \
         --llamacpp-kv f16,q8_0   # KV-cache formats, ours and llama.cpp's
@@ -21,12 +24,14 @@ dynamo recompiles with the capacity dynamic at the second depth, as a process wh
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 
 import torch
+
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
+import llamacpp  # noqa: E402
 
 OURS = ["fp32", "bf16", "int8", "int4:32", "kmeans:4", "kmeans-naive:4"]
 
@@ -55,20 +60,16 @@ def weights_read(model) -> int:
 
 
 class Ours:
-    def __init__(self, spec: str, compile_: bool, kv: str = "float32", fresh_graph: bool = True):
-        """fresh_graph (compiled only): a new compiled step for each depth's cache (a static capacity, as in a
-        process whose cache keeps one size), not the one compiled for an earlier depth, which dynamo
-        recompiles with the capacity dynamic on meeting a second size (`--shared-graph` measures that)."""
+    def __init__(self, spec: str, compile_: bool, kv: str = "float32", model: str = "smollm2-135m"):
+        """spec: fp32, bf16, a --quant format, or "file" (a GGUF in its own formats, the default load)."""
         import attnlab
-        self.fresh_graph = compile_ and fresh_graph
         self.name = spec + (" compiled" if compile_ else "") + {"float16": " kv16", "int8": " kv8"}.get(kv, "")
-        dtype = "bfloat16" if spec == "bf16" else "float32"
-        quant = None if spec in ("fp32", "bf16") else spec
+        dtype = {"bf16": "bfloat16", "file": None}.get(spec, "float32")
+        quant = None if spec in ("fp32", "bf16", "file") else spec
         t = time.perf_counter()
-        self.lm = attnlab.LM.load("smollm2-135m", dtype=dtype, quant=quant, compile=compile_, tokenizer=False,
+        self.lm = attnlab.LM.load(model, dtype=dtype, quant=quant, compile=compile_, tokenizer=False,
                                   kv_dtype=None if dtype == "bfloat16" else kv)
         self.load_s = time.perf_counter() - t
-        self.compile_s = None
         self.kv_slot = self.lm.new_cache(capacity=1).nbytes()  # bytes per cached token, scales included
         self.bytes = weights_read(self.lm.model)
         self.caches = {}
@@ -81,13 +82,7 @@ class Ours:
         cache = self.lm.new_cache(capacity=ids.shape[1] + steps + 1)
         self.lm.prefill(ids, cache)
         self.caches[ids.shape[1]] = cache
-        if self.compile_s is not None and self.fresh_graph:
-            self.lm.compile_decode()
-            self.decode(ids.shape[1], 3)  # compiles: a hit in inductor's on-disk cache after the first depth
-        if self.compile_s is None:  # the first step compiles (the write slot a dynamic size)
-            t = time.perf_counter()
-            self.decode(ids.shape[1], 3)
-            self.compile_s = time.perf_counter() - t
+        self.decode(ids.shape[1], 3)  # warm-up: caches, thread pools
 
     @torch.inference_mode()
     def decode(self, length, steps):
@@ -115,7 +110,7 @@ class Transformers:
         self.name = "transformers fp32"
         t = time.perf_counter()
         self.hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-        self.load_s, self.compile_s = time.perf_counter() - t, None
+        self.load_s = time.perf_counter() - t
         self.bytes = sum(p.numel() * 4 for n, p in self.hf.named_parameters() if "embed" not in n) + \
             self.hf.lm_head.weight.numel() * 4 * (not any("lm_head" in n for n, _ in self.hf.named_parameters()))
         self.caches = {}
@@ -154,53 +149,66 @@ class Transformers:
         return ids.shape[1] / (time.perf_counter() - t)
 
 
-class LlamaCpp:
-    """llama.cpp on the same GGUF file, through llama-cpp-python: f16 KV cache (its default) or q8_0
-    (int8 + an f16 scale per 32; llama.cpp quantizes V only under flash attention)."""
+class LlamaBench:
+    """llama.cpp's own `llama-bench` on the same GGUF file, one repetition per call (so its runs interleave
+    with ours): decode `-p 0 -n steps -d depth`, prefill `-p N -n 0`; f16 KV cache (its default) or q8_0.
+    Each call loads the file (mmap) and fills the depth first; only the timed part is reported."""
 
-    KV_TYPES = {"f16": (1, 2.0), "q8_0": (8, 34 / 32)}  # ggml type id, bytes per number
+    KV_ELEM = {"f16": 2.0, "q8_0": 34 / 32}  # bytes per cached number
 
-    def __init__(self, path, threads: int, flash: bool, n_ctx: int, kv: str = "f16"):
-        from llama_cpp import Llama
-        self.name = f"llama.cpp fa={'on' if flash else 'off'}" + (f" kv={kv}" if kv != "f16" else "")
-        ggml_type, self.kv_elem = self.KV_TYPES[kv]
-        t = time.perf_counter()
-        self.llm = Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                         n_batch=512, flash_attn=flash, type_k=ggml_type, type_v=ggml_type, verbose=False)
-        self.load_s, self.compile_s = time.perf_counter() - t, None
+    def __init__(self, build: str, meta: dict, path, threads: int, flash: bool, kv: str = "f16"):
+        self.meta, self.path, self.threads, self.flash, self.kv = meta, path, threads, flash, kv
+        self.name = f"llama.cpp {build}{' -ub 1' if meta.get('ub1') else ''} fa={'on' if flash else 'off'}" \
+            + (f" kv={kv}" if kv != "f16" else "")
+        self.load_s = None
         self.bytes = path.stat().st_size  # every tensor of the file is read per token (tied head included)
-        self.length = None
+        self.kv_slot = kv_slot_elems(path) * self.KV_ELEM[kv]
 
     def kv_bytes(self, length):
-        return 2 * 30 * 3 * 64 * self.kv_elem * length  # SmolLM2: 30 layers, 3 KV heads of 64
+        return self.kv_slot * length
 
-    def _rewind(self, length):
-        self.llm._ctx.kv_cache_seq_rm(-1, length, -1)
-        self.llm.n_tokens = length
+    def _run(self, args):
+        args = ["-t", str(self.threads), "-fa", "1" if self.flash else "0", "-r", "1", "-ctk", self.kv,
+                "-ctv", self.kv, *args]
+        return llamacpp.run_bench(self.meta, self.path, args)[0]["tps"]
 
     def prepare(self, ids, steps):
-        self.llm.reset()
-        self.llm._ctx.kv_cache_clear()
-        self.llm.eval(ids[0].tolist())
-        self.length = ids.shape[1]
+        self.steps = steps
 
     def decode(self, length, steps):
-        assert length == self.length
-        self._rewind(length)
-        t = time.perf_counter()
-        for _ in range(steps):
-            self.llm.eval([7])
-        return steps / (time.perf_counter() - t)
+        return self._run(["-p", "0", "-n", str(steps), "-d", str(length)])
 
     def release(self, length):
         pass
 
     def prefill(self, ids):
-        self.llm.reset()
-        self.llm._ctx.kv_cache_clear()
-        t = time.perf_counter()
-        self.llm.eval(ids[0].tolist())
-        return ids.shape[1] / (time.perf_counter() - t)
+        return self._run(["-p", str(ids.shape[1]), "-n", "0"])
+
+
+def kv_slot_elems(path) -> int:
+    """Numbers one cached token holds (K and V, every layer), from the GGUF's metadata."""
+    import gguf
+    f = gguf.GGUFReader(str(path)).fields
+    get = lambda k: int(f[f"llama.{k}"].contents())  # noqa: E731
+    return 2 * get("block_count") * get("attention.head_count_kv") * (get("embedding_length") // get("attention.head_count"))
+
+
+def peer_table(rows: dict, cols: list[str], cpp_names: list[str], threads: int) -> dict:
+    """Print and return each of our variants against llama.cpp's fastest build (and flash mode) per cell."""
+    best = {c: max(cpp_names, key=lambda n: rows[n][c]["tok_s"]) for c in cols}
+    print(f"\n### {threads} thread{'s' if threads > 1 else ''}: x llama.cpp's fastest working build per cell\n")
+    print("| variant | " + " | ".join(cols) + " |")
+    print("|---|" + "---|" * len(cols))
+    print("| llama.cpp best (tok/s) | " + " | ".join(f"{rows[best[c]][c]['tok_s']:.1f} ({best[c][len('llama.cpp '):]})"
+                                                     for c in cols) + " |")
+    out = {"best": {c: {"name": best[c], "tok_s": rows[best[c]][c]["tok_s"]} for c in cols}, "ratio": {}}
+    for name, r in rows.items():
+        if name in cpp_names:
+            continue
+        ratio = {c: r[c]["tok_s"] / rows[best[c]][c]["tok_s"] for c in cols}
+        out["ratio"][name] = ratio
+        print(f"| {name} | " + " | ".join(f"{ratio[c]:.2f}x" for c in cols) + " |")
+    return out
 
 
 def interleaved(variants, fn, repeats):
@@ -228,46 +236,46 @@ def main(argv=None) -> int:
     p.add_argument("--compile-kv", default=None, help="KV-cache dtypes of the compiled variants (default: --kv)")
     p.add_argument("--llamacpp-kv", default="f16", help="comma list of llama.cpp KV-cache types (f16, q8_0); "
                    "q8_0 runs with flash attention only (llama.cpp's requirement)")
-    p.add_argument("--shared-graph", action="store_true", help="one compiled step per model across depths "
-                   "(its capacity turns dynamic at the second depth) instead of a fresh static one per depth")
     p.add_argument("--no-transformers", action="store_true")
     p.add_argument("--no-llamacpp", action="store_true")
+    p.add_argument("--llamacpp-builds", default="native,generic", help="which of llama.cpp's builds to time "
+                   "(build/llamacpp of this checkout, else of /work/main)")
+    p.add_argument("--model", default="smollm2-135m", help="the GGUF file (or embedded name) every engine runs")
     p.add_argument("--json", default=None, help="write every measurement here")
     args = p.parse_args(argv)
     threads = [int(t) for t in args.threads.split(",")]
     lengths = [int(x) for x in args.lengths.split(",")]
 
     from attnlab.model.loaders import resolve
-    path = resolve("smollm2-135m")
+    print(llamacpp.header())
+    path = resolve(args.model)
     torch.set_num_threads(threads[0])
     kvs = args.kv.split(",")
 
     def load_variants():  # per thread count: compiled code and thread pools set up at that count
-        vs = [Ours(s, False, kv) for s in args.variants.split(",") if s for kv in kvs if s != "bf16" or kv == kvs[0]]
+        vs = [Ours(s, False, kv, model=args.model) for s in args.variants.split(",") if s for kv in kvs if s != "bf16" or kv == kvs[0]]
         compiled_kvs = (args.compile_kv or args.kv).split(",")
-        vs += [Ours(s, True, kv, not args.shared_graph) for s in args.compile.split(",") if s for kv in compiled_kvs]
+        vs += [Ours(s, True, kv, model=args.model) for s in args.compile.split(",") if s for kv in compiled_kvs]
         if not args.no_transformers:
             vs.append(Transformers(path))
         return vs
 
-    try:
-        import llama_cpp  # noqa: F401
-        have_cpp = not args.no_llamacpp
-    except ImportError:
-        have_cpp = False
-        print("llama-cpp-python not installed (make bench-llamacpp): llama.cpp not measured", file=sys.stderr)
+    builds = {} if args.no_llamacpp else {k: v for k, v in llamacpp.find_builds().items()
+                                           if k in args.llamacpp_builds.split(",")}
+    if not builds and not args.no_llamacpp:
+        print("llama.cpp is not built (make bench-llamacpp): llama.cpp not measured", file=sys.stderr)
+    for name, meta in builds.items():
+        print(f"llama.cpp {name}: {meta['bin']} ({meta.get('version', '?')}; {meta.get('note', '')})")
     bw = bandwidth_gbs()
     gen = torch.Generator().manual_seed(0)
     results = {"bandwidth_gbs": bw, "threads": {}, "load_s": {}}
     print(f"measured read bandwidth {bw:.1f} GB/s; steps/run {args.steps}; repeats {args.repeats}")
     for t in threads:
         torch.set_num_threads(t)
-        torch._dynamo.reset()
         variants = load_variants()
         results["load_s"].update({v.name: v.load_s for v in variants})
-        n_ctx = max(max(lengths) + args.steps, args.prefill) + 8  # room for the decode runs and the prefill test
-        cpp = [LlamaCpp(path, t, fa, n_ctx, kv) for kv in args.llamacpp_kv.split(",")
-               for fa in ((False, True) if kv == "f16" else (True,))] if have_cpp else []
+        cpp = [LlamaBench(b, meta, path, t, fa, kv) for b, meta in builds.items() for kv in args.llamacpp_kv.split(",")
+               for fa in ((False, True) if kv == "f16" else (True,))]
         allv = variants + cpp
         rows = {}
         for length in lengths:
@@ -298,11 +306,11 @@ def main(argv=None) -> int:
                 pct = f"; {x['pct_bound']:.0f}%" if "pct_bound" in x else ""
                 cells.append(f"{x['tok_s']:.1f} ({x['tok_s'] / base[c]['tok_s']:.2f}x{pct})")
             print(f"| {name} | " + " | ".join(cells) + " |")
-        comp = {v.name: round(v.compile_s, 1) for v in variants if v.compile_s is not None and "compiled" in v.name}
-        if comp:
-            print(f"\ncompile time (first decode steps, s): {comp}")
-            print("compiled steps by path" + ("" if args.shared_graph else " (last depth)") + ": " + ", ".join(
+        if any("compiled" in v.name for v in variants):
+            print("\ncompiled steps by path: " + ", ".join(
                 f"{v.name} {getattr(v.lm.compiled, 'calls', None)}" for v in variants if "compiled" in v.name))
+        if cpp:
+            results.setdefault("vs_llamacpp", {})[t] = peer_table(rows, cols, [v.name for v in cpp], t)
         del cpp, variants, allv
     print("load time (s): " + ", ".join(f"{k} {x:.1f}" for k, x in results["load_s"].items()))
     if args.json:
