@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 _STATE: dict = {}
-SOURCES = ("kernels.cpp", "attend.cpp")  # quantized matmuls; single-query attention over the KV cache
+SOURCES = ("kernels.cpp", "attend.cpp", "sparse_cols.cpp")  # quantized matmuls; attention over the KV cache; TEAL
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c")
 CACHE = Path(os.environ.get("ATTNLAB_CACHE", Path.home() / ".cache" / "attnlab")) / "kernels"
 

@@ -126,3 +126,26 @@ def rows_mv(kind: str, x: torch.Tensor, operands: tuple, idx: torch.Tensor) -> t
 def rows_axpy(kind: str, a: torch.Tensor, operands: tuple, idx: torch.Tensor) -> torch.Tensor:
     """a [k] float32, idx [k] int64 -> [K]: sum_j a_j w[idx_j] (repeated indices add up)."""
     return bound_rows(kind, operands)[1](a, idx)
+
+
+# ---------------------------------------------------------------- column-sparse ops (TEAL)
+# y = W (x thresholded) for one token, on W stored transposed: wt [K inputs, N outputs], one input
+# channel per row, given as operands(kind) like the row ops: (wt,) | (q, scale, group) | (qs, scale, min, group)
+# with groups of 32 along N (attnlab/kernels/sparse_cols.cpp). Channels with |x_j| <= tau are never read.
+
+def bound_cols(kind: str, operands: tuple):
+    """cols(x [K] float32, tau) -> [N] float32 for one transposed weight, its op looked up once (the decode
+    step calls it four times a layer)."""
+    if enabled():
+        op = getattr(torch.ops.attnlab, f"{kind}_cols_mv")
+        return lambda x, tau: op(x, tau, *operands)
+
+    def cols(x, tau):
+        idx = (x.abs() > tau).nonzero().flatten()
+        return x.index_select(0, idx) @ _rows(kind, operands, idx)
+    return cols
+
+
+def cols_mv(kind: str, x: torch.Tensor, tau: float, operands: tuple) -> torch.Tensor:
+    """x [K] float32 -> [N]: sum over j with |x_j| > tau of x_j * wt[j] (tau < 0 keeps every channel)."""
+    return bound_cols(kind, operands)(x, tau)

@@ -1,0 +1,202 @@
+// TEAL's column-sparse matvec for batch-1 decoding: one fused op per projection.
+//
+// y = W x with x thresholded: an input channel j whose |x_j| <= tau is dropped, so its column of W is
+// never read. The weight is stored transposed, wt [K inputs, N outputs], so one input channel's
+// weights are one contiguous row: the op selects the active channels (threshold, select), then streams
+// each active row once and accumulates a_j * wt[j] into y (gather-accumulate), y kept in L1.
+//   f32: wt float32 [K, N]
+//   q8:  q int8 [K, N], scale [K, N/32]               w = q * s          (groups of 32 outputs)
+//   q4:  qs uint8 [K, N/2], scale, min [K, N/32]       w = code * s + m   (ggml's Q4 nibble layout: byte
+//        i of a 16-byte block holds output i in its low nibble and output i + 16 in its high one)
+// Quantised along the output dimension because a row here is one input channel (see docs/dejavu.md).
+// The arithmetic is float (dequantised in registers): the coefficients a_j * s differ per row and
+// group, so there is no shared activation scale to multiply in integers with.
+// Four rows per pass over the thread's slice of y; the next pass's rows are prefetched block by block
+// (the rows are scattered, so the hardware prefetcher restarts at each). AVX2 + FMA everywhere, 16-lane
+// AVX-512 paths where the build has them. Columns split across torch's threads (none at 1 thread).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int ROWS = 4;  // rows accumulated per pass
+
+#if defined(__AVX512F__)
+using Vec = __m512;
+constexpr int VN = 2;  // vectors per 32-column block
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vset1(float a) { return _mm512_set1_ps(a); }
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline void block_f32(const float* p, Vec v[VN]) { v[0] = _mm512_loadu_ps(p), v[1] = _mm512_loadu_ps(p + 16); }
+inline void block_q8(const int8_t* p, Vec v[VN]) {
+  for (int i = 0; i < 2; ++i)
+    v[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * i))));
+}
+inline void block_q4(const uint8_t* p, Vec v[VN]) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), low = _mm_set1_epi8(0x0F);
+  v[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, low)));
+  v[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), low)));
+}
+#else
+using Vec = __m256;
+constexpr int VN = 4;
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vset1(float a) { return _mm256_set1_ps(a); }
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline void block_f32(const float* p, Vec v[VN]) {
+  for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(p + 8 * i);
+}
+inline void block_q8(const int8_t* p, Vec v[VN]) {
+  for (int i = 0; i < 4; ++i)
+    v[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * i))));
+}
+inline void block_q4(const uint8_t* p, Vec v[VN]) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), low = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
+  v[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+  v[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+  v[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+  v[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+}
+#endif
+
+// The active channels of x [K]: |x_j| > tau (tau < 0 keeps them all). Per-thread buffers, reused.
+struct Active {
+  const int64_t* idx;
+  const float* a;
+  int64_t k;
+  Active(const float* x, int64_t K, float tau) {
+    thread_local std::vector<int64_t> ib;
+    thread_local std::vector<float> ab;
+    if (static_cast<int64_t>(ib.size()) < K) ib.resize(K), ab.resize(K);
+    k = 0;
+    for (int64_t j = 0; j < K; ++j)
+      if (std::fabs(x[j]) > tau) ib[k] = j, ab[k++] = x[j];
+    idx = ib.data(), a = ab.data();
+  }
+};
+
+// y [N] = sum over active j of a_j * row j, rows given by fmt: fmt.block(j, b, v) loads block b (32
+// outputs) of row j as floats, fmt.scale(j, b) its factor, fmt.offset(j, b) a constant added to all 32
+// (q4's min: accumulated per block as a_j * m and added at the end), fmt.addr(j, b) for prefetching.
+template <class Fmt>
+torch::Tensor cols(const torch::Tensor& x, double tau, int64_t K, int64_t N, const Fmt& fmt) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous() && x.numel() == K,
+              "x must be a contiguous float32 vector of size ", K);
+  TORCH_CHECK(N % 32 == 0, "the output size must be a multiple of 32, got ", N);
+  const Active act(x.data_ptr<float>(), K, static_cast<float>(tau));
+  auto out = torch::zeros({N}, x.options());
+  float* O = out.data_ptr<float>();
+  const int64_t nb = N / 32;
+  auto run = [&](int64_t b0, int64_t b1) {
+    thread_local std::vector<float> mins;
+    if (Fmt::has_offset) mins.assign(b1 - b0, 0.f);
+    for (int64_t j = 0; j < act.k; j += ROWS) {
+      const int64_t n = std::min<int64_t>(ROWS, act.k - j), nn = std::min<int64_t>(ROWS, act.k - j - n);
+      const int64_t* rows = act.idx + j;
+      for (int64_t b = b0; b < b1; ++b) {
+        for (int64_t t = 0; t < nn; ++t) _mm_prefetch(fmt.addr(rows[n + t], b), _MM_HINT_T0);
+        Vec acc[VN];
+        for (int i = 0; i < VN; ++i) acc[i] = vload(O + b * 32 + i * (32 / VN));
+        for (int64_t t = 0; t < n; ++t) {
+          Vec v[VN];
+          fmt.block(rows[t], b, v);
+          const Vec c = vset1(act.a[j + t] * fmt.scale(rows[t], b));
+          for (int i = 0; i < VN; ++i) acc[i] = vfma(v[i], c, acc[i]);
+          if (Fmt::has_offset) mins[b - b0] += act.a[j + t] * fmt.offset(rows[t], b);
+        }
+        for (int i = 0; i < VN; ++i) vstore(O + b * 32 + i * (32 / VN), acc[i]);
+      }
+    }
+    if (Fmt::has_offset)
+      for (int64_t b = b0; b < b1; ++b)
+        for (int i = 0; i < 32; ++i) O[b * 32 + i] += mins[b - b0];
+  };
+  if (at::get_num_threads() == 1 || act.k * N < (1 << 16)) run(0, nb); else at::parallel_for(0, nb, 4, run);
+  return out;
+}
+
+void check_scales(const torch::Tensor& w, int64_t K, int64_t N, int64_t group, std::initializer_list<torch::Tensor> ps) {
+  TORCH_CHECK(w.is_contiguous() && w.dim() == 2 && w.size(0) == K, "weights must be contiguous [K, *]");
+  TORCH_CHECK(group == 32, "the column-sparse formats quantise in groups of 32 outputs, got group ", group);
+  for (const auto& p : ps)
+    TORCH_CHECK(p.scalar_type() == torch::kFloat && p.is_contiguous() && p.numel() == K * (N / 32),
+                "scales must be contiguous float32 [K, N/32]");
+}
+
+struct F32 {
+  static constexpr bool has_offset = false;
+  const float* W;
+  int64_t N;
+  void block(int64_t j, int64_t b, Vec* v) const { block_f32(W + j * N + b * 32, v); }
+  float scale(int64_t, int64_t) const { return 1.f; }
+  float offset(int64_t, int64_t) const { return 0.f; }
+  const char* addr(int64_t j, int64_t b) const { return reinterpret_cast<const char*>(W + j * N + b * 32); }
+};
+
+struct Q8 {
+  static constexpr bool has_offset = false;
+  const int8_t* Q;
+  const float* S;
+  int64_t N;
+  void block(int64_t j, int64_t b, Vec* v) const { block_q8(Q + j * N + b * 32, v); }
+  float scale(int64_t j, int64_t b) const { return S[j * (N / 32) + b]; }
+  float offset(int64_t, int64_t) const { return 0.f; }
+  const char* addr(int64_t j, int64_t b) const { return reinterpret_cast<const char*>(Q + j * N + b * 32); }
+};
+
+struct Q4 {
+  static constexpr bool has_offset = true;
+  const uint8_t* Q;
+  const float *S, *MN;
+  int64_t N;
+  void block(int64_t j, int64_t b, Vec* v) const { block_q4(Q + j * N / 2 + b * 16, v); }
+  float scale(int64_t j, int64_t b) const { return S[j * (N / 32) + b]; }
+  float offset(int64_t j, int64_t b) const { return MN[j * (N / 32) + b]; }
+  const char* addr(int64_t j, int64_t b) const { return reinterpret_cast<const char*>(Q + j * N / 2 + b * 16); }
+};
+
+}  // namespace
+
+// x [K] fp32, tau: drop |x_j| <= tau (negative: keep all); wt [K, N] fp32 -> [N] = wt^T (x masked)
+torch::Tensor f32_cols_mv(torch::Tensor x, double tau, torch::Tensor wt) {
+  TORCH_CHECK(wt.scalar_type() == torch::kFloat && wt.is_contiguous() && wt.dim() == 2, "wt must be contiguous float32 [K, N]");
+  const int64_t K = wt.size(0), N = wt.size(1);
+  return cols(x, tau, K, N, F32{wt.data_ptr<float>(), N});
+}
+
+// q [K, N] int8, scale [K, N/32] fp32
+torch::Tensor q8_cols_mv(torch::Tensor x, double tau, torch::Tensor q, torch::Tensor scale, int64_t group) {
+  TORCH_CHECK(q.scalar_type() == torch::kChar, "q must be int8 [K, N]");
+  const int64_t K = q.size(0), N = q.size(1);
+  check_scales(q, K, N, group, {scale});
+  return cols(x, tau, K, N, Q8{q.data_ptr<int8_t>(), scale.data_ptr<float>(), N});
+}
+
+// qs [K, N/2] uint8, scale and min [K, N/32] fp32
+torch::Tensor q4_cols_mv(torch::Tensor x, double tau, torch::Tensor qs, torch::Tensor scale, torch::Tensor min,
+                         int64_t group) {
+  TORCH_CHECK(qs.scalar_type() == torch::kByte, "qs must be uint8 [K, N/2]");
+  const int64_t K = qs.size(0), N = qs.size(1) * 2;
+  check_scales(qs, K, N, group, {scale, min});
+  return cols(x, tau, K, N, Q4{qs.data_ptr<uint8_t>(), scale.data_ptr<float>(), min.data_ptr<float>(), N});
+}
+
+TORCH_LIBRARY_FRAGMENT(attnlab, m) {
+  m.def("f32_cols_mv(Tensor x, float tau, Tensor wt) -> Tensor");
+  m.def("q8_cols_mv(Tensor x, float tau, Tensor q, Tensor scale, int group) -> Tensor");
+  m.def("q4_cols_mv(Tensor x, float tau, Tensor qs, Tensor scale, Tensor min, int group) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(attnlab, CPU, m) {
+  m.impl("f32_cols_mv", &f32_cols_mv), m.impl("q8_cols_mv", &q8_cols_mv), m.impl("q4_cols_mv", &q4_cols_mv);
+}
