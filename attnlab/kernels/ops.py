@@ -140,9 +140,11 @@ def bound_cols(kind: str, operands: tuple):
         op = getattr(torch.ops.attnlab, f"{kind}_cols_mv")
         return lambda x, tau: op(x, tau, *operands)
 
+    n = operands[0].shape[1] * (2 if kind == "q4" else 1)
+
     def cols(x, tau):
         idx = (x.abs() > tau).nonzero().flatten()
-        return x.index_select(0, idx) @ _rows(kind, operands, idx)
+        return x.index_select(0, idx) @ _rows(kind, operands, idx) if idx.numel() else x.new_zeros(n)
     return cols
 
 
