@@ -247,11 +247,11 @@ def add_parser(sub) -> None:
     q.set_defaults(func=cmd_train)
 
     q = dv.add_parser("calibrate", help="TEAL: thresholds of every projection input and the greedy allocation")
-    common(q, tokens=8192)
-    q.add_argument("--greedy-tokens", type=positive_int, default=256,
+    common(q, tokens=4096)
+    q.add_argument("--greedy-tokens", type=positive_int, default=64,
                    help="tokens each block's greedy allocation is scored on (default: %(default)s)")
     q.add_argument("--max-sparsity", type=float, default=0.8, help="highest model-wide target (default: %(default)s)")
-    q.add_argument("--step", type=float, default=0.1, help="TEAL's base step (wo's; default: %(default)s)")
+    q.add_argument("--step", type=float, default=0.2, help="TEAL's base step (wo's; default: %(default)s)")
     q.add_argument("--heldout", default="shakespeare:validation", help="held-out text for the check (default: %(default)s)")
     q.add_argument("--heldout-tokens", type=positive_int, default=2048, help="held-out tokens (default: %(default)s)")
     q.add_argument("--check", default="0.3,0.4,0.5,0.6,0.7", help="targets checked on held-out text (default: %(default)s)")

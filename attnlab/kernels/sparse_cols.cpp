@@ -85,9 +85,10 @@ struct Active {
   }
 };
 
-// y [N] = sum over active j of a_j * row j, rows given by fmt: fmt.block(j, b, v) loads block b (32
-// outputs) of row j as floats, fmt.scale(j, b) its factor, fmt.offset(j, b) a constant added to all 32
-// (q4's min: accumulated per block as a_j * m and added at the end), fmt.addr(j, b) for prefetching.
+// y [N] = sum over active j of a_j * row j, rows given by fmt: fmt.row(j) -> a Row (its code, scale and min
+// pointers, looked up once per pass), fmt.block(row, b, v) loads block b (32 outputs) as floats,
+// fmt.scale(row, b) its factor, fmt.offset(row, b) a constant added to all 32 (q4's min: accumulated per
+// block as a_j * m and added at the end), fmt.addr(row, b) for prefetching.
 template <class Fmt>
 torch::Tensor cols(const torch::Tensor& x, double tau, int64_t K, int64_t N, const Fmt& fmt) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous() && x.numel() == K,
@@ -97,24 +98,30 @@ torch::Tensor cols(const torch::Tensor& x, double tau, int64_t K, int64_t N, con
   auto out = torch::zeros({N}, x.options());
   float* O = out.data_ptr<float>();
   const int64_t nb = N / 32;
+  using Row = typename Fmt::Row;
   auto run = [&](int64_t b0, int64_t b1) {
-    thread_local std::vector<float> mins;
-    if (Fmt::has_offset) mins.assign(b1 - b0, 0.f);
+    std::vector<float> mins(Fmt::has_offset ? b1 - b0 : 0, 0.f);
     for (int64_t j = 0; j < act.k; j += ROWS) {
-      const int64_t n = std::min<int64_t>(ROWS, act.k - j), nn = std::min<int64_t>(ROWS, act.k - j - n);
-      const int64_t* rows = act.idx + j;
+      const int n = static_cast<int>(std::min<int64_t>(ROWS, act.k - j));
+      const int nn = static_cast<int>(std::min<int64_t>(ROWS, act.k - j - n));
+      Row r[ROWS], next[ROWS];
+      float a[ROWS];
+      for (int t = 0; t < n; ++t) r[t] = fmt.row(act.idx[j + t]), a[t] = act.a[j + t];
+      for (int t = 0; t < nn; ++t) next[t] = fmt.row(act.idx[j + n + t]);
       for (int64_t b = b0; b < b1; ++b) {
-        for (int64_t t = 0; t < nn; ++t) _mm_prefetch(fmt.addr(rows[n + t], b), _MM_HINT_T0);
+        for (int t = 0; t < nn; ++t) _mm_prefetch(fmt.addr(next[t], b), _MM_HINT_T0);
         Vec acc[VN];
         for (int i = 0; i < VN; ++i) acc[i] = vload(O + b * 32 + i * (32 / VN));
-        for (int64_t t = 0; t < n; ++t) {
+        float m = 0.f;
+        for (int t = 0; t < n; ++t) {
           Vec v[VN];
-          fmt.block(rows[t], b, v);
-          const Vec c = vset1(act.a[j + t] * fmt.scale(rows[t], b));
+          fmt.block(r[t], b, v);
+          const Vec c = vset1(a[t] * fmt.scale(r[t], b));
           for (int i = 0; i < VN; ++i) acc[i] = vfma(v[i], c, acc[i]);
-          if (Fmt::has_offset) mins[b - b0] += act.a[j + t] * fmt.offset(rows[t], b);
+          if (Fmt::has_offset) m += a[t] * fmt.offset(r[t], b);
         }
         for (int i = 0; i < VN; ++i) vstore(O + b * 32 + i * (32 / VN), acc[i]);
+        if (Fmt::has_offset) mins[b - b0] += m;
       }
     }
     if (Fmt::has_offset)
@@ -135,34 +142,40 @@ void check_scales(const torch::Tensor& w, int64_t K, int64_t N, int64_t group, s
 
 struct F32 {
   static constexpr bool has_offset = false;
+  struct Row { const float* w; };
   const float* W;
   int64_t N;
-  void block(int64_t j, int64_t b, Vec* v) const { block_f32(W + j * N + b * 32, v); }
-  float scale(int64_t, int64_t) const { return 1.f; }
-  float offset(int64_t, int64_t) const { return 0.f; }
-  const char* addr(int64_t j, int64_t b) const { return reinterpret_cast<const char*>(W + j * N + b * 32); }
+  Row row(int64_t j) const { return {W + j * N}; }
+  void block(const Row& r, int64_t b, Vec* v) const { block_f32(r.w + b * 32, v); }
+  float scale(const Row&, int64_t) const { return 1.f; }
+  float offset(const Row&, int64_t) const { return 0.f; }
+  const char* addr(const Row& r, int64_t b) const { return reinterpret_cast<const char*>(r.w + b * 32); }
 };
 
 struct Q8 {
   static constexpr bool has_offset = false;
+  struct Row { const int8_t* q; const float* s; };
   const int8_t* Q;
   const float* S;
   int64_t N;
-  void block(int64_t j, int64_t b, Vec* v) const { block_q8(Q + j * N + b * 32, v); }
-  float scale(int64_t j, int64_t b) const { return S[j * (N / 32) + b]; }
-  float offset(int64_t, int64_t) const { return 0.f; }
-  const char* addr(int64_t j, int64_t b) const { return reinterpret_cast<const char*>(Q + j * N + b * 32); }
+  Row row(int64_t j) const { return {Q + j * N, S + j * (N / 32)}; }
+  void block(const Row& r, int64_t b, Vec* v) const { block_q8(r.q + b * 32, v); }
+  float scale(const Row& r, int64_t b) const { return r.s[b]; }
+  float offset(const Row&, int64_t) const { return 0.f; }
+  const char* addr(const Row& r, int64_t b) const { return reinterpret_cast<const char*>(r.q + b * 32); }
 };
 
 struct Q4 {
   static constexpr bool has_offset = true;
+  struct Row { const uint8_t* q; const float *s, *m; };
   const uint8_t* Q;
   const float *S, *MN;
   int64_t N;
-  void block(int64_t j, int64_t b, Vec* v) const { block_q4(Q + j * N / 2 + b * 16, v); }
-  float scale(int64_t j, int64_t b) const { return S[j * (N / 32) + b]; }
-  float offset(int64_t j, int64_t b) const { return MN[j * (N / 32) + b]; }
-  const char* addr(int64_t j, int64_t b) const { return reinterpret_cast<const char*>(Q + j * N / 2 + b * 16); }
+  Row row(int64_t j) const { return {Q + j * N / 2, S + j * (N / 32), MN + j * (N / 32)}; }
+  void block(const Row& r, int64_t b, Vec* v) const { block_q4(r.q + b * 16, v); }
+  float scale(const Row& r, int64_t b) const { return r.s[b]; }
+  float offset(const Row& r, int64_t b) const { return r.m[b]; }
+  const char* addr(const Row& r, int64_t b) const { return reinterpret_cast<const char*>(r.q + b * 16); }
 };
 
 }  // namespace

@@ -146,7 +146,7 @@ class _Fixed:
 
 
 @torch.inference_mode()
-def calibrate(lm, ids, greedy_tokens: int = 256, max_sparsity: float = 0.8, step: float = 0.1, window: int = 1024,
+def calibrate(lm, ids, greedy_tokens: int = 64, max_sparsity: float = 0.8, step: float = 0.2, window: int = 1024,
               progress=None) -> Calibration:
     """Thresholds from the magnitudes of every projection input over ids (1-D, the dense model, windows of
     `window` tokens), then TEAL's greedy allocation per layer on the first `greedy_tokens` of them, up to
@@ -187,14 +187,22 @@ def calibrate(lm, ids, greedy_tokens: int = 256, max_sparsity: float = 0.8, step
 
 
 def _greedy(layer, x, ctx, calib: Calibration, i: int, sizes, w, max_sparsity: float):
-    """One block: the allocation after each greedy step ([S, 4]) and the block output's error at each."""
-    def run(s):
+    """One block: the allocation after each greedy step ([S, 4]) and the block output's error at each.
+    A trial that moves only w13 or w2 reuses the attention half of the current allocation."""
+    def half(s):  # the residual stream after attention under allocation s
         ctx.sparsity = _Fixed([calib.threshold(i, p, v) for p, v in enumerate(s)])
-        out = layer(x, ctx, i)
+        h = x + layer.attn(layer.attn_norm(x), ctx, i)
+        ctx.sparsity = None
+        return h
+
+    def block(s, h):
+        ctx.sparsity = _Fixed([calib.threshold(i, p, v) for p, v in enumerate(s)])
+        out = h + layer.mlp(layer.mlp_norm(h), ctx, i)
         ctx.sparsity = None
         return out
     ref = layer(x, ctx, i)
     s = [0.0] * len(PROJ)
+    h = half(s)
     allocs, errors = [list(s)], [0.0]
     while float((torch.tensor(s, dtype=torch.float64) * w).sum() / w.sum()) < max_sparsity - 1e-9:
         best = None
@@ -203,12 +211,13 @@ def _greedy(layer, x, ctx, calib: Calibration, i: int, sizes, w, max_sparsity: f
                 continue
             trial = list(s)
             trial[p] = s[p] + float(sizes[p])
-            err = float((run(trial) - ref).norm(dim=-1).mean())
+            th = half(trial) if p < 2 else h
+            err = float((block(trial, th) - ref).norm(dim=-1).mean())
             if best is None or err < best[0]:
-                best = (err, trial)
+                best = (err, trial, th)
         if best is None:
             break
-        s = best[1]
+        _, s, h = best
         allocs.append(list(s))
         errors.append(best[0])
     return torch.tensor(allocs), torch.tensor(errors)
@@ -224,7 +233,7 @@ def fingerprint(model) -> str:
     return h.hexdigest()[:16]
 
 
-def cached(model, tokenizer=None, tokens: int = 8192, progress=None) -> Calibration:
+def cached(model, tokenizer=None, tokens: int = 4096, progress=None) -> Calibration:
     """The model's calibration from the cache, made on the training plays (and cached) when missing."""
     path = CACHE / f"{fingerprint(model)}.safetensors"
     if path.is_file():
