@@ -165,6 +165,18 @@ def cmd_eval(args) -> int:
         print(f"{r['method']:<10} {r['sparsity']:>5.0%} {r['head_sparsity']:>6.0%} {r['ppl']:>9.3f}")
     for line in summary_line(rows):
         print(line)
+    if calib is not None and args.decode_tokens:
+        from attnlab.eval.dejavu import decode_quality
+        from attnlab.sparsity.plan import make_plan
+        plans = {"dense": None, **{f"teal {s:.0%}": make_plan("teal", s, 0.0, calib).bind(lm.model)
+                                   for s in _floats(args.decode_sparsities, "--decode-sparsities")}}
+        n = args.decode_tokens * (2 * len(plans) - 1)
+        with progress(n, "decode quality") as bar:
+            drows = decode_quality(lm, plans, ids[:512 + args.decode_tokens], prompt=512, progress=bar.update)
+        write_json(out / "teal-decode.json", {"text": args.text, "prompt": 512, "rows": drows})
+        print(f"decode path, {args.decode_tokens} tokens after a 512-token prompt (prefill dense vs sparse):")
+        for r in drows:
+            print(f"  {r['variant']:<10} prefill {r['prefill']:<6} ppl {r['ppl']:.3f}")
     for name, rec in (quality or {}).get("recall", {}).items():
         print(f"{name} recall at {quality['sparsity']:.0%}: mean {sum(rec) / len(rec):.3f}, "
               f"min {min(rec):.3f} (layer {rec.index(min(rec))})")
@@ -263,6 +275,10 @@ def add_parser(sub) -> None:
     q.add_argument("--sparsities", default=",".join(str(s) for s in SPARSITIES[1:]),
                    help="MLP sparsities (default: %(default)s)")
     q.add_argument("--heads", default="8,6,4", help="query heads kept in the head-sparsity runs (default: %(default)s)")
+    q.add_argument("--decode-tokens", type=int, default=256,
+                   help="teal: tokens scored through the real decode step after a 512-token prompt, prefill dense "
+                        "vs sparse (0: skip; default: %(default)s)")
+    q.add_argument("--decode-sparsities", default="0.4,0.5", help="teal sparsities of that check (default: %(default)s)")
     q.set_defaults(func=cmd_eval)
 
     q = dv.add_parser("bench", help="batch-1 decode tok/s, dense vs sparse, interleaved runs")

@@ -36,6 +36,8 @@ def sweep(lm, predictors: dict[str, Predictors], ids, out: Path, sparsities=SPAR
     done = {_row_id(r): r for r in old.get("rows", [])} if old.get("key") == key else {}
     first = next(iter(predictors.values())) if predictors else None
     jobs = [("dense", None, 0.0, 0.0)]
+    if teal is not None and lm.quant:  # the transposed copies' own cost: requantised along the output dimension
+        jobs.append(("teal", teal, 0.0, 0.0))
     for s in sparsities:
         if s == 0:
             continue
@@ -183,3 +185,29 @@ def summary_line(rows: list[dict]) -> list[str]:
         s = sparsity_at(rows, m)
         out.append(f"{m}: largest MLP sparsity within +5% perplexity: {'none' if s is None else f'{s:.0%}'}")
     return out
+
+
+@torch.inference_mode()
+def decode_quality(lm, plans: dict, ids, prompt: int = 512, progress=None) -> list[dict]:
+    """Perplexity of ids[prompt:] fed one token at a time through the real decode step (TEAL's fused
+    column-sparse ops), after ids[:prompt] is prefilled: dense prefill (the plan's default) against sparse
+    prefill, per plan. plans: {name: Teal plan or None (dense)}. Rows {"variant", "prefill", "ppl", "tokens"}."""
+    ids = torch.as_tensor(ids, dtype=torch.long).flatten()
+    rows = []
+    for name, plan in plans.items():
+        for prefill_sparse in ((False,) if plan is None else (False, True)):
+            if plan is not None:
+                plan.prefill_sparse = prefill_sparse
+            engine = lm.with_sparsity(plan)
+            cache = engine.new_cache(capacity=len(ids) + 1)
+            logits = engine.prefill(ids[None, :prompt], cache)
+            nll = 0.0
+            for t in range(prompt, len(ids)):
+                nll -= float(F.log_softmax(logits.float(), dim=-1)[0, ids[t]])
+                logits = engine.forward(ids[None, t:t + 1], cache)[:, -1]
+                if progress is not None:
+                    progress(1)
+            n = len(ids) - prompt
+            rows.append({"variant": name, "prefill": "sparse" if prefill_sparse else "dense",
+                         "ppl": float(torch.tensor(nll / n).exp()), "tokens": n})
+    return rows

@@ -40,7 +40,10 @@ def test_cols_equal_dense_on_zeroed_inputs(kind, K, N, fallback):
                 got = ops.cols_mv(kind, x, tau, args)
         else:
             got = ops.cols_mv(kind, x, tau, args)
-        torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)  # float sums of up to 576 products
+        if kind == "q4" and not fallback:  # integer kernel: each 8 rows' coefficients rounded to int8 per block
+            assert (got - want).norm() <= 1e-2 * want.norm() + 1e-6, (tau, (got - want).norm() / want.norm())
+        else:
+            torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)  # float sums of up to 576 products
 
 
 def test_cols_threads_agree():
@@ -56,7 +59,8 @@ def test_cols_threads_agree():
     finally:
         torch.set_num_threads(before)
     torch.testing.assert_close(one, two, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(one, (x * (x.abs() > 0.5)) @ w, atol=1e-4, rtol=1e-4)
+    want = (x * (x.abs() > 0.5)) @ w
+    assert (one - want).norm() <= 1e-2 * want.norm()
 
 
 @pytest.fixture(scope="module")
