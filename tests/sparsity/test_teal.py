@@ -41,7 +41,7 @@ def test_cols_equal_dense_on_zeroed_inputs(kind, K, N, fallback):
         else:
             got = ops.cols_mv(kind, x, tau, args)
         if kind == "q4" and not fallback:  # integer kernel: each 8 rows' coefficients rounded to int8 per block
-            assert (got - want).norm() <= 1e-2 * want.norm() + 1e-6, (tau, (got - want).norm() / want.norm())
+            assert (got - want).norm() <= 2e-2 * want.norm() + 1e-6, (tau, (got - want).norm() / want.norm())
         else:
             torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)  # float sums of up to 576 products
 
