@@ -242,15 +242,15 @@ def cached(model, tokenizer=None, tokens: int = 4096, progress=None) -> Calibrat
         raise AttnlabError("no cached TEAL calibration for this model and no tokenizer to make one: "
                            "run `attnlab dejavu calibrate` or give teal@PATH")
     import sys
+    from types import SimpleNamespace
 
     from attnlab.data import corpus
-    from attnlab.engine import LM
     from attnlab.io import progress as bar
     print(f"attnlab: calibrating TEAL thresholds on {CALIBRATION_TEXT} (once per model; cached in {CACHE})",
           file=sys.stderr, flush=True)
     ids = tokenizer.encode(corpus(CALIBRATION_TEXT), add_special_tokens=False)[:tokens]
     with bar(-(-len(ids) // 1024) + model.cfg.n_layers, "teal calibrate", unit="step") as b:
-        calib = calibrate(LM(model), ids, progress=progress or b.update)
+        calib = calibrate(SimpleNamespace(model=model, cfg=model.cfg), ids, progress=progress or b.update)
     calib.save(path)
     return calib
 

@@ -159,3 +159,21 @@ def test_spec_and_errors(tiny_teal, tmp_path):
     lm, calib, _ = tiny_teal
     with pytest.raises(AttnlabError, match="reaches"):
         make_plan("teal", 0.95, 0.0, calib).bind(lm.model)
+
+
+def test_spec_calibrates_once_and_caches(tmp_path, monkeypatch):
+    """`teal:S` without a path: calibrated on the training plays on first use, then read from the cache."""
+    from attnlab.sparsity import teal
+
+    class Tok:  # characters as token ids: enough text for a tiny model
+        def encode(self, text, add_special_tokens=False):
+            return [ord(c) % 97 for c in text[:3000]]
+    monkeypatch.setattr(teal, "CACHE", tmp_path)
+    lm = tiny_lm(seed=4)
+    with pytest.raises(AttnlabError, match="no cached TEAL calibration"):
+        plan_from_spec("teal:0.3", lm.model)
+    plan = plan_from_spec("teal:0.3", lm.model, Tok())
+    files = list(tmp_path.glob("*.safetensors"))
+    assert len(files) == 1 and files[0].stem == teal.fingerprint(lm.model)
+    again = plan_from_spec("teal:0.3", lm.model)  # no tokenizer needed now
+    assert again.taus == plan.taus and min(min(t) for t in plan.taus) > 0
