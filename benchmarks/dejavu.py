@@ -73,7 +73,7 @@ def teal_grid(out: Path, repeats: int, clock: str) -> None:
                 tag = f"-teal-t{threads}-d{depth}"
                 cmd = [sys.executable, "-m", "attnlab", "dejavu", "bench", "--out", str(out), "--threads", str(threads),
                        "--methods", "teal", "--sparsities", "0.3,0.4,0.5", "--depth", str(depth), "--repeats",
-                       str(repeats), "--clock", clock, "--tag", tag]
+                       str(repeats), "--clock", clock, f"--tag={tag}"]
                 subprocess.run(cmd + (["--quant", quant] if quant else []), check=True)
                 fmt = (quant or "fp32").replace(":", "_")
                 cells.append(json.loads((out / f"bench-{fmt}{tag}.json").read_text()))

@@ -131,7 +131,8 @@ def rows_axpy(kind: str, a: torch.Tensor, operands: tuple, idx: torch.Tensor) ->
 # ---------------------------------------------------------------- column-sparse ops (TEAL)
 # y = W (x thresholded) for one token, on W stored transposed: wt [K inputs, N outputs], one input
 # channel per row, given as operands(kind) like the row ops: (wt,) | (q, scale, group) | (qs, scale, min, group)
-# with groups of 32 along N (attnlab/kernels/sparse_cols.cpp). Channels with |x_j| <= tau are never read.
+# with groups of 32 along N, or q4g: (ct [K, N/2], st, mt [K/32, N]), an int4 weight in its own groups of 32
+# inputs (attnlab/kernels/sparse_cols.cpp). Channels with |x_j| <= tau are never read.
 
 def bound_cols(kind: str, operands: tuple):
     """cols(x [K] float32, tau) -> [N] float32 for one transposed weight, its op looked up once (the decode
@@ -140,11 +141,19 @@ def bound_cols(kind: str, operands: tuple):
         op = getattr(torch.ops.attnlab, f"{kind}_cols_mv")
         return lambda x, tau: op(x, tau, *operands)
 
-    n = operands[0].shape[1] * (2 if kind == "q4" else 1)
+    n = operands[0].shape[1] * (2 if kind in ("q4", "q4g") else 1)
+
+    def rows(idx):
+        if kind != "q4g":
+            return _rows(kind, operands, idx)
+        ct, st, mt = operands  # the model's int4 groups: scale and min per (32 inputs, output)
+        codes = dequantize_int4(ct.index_select(0, idx), torch.ones(idx.numel(), n // 32),
+                                torch.zeros(idx.numel(), n // 32), 32)
+        return codes * st.index_select(0, idx // 32) + mt.index_select(0, idx // 32)
 
     def cols(x, tau):
         idx = (x.abs() > tau).nonzero().flatten()
-        return x.index_select(0, idx) @ _rows(kind, operands, idx) if idx.numel() else x.new_zeros(n)
+        return x.index_select(0, idx) @ rows(idx) if idx.numel() else x.new_zeros(n)
     return cols
 
 

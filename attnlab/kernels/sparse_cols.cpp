@@ -252,6 +252,81 @@ torch::Tensor q4_cols_int(const torch::Tensor& x, double tau, const uint8_t* Q, 
   return out;
 }
 
+// q4 in the model's own int4 groups (lossless): ct [K, N/2] holds input channel j's codes c[n, j] for every
+// output n (ggml's nibble layout per 32 outputs), st and mt [K/32, N] the scale and min of output n's group of
+// 32 input channels. Per group g of 32 channels, its active values are rounded to int8 with one scale, exactly
+// as the dense q4 kernel rounds x per 32 values (zeroed channels do not change the group's max), so
+// out[n] = sum_g st[g, n] d_g (sum_j q_j c[n, j]) + mt[g, n] sum_j a_j is the dense int4 product of the
+// zeroed input up to summation order. Channels pair up in one maddubs as in q4_cols_int.
+torch::Tensor q4g_cols(const torch::Tensor& x, double tau, const uint8_t* Q, const float* ST, const float* MT,
+                       int64_t K, int64_t N) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous() && x.numel() == K && K % 32 == 0,
+              "x must be a contiguous float32 vector of size ", K, " (a multiple of 32)");
+  const Active act(x.data_ptr<float>(), K, static_cast<float>(tau));
+  // per group with active channels: its first channel in act, its count, d, the sum of its values, and
+  // per pair of channels the two int8 codes as one int16
+  std::vector<int64_t> gid, gstart, gcount;
+  std::vector<float> gd, gsum;
+  std::vector<int32_t> pairs((act.k + 1) / 2 + K / 32);
+  for (int64_t t = 0, pp = 0; t < act.k;) {
+    const int64_t g = act.idx[t] / 32;
+    int64_t e = t;
+    float amax = 0.f, sum = 0.f;
+    while (e < act.k && act.idx[e] / 32 == g) amax = std::max(amax, std::fabs(act.a[e])), sum += act.a[e], ++e;
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    gid.push_back(g), gstart.push_back(pp), gcount.push_back(e - t), gd.push_back(amax / 127.f), gsum.push_back(sum);
+    for (int64_t u = t; u < e; u += 2) {
+      const int32_t q0 = _mm_cvtss_si32(_mm_set_ss(act.a[u] * inv));
+      const int32_t q1 = u + 1 < e ? _mm_cvtss_si32(_mm_set_ss(act.a[u + 1] * inv)) : 0;
+      pairs[pp++] = (q0 & 0xFF) | ((q1 & 0xFF) << 8);
+    }
+    // rows of the pairs: stored beside, in act order (a lone last channel pairs with itself, coefficient 0)
+    t = e;
+  }
+  auto out = torch::zeros({N}, x.options());
+  float* O = out.data_ptr<float>();
+  const int64_t nb = N / 32, ng = static_cast<int64_t>(gid.size());
+  // the act position of each group's first channel (gstart counts pairs)
+  std::vector<int64_t> gfirst(ng);
+  for (int64_t i = 0, t = 0; i < ng; t += gcount[i], ++i) gfirst[i] = t;
+  auto run = [&](int64_t b0, int64_t b1) {
+    for (int64_t i = 0; i < ng; ++i) {
+      const int64_t g = gid[i], n = gcount[i], f = gfirst[i];
+      const __m256 d = _mm256_set1_ps(gd[i]), A = _mm256_set1_ps(gsum[i]);
+      const float* st = ST + g * N;
+      const float* mt = MT + g * N;
+      if (i + 1 < ng) _mm_prefetch(reinterpret_cast<const char*>(Q + act.idx[gfirst[i + 1]] * N / 2 + b0 * 16), _MM_HINT_T0);
+      for (int64_t b = b0; b < b1; ++b) {
+        __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+        __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
+        int inpass = 0;
+        for (int64_t u = 0; u < n; u += 2) {
+          const uint8_t* r0 = Q + act.idx[f + u] * N / 2 + b * 16;
+          const uint8_t* r1 = u + 1 < n ? Q + act.idx[f + u + 1] * N / 2 + b * 16 : r0;
+          const __m256i coef = _mm256_set1_epi16(static_cast<int16_t>(pairs[gstart[i] + u / 2]));
+          const __m256i C0 = codes32(r0), C1 = codes32(r1);
+          lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(_mm256_unpacklo_epi8(C0, C1), coef));
+          hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(_mm256_unpackhi_epi8(C0, C1), coef));
+          if (++inpass == 8 || u + 2 >= n) {  // 8 pairs: at most 16 * 15 * 127 < 2^15, then widen
+            const __m128i part[4] = {_mm256_castsi256_si128(lo), _mm256_castsi256_si128(hi),
+                                     _mm256_extracti128_si256(lo, 1), _mm256_extracti128_si256(hi, 1)};
+            for (int k = 0; k < 4; ++k) acc[k] = _mm256_add_epi32(acc[k], _mm256_cvtepi16_epi32(part[k]));
+            lo = hi = _mm256_setzero_si256(), inpass = 0;
+          }
+        }
+        float* o = O + b * 32;
+        for (int k = 0; k < 4; ++k) {  // acc: outputs 0-7, 8-15, 16-23, 24-31
+          const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[k]), d);
+          const __m256 w = _mm256_fmadd_ps(_mm256_loadu_ps(st + b * 32 + 8 * k), v, _mm256_loadu_ps(o + 8 * k));
+          _mm256_storeu_ps(o + 8 * k, _mm256_fmadd_ps(_mm256_loadu_ps(mt + b * 32 + 8 * k), A, w));
+        }
+      }
+    }
+  };
+  if (at::get_num_threads() == 1 || act.k * N < (1 << 16)) run(0, nb); else at::parallel_for(0, nb, 4, run);
+  return out;
+}
+
 }  // namespace
 
 // x [K] fp32, tau: drop |x_j| <= tau (negative: keep all); wt [K, N] fp32 -> [N] = wt^T (x masked)
@@ -278,7 +353,19 @@ torch::Tensor q4_cols_mv(torch::Tensor x, double tau, torch::Tensor qs, torch::T
   return q4_cols_int(x, tau, qs.data_ptr<uint8_t>(), scale.data_ptr<float>(), min.data_ptr<float>(), K, N);
 }
 
+// ct [K, N/2] uint8, st and mt [K/32, N] fp32: the model's int4 weight (groups of 32 inputs) by columns
+torch::Tensor q4g_cols_mv(torch::Tensor x, double tau, torch::Tensor ct, torch::Tensor st, torch::Tensor mt) {
+  TORCH_CHECK(ct.scalar_type() == torch::kByte && ct.is_contiguous() && ct.dim() == 2, "ct must be contiguous uint8 [K, N/2]");
+  const int64_t K = ct.size(0), N = ct.size(1) * 2;
+  TORCH_CHECK(N % 32 == 0, "the output size must be a multiple of 32, got ", N);
+  for (const auto& p : {st, mt})
+    TORCH_CHECK(p.scalar_type() == torch::kFloat && p.is_contiguous() && p.numel() == (K / 32) * N,
+                "st and mt must be contiguous float32 [K/32, N]");
+  return q4g_cols(x, tau, ct.data_ptr<uint8_t>(), st.data_ptr<float>(), mt.data_ptr<float>(), K, N);
+}
+
 TORCH_LIBRARY_FRAGMENT(attnlab, m) {
+  m.def("q4g_cols_mv(Tensor x, float tau, Tensor ct, Tensor st, Tensor mt) -> Tensor");
   m.def("f32_cols_mv(Tensor x, float tau, Tensor wt) -> Tensor");
   m.def("q8_cols_mv(Tensor x, float tau, Tensor q, Tensor scale, int group) -> Tensor");
   m.def("q4_cols_mv(Tensor x, float tau, Tensor qs, Tensor scale, Tensor min, int group) -> Tensor");
@@ -286,4 +373,5 @@ TORCH_LIBRARY_FRAGMENT(attnlab, m) {
 
 TORCH_LIBRARY_IMPL(attnlab, CPU, m) {
   m.impl("f32_cols_mv", &f32_cols_mv), m.impl("q8_cols_mv", &q8_cols_mv), m.impl("q4_cols_mv", &q4_cols_mv);
+  m.impl("q4g_cols_mv", &q4g_cols_mv);
 }

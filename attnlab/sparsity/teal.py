@@ -292,6 +292,9 @@ from typing import ClassVar  # noqa: E402
 from attnlab.sparsity.plan import Plan  # noqa: E402  (plan.py imports this module lazily, in `methods`)
 
 COL_FORMATS = {"int8": "int8:32", "int4": "int4:32"}  # the transposed copies' format per model weight kind
+# int4 group 32 keeps the model's codes, scales and mins (q4g: lossless); True requantises the transposed
+# weight along the output dimension instead (q4; measured: +21.6% perplexity on SmolLM2, see docs/dejavu.md)
+REQUANTISE = False
 
 
 @dataclass
@@ -372,13 +375,19 @@ class _Cols:
 
 
 def _columns(linear, quant: str | None) -> _Cols:
-    """linear ([N, K]) as _Cols: fp32 transposed as is; int8/int4 weights requantised along the output dimension
-    (groups of 32 outputs of one input channel), from their dequantised values."""
+    """linear ([N, K]) as _Cols: fp32 transposed as is; int4 (groups of 32) by columns in its own groups;
+    int8 (and int4 of other groups) requantised along the output dimension (groups of 32 outputs of one input
+    channel), from their dequantised values."""
     bias = getattr(linear, "bias", None)
     bias = None if bias is None else bias.detach().float()
     if not hasattr(linear, "dequantize"):
         wt = linear.weight.detach().float().T.contiguous()
         return _Cols("f32", (wt,), bias, wt.numel() * linear.weight.element_size())
+    if linear.kind == "int4" and linear.group == 32 and not REQUANTISE:  # the model's own groups, by columns
+        from attnlab.kernels.reference import pack4, unpack4
+        ct = pack4(unpack4(linear.qs).T.contiguous())
+        st, mt = linear.scale.T.contiguous(), linear.min.T.contiguous()
+        return _Cols("q4g", (ct, st, mt), bias, sum(t.numel() * t.element_size() for t in (ct, st, mt)))
     fmt = COL_FORMATS.get(linear.kind)
     if fmt is None:
         raise AttnlabError(f"teal runs on float, int8 and int4 weights, not {linear.kind} ({quant})")
