@@ -141,6 +141,8 @@ def plot(rows: list[dict], quality: dict | None, path: Path, title: str) -> str:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax = axes[1]
+    if not quality:
+        ax.axis("off")  # no Deja Vu predictors evaluated: nothing to recall
     if quality:
         for name, r in quality["recall"].items():
             ax.plot(r, marker=".", label=f"{name}: neurons", color=COLORS.get(name))
