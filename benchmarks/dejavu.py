@@ -86,6 +86,46 @@ def teal_grid(out: Path, repeats: int, clock: str) -> None:
     (out / "bench-teal.json").write_text(json.dumps(cells, indent=2) + "\n")
 
 
+def ops_bench(threads: int = 1) -> list[dict]:
+    """Per projection of SmolLM2 (batch 1): dense fp32 (F.linear) and int4 (q4_mm) against the column-sparse
+    ops at 0/30/40/50% of the channels dropped. This thread's CPU time, best of 5 x 200 calls (steady on a
+    loaded machine; weights warm in cache, so this is the arithmetic, not DRAM)."""
+    import time
+
+    import torch.nn.functional as F
+
+    from attnlab.kernels import ops
+    from attnlab.kernels.reference import pack4, unpack4
+    from attnlab.quant import QuantSpec
+    ops.load()
+    torch.set_num_threads(threads)
+
+    def t(f, n=200):
+        f()
+        best = 1e9
+        for _ in range(5):
+            s = time.thread_time()
+            for _ in range(n):
+                f()
+            best = min(best, (time.thread_time() - s) / n)
+        return best * 1e6
+    rows = []
+    for name, K, N in (("wqkv", 576, 960), ("wo", 576, 576), ("w13", 576, 3072), ("w2", 1536, 576)):
+        g = torch.Generator().manual_seed(K + N)
+        W, x = torch.randn(N, K, generator=g), torch.randn(1, K, generator=g)
+        p = QuantSpec.parse("int4:32").quantize(W)
+        WT, ct, st, mt = W.T.contiguous(), pack4(unpack4(p.qs).T.contiguous()), p.scale.T.contiguous(), p.min.T.contiguous()
+        row = {"proj": name, "K": K, "N": N, "f32_dense_us": t(lambda: F.linear(x, W)),
+               "q4_dense_us": t(lambda: ops.q4_mm(x, p.qs, p.scale, p.min, 32))}
+        for sp in (0.0, 0.3, 0.4, 0.5):
+            tau = float(x.abs().quantile(sp)) if sp else -1.0
+            row[f"f32_cols_{sp:.0%}_us"] = t(lambda: ops.cols_mv("f32", x[0], tau, (WT,)))
+            row[f"q4g_cols_{sp:.0%}_us"] = t(lambda: ops.cols_mv("q4g", x[0], tau, (ct, st, mt)))
+        rows.append(row)
+        print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+    return rows
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/dejavu")
@@ -93,8 +133,13 @@ def main() -> int:
     p.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     p.add_argument("--skip-bench", action="store_true")
     p.add_argument("--teal", action="store_true", help="the TEAL grid (formats x threads x depths) and its profile")
+    p.add_argument("--ops", action="store_true", help="TEAL's column ops against dense matmuls, per projection")
     args = p.parse_args()
     out = Path(args.out)
+    if args.ops:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "ops-teal.json").write_text(json.dumps(ops_bench(), indent=2) + "\n")
+        return 0
     if args.teal:
         if not args.skip_bench:
             teal_grid(out, args.repeats, args.clock)
