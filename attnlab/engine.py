@@ -57,10 +57,6 @@ class LM:
         model, _, path = load_model(spec, opts.weights_dtype, opts.quant, rope=opts.rope)
         from attnlab.kernels import ops
         ops.load()  # the fused kernels: built once per machine, loaded before any forward or trace
-        plan = None
-        if opts.sparsity is not None:
-            from attnlab.sparsity.plan import plan_from_spec
-            plan = plan_from_spec(opts.sparsity, model)
         tok, why = None, "tokenizer not loaded"
         if tokenizer:
             try:
@@ -68,6 +64,10 @@ class LM:
                 why = "" if tok is not None else "the folder has no tokenizer files"
             except Exception as e:  # e.g. a GGUF without tokenizer metadata: the weights still work
                 why = f"transformers could not build its tokenizer ({type(e).__name__}: {e})"
+        plan = None
+        if opts.sparsity is not None:  # after the tokenizer: TEAL calibrates on text when nothing is cached
+            from attnlab.sparsity.plan import plan_from_spec
+            plan = plan_from_spec(opts.sparsity, model, tok)
         lm = cls(model, tok, path, why, opts.torch_kv_dtype, opts, plan)
         if opts.compile:
             lm.compile_decode()

@@ -2,6 +2,7 @@
 
     attnlab dejavu collect --out runs/dejavu          # activity on the training plays + concentration plot
     attnlab dejavu train --out runs/dejavu            # predictors (+ --lookahead) and gate thresholds
+    attnlab dejavu calibrate --out runs/dejavu        # TEAL: input thresholds + greedy allocation (also cached)
     attnlab dejavu eval --out runs/dejavu             # perplexity vs sparsity on the test plays, recall
     attnlab dejavu bench --out runs/dejavu            # decode tok/s dense vs sparse, interleaved
 """
@@ -38,15 +39,57 @@ def _activity(out: Path, name: str):
     return load_file(str(path))
 
 
-def _predictors(out: Path) -> dict:
+def _predictors(out: Path, required: bool = True) -> dict:
     from attnlab.sparsity.predictors import Predictors
     found = {}
     for name, file in (("predictor", "predictors.safetensors"), ("lookahead", "predictors-lookahead.safetensors")):
         if (out / file).exists():
             found[name] = Predictors.load(out / file)
-    if not found:
+    if not found and required:
         raise UserError(f"no predictors in {out}: run `attnlab dejavu train --out {out}` first")
     return found
+
+
+def _teal(out: Path, lm, required: bool = False):
+    """The TEAL calibration in out (from `calibrate`), else the model's cached one, else None (or an error)."""
+    from attnlab.sparsity import teal
+    if (out / "teal.safetensors").exists():
+        return teal.Calibration.load(out / "teal.safetensors")
+    path = teal.CACHE / f"{teal.fingerprint(lm.model)}.safetensors"
+    if path.exists():
+        return teal.Calibration.load(path)
+    if required:
+        raise UserError(f"no TEAL calibration in {out}: run `attnlab dejavu calibrate --out {out}` first")
+    return None
+
+
+def cmd_calibrate(args) -> int:
+    from attnlab.io import progress, write_json
+    from attnlab.sparsity import teal
+    from attnlab.sparsity.plan import make_plan
+
+    out = Path(args.out)
+    lm = load_lm(args)
+    ids = _ids(lm, args.text, args.tokens, "--text")
+    with progress(-(-len(ids) // 1024) + lm.cfg.n_layers, "teal calibrate", unit="step") as bar:
+        calib = teal.calibrate(lm, ids, greedy_tokens=args.greedy_tokens, max_sparsity=args.max_sparsity,
+                               step=args.step, progress=bar.update)
+    calib.save(out / "teal.safetensors")
+    calib.save(teal.CACHE / f"{teal.fingerprint(lm.model)}.safetensors")  # what `--sparsity teal:S` finds
+    held = _ids(lm, args.heldout, args.heldout_tokens, "--heldout")
+    rows = []
+    print(f"{'target':>6} {'held-out':>8}  " + "  ".join(f"{p:>5}" for p in teal.PROJ) + "  (mean allocation)")
+    for s in _floats(args.check, "--check"):
+        plan = make_plan("teal", s, 0.0, calib, sparse_exec=False).bind(lm.model)
+        plan.prefill_sparse = True
+        m = teal.measure(lm, plan, held)
+        alloc = [sum(calib.allocation(i, s)[p] for i in range(lm.cfg.n_layers)) / lm.cfg.n_layers
+                 for p in range(len(teal.PROJ))]
+        rows.append({"target": s, "heldout": m, "mean_allocation": dict(zip(teal.PROJ, alloc))})
+        print(f"{s:>6.0%} {m['model_wide']:>8.1%}  " + "  ".join(f"{a:>5.0%}" for a in alloc))
+    write_json(out / "teal-check.json", {"text": args.text, "heldout": args.heldout, "tokens": len(held), "rows": rows})
+    print(f"wrote {out / 'teal.safetensors'} (also cached for this model) and {out / 'teal-check.json'}")
+    return 0
 
 
 def cmd_collect(args) -> int:
@@ -98,19 +141,21 @@ def cmd_eval(args) -> int:
     from attnlab.eval.dejavu import plot, predictor_quality, summary_line, sweep
 
     out = Path(args.out)
-    preds = _predictors(out)
-    held = _activity(out, "heldout")
     lm = load_lm(args)
+    calib = _teal(out, lm)
+    preds = _predictors(out, required=calib is None)
     ids = _ids(lm, args.text, args.tokens, "--text")
     sparsities, heads = _floats(args.sparsities, "--sparsities"), [int(h) for h in _floats(args.heads, "--heads")]
     if any(not 0 < s < 1 for s in sparsities):
         raise UserError(f"--sparsities must be in (0, 1), got {args.sparsities}")
-    quality = predictor_quality(lm, preds, held)
-    write_json(out / "quality.json", quality)
-    n = 1 + len(sparsities) * (2 + (not args.quant) + len(preds)) + len(heads) * (1 + len(preds))
+    quality = predictor_quality(lm, preds, _activity(out, "heldout")) if preds else None
+    if quality:
+        write_json(out / "quality.json", quality)
+    n = 1 + len(sparsities) * (1 + (not args.quant) + (len(preds) + 1 if preds else 0) + (calib is not None)) \
+        + len(heads) * (1 + len(preds))
     with progress(n, "dejavu eval", unit="run") as bar:
         rows = sweep(lm, preds, ids, out, sparsities=sparsities, head_keep=heads, window=args.window,
-                     progress=bar.update,
+                     progress=bar.update, teal=calib,
                      key={"model": str(args.model), "quant": str(args.quant), "text": args.text})
     fig = plot(rows, quality, out / "ppl_vs_sparsity.png",
                f"{Path(str(args.model)).name}{' ' + str(args.quant) if args.quant else ''} on {args.text}, "
@@ -120,38 +165,52 @@ def cmd_eval(args) -> int:
         print(f"{r['method']:<10} {r['sparsity']:>5.0%} {r['head_sparsity']:>6.0%} {r['ppl']:>9.3f}")
     for line in summary_line(rows):
         print(line)
-    for name, rec in quality["recall"].items():
+    if calib is not None and args.decode_tokens:
+        from attnlab.eval.dejavu import decode_quality
+        from attnlab.sparsity.plan import make_plan
+        plans = {"dense": None, **{f"teal {s:.0%}": make_plan("teal", s, 0.0, calib).bind(lm.model)
+                                   for s in _floats(args.decode_sparsities, "--decode-sparsities")}}
+        n = args.decode_tokens * (2 * len(plans) - 1)
+        with progress(n, "decode quality") as bar:
+            drows = decode_quality(lm, plans, ids[:512 + args.decode_tokens], prompt=512, progress=bar.update)
+        write_json(out / "teal-decode.json", {"text": args.text, "prompt": 512, "rows": drows})
+        print(f"decode path, {args.decode_tokens} tokens after a 512-token prompt (prefill dense vs sparse):")
+        for r in drows:
+            print(f"  {r['variant']:<10} prefill {r['prefill']:<6} ppl {r['ppl']:.3f}")
+    for name, rec in (quality or {}).get("recall", {}).items():
         print(f"{name} recall at {quality['sparsity']:.0%}: mean {sum(rec) / len(rec):.3f}, "
               f"min {min(rec):.3f} (layer {rec.index(min(rec))})")
-    ts = quality["threshold_sparsity"]
-    print(f"threshold calibrated for {quality['sparsity']:.0%}: held-out {sum(ts) / len(ts):.1%} "
-          f"(layers {min(ts):.1%}-{max(ts):.1%})")
-    print(f"wrote {out / 'eval.json'}, {out / 'quality.json'} and {fig}")
+    if quality:
+        ts = quality["threshold_sparsity"]
+        print(f"threshold calibrated for {quality['sparsity']:.0%}: held-out {sum(ts) / len(ts):.1%} "
+              f"(layers {min(ts):.1%}-{max(ts):.1%})")
+    print(f"wrote {out / 'eval.json'}{', ' + str(out / 'quality.json') if quality else ''} and {fig}")
     return 0
 
 
 def cmd_bench(args) -> int:
     from attnlab.io import progress, write_json
-    from attnlab.sparsity.plan import METHODS, make_plan
+    from attnlab.sparsity.plan import make_plan, methods as all_methods
     from attnlab.sparsity.speed import decode_speed
 
     out = Path(args.out)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    bad = [m for m in methods if m not in METHODS]
+    bad = [m for m in methods if m not in all_methods()]
     if bad:
-        raise UserError(f"--methods: unknown {', '.join(bad)}; choose from {', '.join(METHODS)}")
+        raise UserError(f"--methods: unknown {', '.join(bad)}; choose from {', '.join(all_methods())}")
     pred = None
     if {"threshold", "predictor"} & set(methods):
         preds = _predictors(out)
         pred = preds.get("predictor") or next(iter(preds.values()))
     lm = load_lm(args)
+    calib = _teal(out, lm, required=True) if "teal" in methods else None
     ids = _ids(lm, args.text, args.depth + args.steps, "--text")
     if args.quant and "lowbit" in methods:
         methods.remove("lowbit")  # it scores with a 4-bit copy of float weights
     plans = {"dense": None}
     for s in _floats(args.sparsities, "--sparsities"):
         for m in methods:
-            plans[f"{m} {s:.0%}"] = make_plan(m, s, 0.0, pred)
+            plans[f"{m} {s:.0%}"] = make_plan(m, s, 0.0, calib if m == "teal" else pred)
     with progress((args.repeats + 1) * len(plans), "dejavu bench", unit="run") as bar:
         rows = decode_speed(lm, plans, ids, depth=args.depth, steps=args.steps, repeats=args.repeats,
                             clock=args.clock, progress=bar.update)
@@ -159,14 +218,15 @@ def cmd_bench(args) -> int:
     meta = {"model": str(args.model), "quant": str(args.quant) if args.quant else "fp32",
             "threads": torch.get_num_threads(), "depth": args.depth, "steps": args.steps, "repeats": args.repeats,
             "clock": args.clock, "load_average": os.getloadavg()[0]}
-    name = f"bench-{meta['quant'].replace(':', '_')}.json"
+    name = f"bench-{meta['quant'].replace(':', '_')}{args.tag}.json"
     write_json(out / name, {**meta, "rows": rows})
     print(f"decode tok/s, batch 1, {meta['threads']} thread(s), {meta['quant']}, depth {args.depth}, "
           f"median of {args.repeats} interleaved runs of {args.steps} tokens ({args.clock} clock, "
           f"load average {meta['load_average']:.1f})")
-    print(f"{'variant':<16} {'tok/s':>7} {'speedup':>8} {'MLP MiB/token':>14}")
+    print(f"{'variant':<16} {'tok/s':>7} {'speedup':>8} {'MLP MiB/token':>14} {'proj MiB/token':>15}")
     for r in rows:
-        print(f"{r['variant']:<16} {r['tok_s']:>7.1f} {r.get('speedup', 1):>7.2f}x {r['mlp_mib_per_token']:>14.1f}")
+        print(f"{r['variant']:<16} {r['tok_s']:>7.1f} {r.get('speedup', 1):>7.2f}x {r['mlp_mib_per_token']:>14.1f} "
+              f"{r['proj_mib_per_token']:>15.1f}")
     print(f"wrote {out / name}")
     print(json.dumps({**meta, "rows": rows}) if args.json else "", end="\n" if args.json else "")
     return 0
@@ -199,19 +259,36 @@ def add_parser(sub) -> None:
     q.add_argument("--lookahead", action="store_true", help="also the look-ahead predictors (layer l-1's input)")
     q.set_defaults(func=cmd_train)
 
+    q = dv.add_parser("calibrate", help="TEAL: thresholds of every projection input and the greedy allocation")
+    common(q, tokens=4096)
+    q.add_argument("--greedy-tokens", type=positive_int, default=64,
+                   help="tokens each block's greedy allocation is scored on (default: %(default)s)")
+    q.add_argument("--max-sparsity", type=float, default=0.8, help="highest model-wide target (default: %(default)s)")
+    q.add_argument("--step", type=float, default=0.2, help="TEAL's base step (wo's; default: %(default)s)")
+    q.add_argument("--heldout", default="shakespeare:validation", help="held-out text for the check (default: %(default)s)")
+    q.add_argument("--heldout-tokens", type=positive_int, default=2048, help="held-out tokens (default: %(default)s)")
+    q.add_argument("--check", default="0.3,0.4,0.5,0.6,0.7", help="targets checked on held-out text (default: %(default)s)")
+    q.set_defaults(func=cmd_calibrate)
+
     q = dv.add_parser("eval", help="perplexity against MLP and head sparsity; predictor recall per layer")
     common(q, text="shakespeare:test", tokens=2048)
     q.add_argument("--window", type=positive_int, default=1024, help="evaluation window (default: %(default)s)")
     q.add_argument("--sparsities", default=",".join(str(s) for s in SPARSITIES[1:]),
                    help="MLP sparsities (default: %(default)s)")
     q.add_argument("--heads", default="8,6,4", help="query heads kept in the head-sparsity runs (default: %(default)s)")
+    q.add_argument("--decode-tokens", type=int, default=256,
+                   help="teal: tokens scored through the real decode step after a 512-token prompt, prefill dense "
+                        "vs sparse (0: skip; default: %(default)s)")
+    q.add_argument("--decode-sparsities", default="0.4,0.5", help="teal sparsities of that check (default: %(default)s)")
     q.set_defaults(func=cmd_eval)
 
     q = dv.add_parser("bench", help="batch-1 decode tok/s, dense vs sparse, interleaved runs")
     common(q, text="shakespeare:test", tokens=0)
     q.add_argument("--sparsities", default="0.3,0.5,0.7,0.9", help="MLP sparsities (default: %(default)s)")
     q.add_argument("--methods", default="lowbit,threshold,predictor",
-                   help="comma list of oracle, lowbit, threshold, predictor (default: %(default)s; lowbit only on float weights)")
+                   help="comma list of oracle, lowbit, threshold, predictor, teal (default: %(default)s; lowbit only "
+                        "on float weights)")
+    q.add_argument("--tag", default="", help="suffix of the result file's name (bench-QUANT[TAG].json)")
     q.add_argument("--depth", type=positive_int, default=128, help="cache depth (default: %(default)s)")
     q.add_argument("--steps", type=positive_int, default=32, help="tokens per run (default: %(default)s)")
     q.add_argument("--repeats", type=positive_int, default=5, help="interleaved runs per variant (default: %(default)s)")

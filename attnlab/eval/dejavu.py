@@ -14,19 +14,21 @@ import torch.nn.functional as F
 
 from attnlab.eval.perplexity import perplexity
 from attnlab.io import save_figure, write_json
-from attnlab.sparsity.plan import METHODS, make_plan
+from attnlab.sparsity.plan import make_plan, methods
 from attnlab.sparsity.predictors import Predictors, recall
 
 SPARSITIES = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
-COLORS = {"oracle": "C0", "lowbit": "C1", "threshold": "C2", "predictor": "C3", "lookahead": "C4"}
+COLORS = {"oracle": "C0", "lowbit": "C1", "threshold": "C2", "predictor": "C3", "lookahead": "C4", "teal": "C5"}
 
 
 def sweep(lm, predictors: dict[str, Predictors], ids, out: Path, sparsities=SPARSITIES,
-          head_keep=(8, 6, 4), window: int = 1024, key: dict | None = None, progress=None) -> list[dict]:
+          head_keep=(8, 6, 4), window: int = 1024, key: dict | None = None, progress=None, teal=None) -> list[dict]:
     """Perplexity of ids under every method and MLP sparsity, then under head sparsity (MLP dense).
 
     predictors: {"predictor": P, "lookahead": P2, ...} (the threshold method uses the first one's
-    calibration). Returns rows {"method", "sparsity", "head_sparsity", "ppl", "nll", "tokens"}.
+    calibration); teal: a TEAL `Calibration` (its sparsity is every projection input's, model-wide, on
+    every token: prefill sparse), up to its calibrated maximum. Returns rows {"method", "sparsity",
+    "head_sparsity", "ppl", "nll", "tokens"}.
     """
     path = Path(out) / "eval.json"
     key = dict(key or {}, tokens=len(ids), window=window)
@@ -34,6 +36,8 @@ def sweep(lm, predictors: dict[str, Predictors], ids, out: Path, sparsities=SPAR
     done = {_row_id(r): r for r in old.get("rows", [])} if old.get("key") == key else {}
     first = next(iter(predictors.values())) if predictors else None
     jobs = [("dense", None, 0.0, 0.0)]
+    if teal is not None and lm.quant:  # the transposed copies' own cost: requantised along the output dimension
+        jobs.append(("teal", teal, 0.0, 0.0))
     for s in sparsities:
         if s == 0:
             continue
@@ -43,6 +47,8 @@ def sweep(lm, predictors: dict[str, Predictors], ids, out: Path, sparsities=SPAR
         if first is not None:
             jobs.append(("threshold", first, s, 0.0))
         jobs += [(name, p, s, 0.0) for name, p in predictors.items()]
+        if teal is not None and s <= float(teal.effective.max(dim=1).values.min()) + 0.01:
+            jobs.append(("teal", teal, s, 0.0))
     H = lm.cfg.n_heads
     for k in head_keep:
         if 0 < k < H:
@@ -57,7 +63,9 @@ def sweep(lm, predictors: dict[str, Predictors], ids, out: Path, sparsities=SPAR
         else:
             plan = None
             if method != "dense":
-                plan = make_plan(method if method in METHODS else "predictor", s, hs, pred, sparse_exec=False)
+                plan = make_plan(method if method in methods() else "predictor", s, hs, pred, sparse_exec=False)
+                if method == "teal":
+                    plan.prefill_sparse = True  # every token as a sparse decode step computes it
             r = perplexity(lm.with_sparsity(plan and plan.bind(lm.model)), ids, window=window)
             rows.append({"method": method, "sparsity": s, "head_sparsity": hs, "ppl": r["ppl"], "nll": r["nll"],
                          "tokens": r["tokens"]})
@@ -127,12 +135,14 @@ def plot(rows: list[dict], quality: dict | None, path: Path, title: str) -> str:
                     color=COLORS.get(m))
     ax.axhline(dense * 1.05, color="grey", ls=":", lw=1, label="dense + 5%")
     ax.set_yscale("log")
-    ax.set_xlabel("MLP sparsity (fraction of neurons skipped per token)")
+    ax.set_xlabel("sparsity (MLP neurons skipped per token; teal: every projection's input channels)")
     ax.set_ylabel("perplexity (log; lower is better)")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax = axes[1]
+    if not quality:
+        ax.axis("off")  # no Deja Vu predictors evaluated: nothing to recall
     if quality:
         for name, r in quality["recall"].items():
             ax.plot(r, marker=".", label=f"{name}: neurons", color=COLORS.get(name))
@@ -177,3 +187,29 @@ def summary_line(rows: list[dict]) -> list[str]:
         s = sparsity_at(rows, m)
         out.append(f"{m}: largest MLP sparsity within +5% perplexity: {'none' if s is None else f'{s:.0%}'}")
     return out
+
+
+@torch.inference_mode()
+def decode_quality(lm, plans: dict, ids, prompt: int = 512, progress=None) -> list[dict]:
+    """Perplexity of ids[prompt:] fed one token at a time through the real decode step (TEAL's fused
+    column-sparse ops), after ids[:prompt] is prefilled: dense prefill (the plan's default) against sparse
+    prefill, per plan. plans: {name: Teal plan or None (dense)}. Rows {"variant", "prefill", "ppl", "tokens"}."""
+    ids = torch.as_tensor(ids, dtype=torch.long).flatten()
+    rows = []
+    for name, plan in plans.items():
+        for prefill_sparse in ((False,) if plan is None else (False, True)):
+            if plan is not None:
+                plan.prefill_sparse = prefill_sparse
+            engine = lm.with_sparsity(plan)
+            cache = engine.new_cache(capacity=len(ids) + 1)
+            logits = engine.prefill(ids[None, :prompt], cache)
+            nll = 0.0
+            for t in range(prompt, len(ids)):
+                nll -= float(F.log_softmax(logits.float(), dim=-1)[0, ids[t]])
+                logits = engine.forward(ids[None, t:t + 1], cache)[:, -1]
+                if progress is not None:
+                    progress(1)
+            n = len(ids) - prompt
+            rows.append({"variant": name, "prefill": "sparse" if prefill_sparse else "dense",
+                         "ppl": float(torch.tensor(nll / n).exp()), "tokens": n})
+    return rows

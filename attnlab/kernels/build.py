@@ -25,8 +25,8 @@ import torch
 from attnlab.kernels import isa
 
 _STATE: dict = {}
-SOURCES = ("kernels.cpp", "attend.cpp", "repacked.cpp", "step.cpp")  # quantized matmuls; attention over the
-# KV cache; matvecs over 16-row repacked weights; the native decode step
+SOURCES = ("kernels.cpp", "attend.cpp", "repacked.cpp", "step.cpp", "sparse_cols.cpp")  # quantized matmuls;
+# attention over the KV cache; matvecs over 16-row repacked weights; the native decode step; TEAL's column ops
 REPACK = ("avx512vnni",)  # variants whose QuantLinear repacks int4/int8 weights (ATTNLAB_REPACK=0/1 overrides)
 FLAGS = ("-O3",)  # + the variant's ISA flags (isa.LEVELS)
 CACHE = Path(os.environ.get("ATTNLAB_CACHE", Path.home() / ".cache" / "attnlab")) / "kernels"

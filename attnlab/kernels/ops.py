@@ -146,3 +146,37 @@ def rows_mv(kind: str, x: torch.Tensor, operands: tuple, idx: torch.Tensor) -> t
 def rows_axpy(kind: str, a: torch.Tensor, operands: tuple, idx: torch.Tensor) -> torch.Tensor:
     """a [k] float32, idx [k] int64 -> [K]: sum_j a_j w[idx_j] (repeated indices add up)."""
     return bound_rows(kind, operands)[1](a, idx)
+
+
+# ---------------------------------------------------------------- column-sparse ops (TEAL)
+# y = W (x thresholded) for one token, on W stored transposed: wt [K inputs, N outputs], one input
+# channel per row, given as operands(kind) like the row ops: (wt,) | (q, scale, group) | (qs, scale, min, group)
+# with groups of 32 along N, or q4g: (ct [K, N/2], st, mt [K/32, N]), an int4 weight in its own groups of 32
+# inputs (attnlab/kernels/sparse_cols.cpp). Channels with |x_j| <= tau are never read.
+
+def bound_cols(kind: str, operands: tuple):
+    """cols(x [K] float32, tau) -> [N] float32 for one transposed weight, its op looked up once (the decode
+    step calls it four times a layer)."""
+    if enabled():
+        op = getattr(torch.ops.attnlab, f"{kind}_cols_mv")
+        return lambda x, tau: op(x, tau, *operands)
+
+    n = operands[0].shape[1] * (2 if kind in ("q4", "q4g") else 1)
+
+    def rows(idx):
+        if kind != "q4g":
+            return _rows(kind, operands, idx)
+        ct, st, mt = operands  # the model's int4 groups: scale and min per (32 inputs, output)
+        codes = dequantize_int4(ct.index_select(0, idx), torch.ones(idx.numel(), n // 32),
+                                torch.zeros(idx.numel(), n // 32), 32)
+        return codes * st.index_select(0, idx // 32) + mt.index_select(0, idx // 32)
+
+    def cols(x, tau):
+        idx = (x.abs() > tau).nonzero().flatten()
+        return x.index_select(0, idx) @ rows(idx) if idx.numel() else x.new_zeros(n)
+    return cols
+
+
+def cols_mv(kind: str, x: torch.Tensor, tau: float, operands: tuple) -> torch.Tensor:
+    """x [K] float32 -> [N]: sum over j with |x_j| > tau of x_j * wt[j] (tau < 0 keeps every channel)."""
+    return bound_cols(kind, operands)(x, tau)

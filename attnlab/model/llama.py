@@ -174,7 +174,9 @@ class Attention(nn.Module):
         """x: [B, T, dim] (normed); ctx: this pass (RoPE tables, cache, observers, sparsity); i: layer index."""
         B, T, _ = x.shape
         ctx.record(i, "attn_in", x)
-        qkv = self.wqkv(x).view(B, T, self.n_heads + 2 * self.n_kv, self.head_dim).transpose(1, 2)
+        sp = ctx.sparsity  # a plan may threshold the projections' inputs (TEAL)
+        qkv = (sp.project(i, "wqkv", self.wqkv, x) if sp is not None else self.wqkv(x))
+        qkv = qkv.view(B, T, self.n_heads + 2 * self.n_kv, self.head_dim).transpose(1, 2)
         qk, v = qkv.split([self.n_heads + self.n_kv, self.n_kv], dim=1)  # [B, H, T, D] views
         q, k = rope_apply(qk, ctx.rot).split([self.n_heads, self.n_kv], dim=1)  # q and k in one pass
         kv = ctx.kvs[i] if ctx.kvs is not None else None
@@ -185,10 +187,11 @@ class Attention(nn.Module):
         out, probs = attend(q, k, v, mask, need_probs=ctx.needs_probs, window=self.cfg.sliding_window)
         if ctx.needs_probs:
             ctx.record(i, "probs", probs)
-        if ctx.sparsity is not None:
-            out = ctx.sparsity.heads(i, x, out)
+        if sp is not None:
+            out = sp.heads(i, x, out)
         ctx.record(i, "heads", out)
-        return self.wo(out.transpose(1, 2).reshape(B, T, self.q_size))
+        out = out.transpose(1, 2).reshape(B, T, self.q_size)
+        return sp.project(i, "wo", self.wo, out) if sp is not None else self.wo(out)
 
 
 class FeedForward(nn.Module):

@@ -117,6 +117,10 @@ class Plan:
         gu = self._up[i](x1, torch.cat([idx, idx + H]))
         return idx, F.silu(gu[:k]) * gu[k:]
 
+    def project(self, i: int, name: str, linear, x: torch.Tensor) -> torch.Tensor:
+        """Attention's projection `name` (wqkv, wo) of layer i applied to x: dense here; TEAL thresholds x."""
+        return linear(x)
+
     def heads(self, i: int, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out [B, Hq, T, D] with the heads a token does not use zeroed; x: the normed attention input."""
         if not self.head_sparsity:
@@ -253,15 +257,22 @@ class Lowbit(Plan):
         return self.low[i].nbytes + super().mlp_bytes(i, row13, row2, H)
 
 
-METHODS: dict[str, type[Plan]] = {p.method: p for p in (Oracle, Threshold, Predictor, Lowbit)}
+METHODS: dict[str, type[Plan]] = {p.method: p for p in (Oracle, Threshold, Predictor, Lowbit)}  # Deja Vu's
 
 
-def make_plan(method: str, sparsity: float = 0.5, head_sparsity: float = 0.0, predictors: Predictors | None = None,
+def methods() -> dict[str, type[Plan]]:
+    """Every method: Deja Vu's (MLP neurons, heads) and TEAL (every projection's input, `attnlab.sparsity.teal`)."""
+    from attnlab.sparsity.teal import Teal
+    return {**METHODS, Teal.method: Teal}
+
+
+def make_plan(method: str, sparsity: float = 0.5, head_sparsity: float = 0.0, predictors=None,
               sparse_exec: bool = True) -> Plan:
-    """An unbound plan of the named method (oracle, threshold, predictor, lowbit)."""
-    cls = METHODS.get(method)
+    """An unbound plan of the named method (oracle, threshold, predictor, lowbit, teal; for teal, predictors
+    is its `Calibration`, or None: the model's cached one)."""
+    cls = methods().get(method)
     if cls is None:
-        raise AttnlabError(f"unknown sparsity method {method!r}; choose from {', '.join(METHODS)}")
+        raise AttnlabError(f"unknown sparsity method {method!r}; choose from {', '.join(methods())}")
     return cls(sparsity, head_sparsity, predictors, sparse_exec)
 
 
@@ -288,10 +299,11 @@ class SparsitySpec(NamedTuple):
 
 
 def parse(spec: "str | SparsitySpec") -> SparsitySpec:
-    """'[method@]PATH[:MLP[:HEADS]]', 'oracle[:MLP[:HEADS]]' or 'lowbit[:MLP]' -> (method, path, sparsity,
-    head_sparsity); a parsed spec is returned as it is.
+    """'[method@]PATH[:MLP[:HEADS]]', 'oracle[:MLP[:HEADS]]', 'lowbit[:MLP]', 'teal[:S]' or 'teal@PATH[:S]' ->
+    (method, path, sparsity, head_sparsity); a parsed spec is returned as it is.
 
-    PATH is a folder (or file) written by `attnlab dejavu train`; the method defaults to predictor."""
+    PATH is a folder (or file) written by `attnlab dejavu train` (or `calibrate`, for teal); the method
+    defaults to predictor. teal's S is the model-wide sparsity of every projection's input."""
     if isinstance(spec, SparsitySpec):
         return spec
     text = str(spec).strip()
@@ -305,21 +317,27 @@ def parse(spec: "str | SparsitySpec") -> SparsitySpec:
         parts.pop()
     head = ":".join(parts)
     method, _, path = head.rpartition("@") if "@" in head else ("", "", head)
-    if head in ("oracle", "lowbit"):
+    if head in ("oracle", "lowbit", "teal"):
         method, path = head, None
     method = method or "predictor"
-    if method not in METHODS:
-        raise AttnlabError(f"bad --sparsity {spec!r}: unknown method {method!r} ({', '.join(METHODS)})")
+    if method not in methods():
+        raise AttnlabError(f"bad --sparsity {spec!r}: unknown method {method!r} ({', '.join(methods())})")
+    if method == "teal" and len(nums) > 1:
+        raise AttnlabError(f"bad --sparsity {spec!r}: teal takes one sparsity (every projection's input)")
     if not nums:
         nums = [0.5]
     return SparsitySpec(method, path, nums[0], nums[1] if len(nums) > 1 else 0.0)
 
 
-def plan_from_spec(spec: "str | SparsitySpec", model=None) -> Plan:
-    """A plan from a --sparsity spec (see `parse`), bound to model when given."""
+def plan_from_spec(spec: "str | SparsitySpec", model=None, tokenizer=None) -> Plan:
+    """A plan from a --sparsity spec (see `parse`), bound to model when given (teal without a PATH: the model's
+    cached calibration, made with tokenizer on the training plays when missing)."""
     method, path, s, hs = parse(spec)
     pred = None
-    if path is not None:
+    if method == "teal":
+        from attnlab.sparsity import teal
+        pred = teal.Calibration.load(path) if path is not None else teal.cached(model, tokenizer) if model else None
+    elif path is not None:
         p = Path(path).expanduser()
         try:
             pred = Predictors.load(p)

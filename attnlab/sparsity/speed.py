@@ -20,7 +20,7 @@ def decode_speed(lm, plans: dict, ids: torch.Tensor, depth: int = 128, steps: in
     """plans: {name: Plan or None (dense)}; ids: 1-D tokens (depth + steps of them; fed for real so a
     predictor sees real inputs); clock: "wall" or "cpu" (this thread's CPU time: on a loaded machine
     it leaves out the time other processes held the core). Returns rows {"variant", "tok_s", "runs",
-    "mlp_mib_per_token", "speedup"}."""
+    "mlp_mib_per_token", "proj_mib_per_token" (all seven projections), "speedup"}."""
     if clock not in ("wall", "cpu"):
         raise AttnlabError(f"clock must be wall or cpu, got {clock!r}")
     now = time.perf_counter if clock == "wall" else time.thread_time
@@ -50,14 +50,22 @@ def decode_speed(lm, plans: dict, ids: torch.Tensor, depth: int = 128, steps: in
     for name in names:
         p = bound[name]
         b = p.bytes_per_token(model) if p is not None else None
+        attn = _dense_attn(model)
         row = {"variant": name, "tok_s": statistics.median(times[name]), "runs": [round(x, 2) for x in times[name]],
-               "mlp_mib_per_token": (b["sparse_mlp"] if b else _dense_mlp(model)) / 2**20}
+               "mlp_mib_per_token": (b["sparse_mlp"] if b else _dense_mlp(model)) / 2**20,
+               "proj_mib_per_token": (b.get("sparse_proj", attn + b["sparse_mlp"]) if b else attn + _dense_mlp(model))
+               / 2**20}
         dense_row = dense_row or (row if p is None else None)
         rows.append(row)
     if dense_row is not None:
         for row in rows:
             row["speedup"] = row["tok_s"] / dense_row["tok_s"]
     return rows
+
+
+def _dense_attn(model) -> int:
+    from attnlab.sparsity.plan import _nbytes
+    return sum(_nbytes(layer.attn.wqkv) + _nbytes(layer.attn.wo) for layer in model.layers)
 
 
 def _dense_mlp(model) -> int:
