@@ -6,11 +6,11 @@ whether batches above one token need `-ub 1` (a native build on a CPU with AMX t
 """
 from __future__ import annotations
 
-import ctypes
 import json
-import platform
 import subprocess
 from pathlib import Path
+
+from attnlab.kernels.isa import amx_granted, cpu_flags, cpu_model  # noqa: F401  (one reader of the CPU)
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD_ROOT = ROOT / "build" / "llamacpp"
@@ -21,40 +21,6 @@ GENERIC_FLAGS = {"avx": "GGML_AVX", "avx2": "GGML_AVX2", "fma": "GGML_FMA", "f16
                  "avx512_vnni": "GGML_AVX512_VNNI", "avx512_bf16": "GGML_AVX512_BF16", "avx_vnni": "GGML_AVX_VNNI"}
 SHOWN_FLAGS = ["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
                "avx512_fp16", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16"]
-
-
-def cpu_flags() -> set[str]:
-    """The CPU's flags as /proc/cpuinfo lists them (empty off Linux)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def amx_granted() -> bool:
-    """Whether the OS lets this process use AMX tiles: arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA) succeeds.
-    Without it the first tile instruction raises SIGILL, which is what llama.cpp's native build hits."""
-    if platform.system() != "Linux" or platform.machine() != "x86_64":
-        return False
-    SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 158, 0x1023, 18
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0
-    except (OSError, AttributeError):
-        return False
 
 
 def plan_builds(flags: set[str], granted: bool) -> dict[str, dict]:

@@ -50,17 +50,9 @@ print(json.dumps({{"import_s": t1 - t0, "load_s": t2 - t1, "token_s": t3 - t2, "
 
 
 def cpu() -> tuple[str, list[str]]:
-    """The CPU's model name and the ISA flags that matter here, from /proc/cpuinfo."""
-    name, flags = "unknown", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and name == "unknown":
-                name = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return name, [f for f in SHOWN_FLAGS if f in flags]
+    """The CPU's model name and the ISA flags that matter here."""
+    from attnlab.kernels.isa import cpu_flags, cpu_model
+    return cpu_model(), [f for f in SHOWN_FLAGS if f in cpu_flags()]
 
 
 def spawn_measured(cmd: list[str], env: dict | None = None, cwd: str | None = None) -> tuple[float, float, int, str]:
