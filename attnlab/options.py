@@ -74,7 +74,8 @@ class Options:
     'kmeans:4', ... (`attnlab.quant.QuantSpec`). compile: the native single-token decode step.
     rope: a context-extension override ('yarn:4', 'linear:2', 'none'; `attnlab.rope.parse_rope`).
     sparsity: Deja Vu, 'PATH[:MLP[:HEADS]]', 'threshold@PATH:0.5', 'oracle:0.5', 'lowbit:0.5'
-    or TEAL 'teal:0.3' (`attnlab.sparsity.plan.parse`). kv_dtype: KV-cache storage float32 | float16 | int8 (default: dtype).
+    or TEAL 'teal:0.3' (`attnlab.sparsity.plan.parse`). kv_dtype: KV-cache storage float32 | float16 | int8
+    (default: dtype).
     policy: the default KV-cache policy of generation and serving ('sink:1024' or a PolicySpec; None = full)."""
     dtype: str | None = None
     threads: int | None = None
