@@ -43,6 +43,26 @@ def write_json(path: str | os.PathLike, data) -> Path:
     return write_text(path, json.dumps(data, indent=2) + "\n")
 
 
+def write_tensors(path: str | os.PathLike, tensors: dict, fmt: str, config: dict) -> Path:
+    """A safetensors file whose metadata names its format and the config that rebuilds its owner, atomically."""
+    from safetensors.torch import save_file
+    meta = {"format": fmt, "config": json.dumps(config)}
+    return write_atomic(path, lambda tmp: save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp),
+                                                    metadata=meta))
+
+
+def read_tensors(path: str | os.PathLike, fmt: str, what: str) -> tuple[dict, dict]:
+    """(tensors, config) of a `write_tensors` file; AttnlabError naming `what` if it holds another format."""
+    from safetensors.torch import load_file, safe_open
+
+    from attnlab.errors import AttnlabError
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata() or {}
+    if meta.get("format") != fmt:
+        raise AttnlabError(f"{path} is not an attnlab {what} (format {meta.get('format')!r})")
+    return load_file(str(path)), json.loads(meta["config"])
+
+
 def _interactive() -> bool:
     return sys.stderr.isatty() or bool(os.environ.get("ATTNLAB_PROGRESS"))
 

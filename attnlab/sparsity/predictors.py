@@ -16,12 +16,10 @@ Saved as safetensors (tensors + a JSON config in the metadata), never pickled.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, safe_open, save_file
 from torch import nn
 
 from attnlab.errors import AttnlabError
@@ -80,10 +78,8 @@ class Predictors(nn.Module):
         return (self.mlp_a[0].numel() + self.mlp_b[0].numel()) * 4
 
     def save(self, path: str | Path) -> None:
-        from attnlab.io import write_atomic
-        tensors = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
-        meta = {"format": FORMAT, "config": json.dumps(self.config)}
-        write_atomic(Path(path), lambda tmp: save_file(tensors, str(tmp), metadata=meta))
+        from attnlab.io import write_tensors
+        write_tensors(path, self.state_dict(), FORMAT, self.config)
 
     @classmethod
     def load(cls, path: str | Path) -> "Predictors":
@@ -92,12 +88,10 @@ class Predictors(nn.Module):
             path = path / "predictors.safetensors"
         if not path.is_file():
             raise FileNotFoundError(f"no Deja Vu predictors at {path} (make them with `attnlab dejavu train`)")
-        with safe_open(str(path), "pt") as f:
-            meta = f.metadata() or {}
-        if meta.get("format") != FORMAT:
-            raise AttnlabError(f"{path} is not an attnlab Deja Vu predictor file (format {meta.get('format')!r})")
-        p = cls(**json.loads(meta["config"]))
-        p.load_state_dict(load_file(str(path)))
+        from attnlab.io import read_tensors
+        tensors, config = read_tensors(path, FORMAT, "Deja Vu predictor file")
+        p = cls(**config)
+        p.load_state_dict(tensors)
         return p
 
     def check_model(self, cfg) -> None:

@@ -18,7 +18,6 @@ under ~/.cache/attnlab/teal (keyed by the weights), so `--sparsity teal:0.4` cal
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from pathlib import Path
 
@@ -80,26 +79,20 @@ class Calibration:
             raise AttnlabError(f"this TEAL calibration was made for a model with {got}, not {want}")
 
     def save(self, path: str | Path) -> Path:
-        from safetensors.torch import save_file
-
-        from attnlab.io import write_atomic
+        from attnlab.io import write_tensors
         t = {"quantiles": self.quantiles, "alloc": self.alloc, "effective": self.effective, "error": self.error}
-        meta = {"format": FORMAT, "config": json.dumps(self.config)}
-        return write_atomic(Path(path), lambda tmp: save_file({k: v.contiguous() for k, v in t.items()}, tmp, metadata=meta))
+        return write_tensors(path, t, FORMAT, self.config)
 
     @classmethod
     def load(cls, path: str | Path) -> "Calibration":
-        from safetensors.torch import load_file, safe_open
+        from attnlab.io import read_tensors
         path = Path(path).expanduser()
         if path.is_dir():
             path = path / "teal.safetensors"
         if not path.is_file():
             raise AttnlabError(f"no TEAL calibration at {path} (make one with `attnlab dejavu calibrate`)")
-        with safe_open(str(path), "pt") as f:
-            meta = f.metadata() or {}
-        if meta.get("format") != FORMAT:
-            raise AttnlabError(f"{path} is not an attnlab TEAL calibration (format {meta.get('format')!r})")
-        return cls(**load_file(str(path)), config=json.loads(meta["config"]))
+        tensors, config = read_tensors(path, FORMAT, "TEAL calibration")
+        return cls(**tensors, config=config)
 
 
 class Inputs:
