@@ -10,7 +10,7 @@ import json
 import subprocess
 from pathlib import Path
 
-from attnlab.kernels.isa import amx_granted, cpu_flags, cpu_model  # noqa: F401  (one reader of the CPU)
+from attnlab.kernels.isa import SHOWN_FLAGS, amx_granted, cpu_flags, cpu_model, shown_flags  # noqa: F401
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD_ROOT = ROOT / "build" / "llamacpp"
@@ -19,8 +19,6 @@ BUILD_ROOT = ROOT / "build" / "llamacpp"
 GENERIC_FLAGS = {"avx": "GGML_AVX", "avx2": "GGML_AVX2", "fma": "GGML_FMA", "f16c": "GGML_F16C",
                  "bmi2": "GGML_BMI2", "avx512f": "GGML_AVX512", "avx512_vbmi": "GGML_AVX512_VBMI",
                  "avx512_vnni": "GGML_AVX512_VNNI", "avx512_bf16": "GGML_AVX512_BF16", "avx_vnni": "GGML_AVX_VNNI"}
-SHOWN_FLAGS = ["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
-               "avx512_fp16", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16"]
 
 
 def plan_builds(flags: set[str], granted: bool) -> dict[str, dict]:
@@ -41,7 +39,7 @@ def plan_builds(flags: set[str], granted: bool) -> dict[str, dict]:
 def header() -> str:
     """The lines every benchmark run starts with: CPU model, its ISA flags, AMX permission, attnlab's variant."""
     flags = cpu_flags()
-    shown = " ".join(f for f in SHOWN_FLAGS if f in flags) or "none of " + " ".join(SHOWN_FLAGS)
+    shown = " ".join(shown_flags()) or "none of " + " ".join(SHOWN_FLAGS)
     lines = [f"CPU: {cpu_model()} ({_count_cpus()} logical CPUs)", f"ISA flags: {shown}"]
     if "amx_tile" in flags:
         lines.append(f"AMX tiles granted by the OS: {amx_granted()}")

@@ -27,8 +27,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SHOWN_FLAGS = ["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
-               "avx512_fp16", "avx_vnni", "amx_tile", "amx_int8"]
 
 CHILD = """
 import json, sys, time
@@ -51,8 +49,8 @@ print(json.dumps({{"import_s": t1 - t0, "load_s": t2 - t1, "token_s": t3 - t2, "
 
 def cpu() -> tuple[str, list[str]]:
     """The CPU's model name and the ISA flags that matter here."""
-    from attnlab.kernels.isa import cpu_flags, cpu_model
-    return cpu_model(), [f for f in SHOWN_FLAGS if f in cpu_flags()]
+    from attnlab.kernels.isa import cpu_model, shown_flags
+    return cpu_model(), shown_flags()
 
 
 def spawn_measured(cmd: list[str], env: dict | None = None, cwd: str | None = None) -> tuple[float, float, int, str]:

@@ -88,10 +88,18 @@ def best() -> str | None:
     return ok[-1] if ok else None
 
 
+# the ISA flags benchmark headers print (what the kernels and llama.cpp's builds can use)
+SHOWN_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
+               "avx512_bf16", "avx512_fp16", "amx_tile", "amx_int8", "amx_bf16")
+
+
+def shown_flags() -> list[str]:
+    """The SHOWN_FLAGS this CPU has."""
+    return [f for f in SHOWN_FLAGS if f in cpu_flags()]
+
+
 def describe() -> str:
     """One line for benchmark headers: CPU model, the ISA flags that matter, AMX grant."""
-    keys = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
-            "avx512_bf16", "avx512_fp16", "amx_tile", "amx_int8")
-    flags = " ".join(k for k in keys if k in cpu_flags())
+    flags = " ".join(shown_flags())
     amx = "granted" if amx_granted() else "not granted" if "amx_tile" in cpu_flags() else "absent"
     return f"{cpu_model()}; {flags}; AMX {amx}"
