@@ -181,19 +181,33 @@ class QuantLinear(nn.Module):
         N, K, G = self.out_features, self.in_features, self.in_features // self.group
         return N * K // (2 if self.kind == "int4" else 1) + N * G * 4 * (2 if self.kind == "int4" or self.has_min else 1)
 
-    def kernel(self) -> tuple[str, tuple]:
+    @property
+    def row_align(self) -> int:
+        """Output rows come in blocks of this many: where `kernel(rows=...)` may cut the matrix."""
+        return repack.ROWS if self.repacked else 1
+
+    def kernel(self, rows: tuple[int, int] | None = None) -> tuple[str, tuple]:
         """(op name, operands): `getattr(torch.ops.attnlab, name)(x, *operands)` is x @ W^T for x [M, K]
         float32 contiguous, M small (decode), no bias. The one place that knows the weight's layout, so
-        a native step (or anyone else) calls the fused kernel without reading buffers itself."""
+        a native step (or anyone else) calls the fused kernel without reading buffers itself.
+
+        rows=(r0, r1): the operands of output rows r0..r1 only, as views (r0 and r1 multiples of
+        `row_align`, or r1 = N): how a caller splits one matvec across threads."""
+        N = self.out_features
+        r0, r1 = rows or (0, N)
+        a = self.row_align
+        if not (0 <= r0 < r1 <= N and r0 % a == 0 and (r1 % a == 0 or r1 == N)):
+            raise ValueError(f"rows {rows} of {N}: need 0 <= r0 < r1 <= {N} on multiples of {a}")
         if self.repacked:
+            wp = self.wp[r0 // a:(r1 + a - 1) // a]
             if self.kind == "int4":
-                return "q4x_mm", (self.wp, self.out_features, self.group)
-            return "q8x_mm", (self.wp, self.out_features, self.group, self.has_min)
+                return "q4x_mm", (wp, r1 - r0, self.group)
+            return "q8x_mm", (wp, r1 - r0, self.group, self.has_min)
         if self.kind == "int8":
-            return "q8_mm", (self.q, self.scale, self.group)
+            return "q8_mm", (self.q[r0:r1], self.scale[r0:r1], self.group)
         if self.kind == "int4":
-            return "q4_mm", (self.qs, self.scale, self.min, self.group)
-        return "lut4_mm", (self.qs, self.lut, self.lut_scale, self.group)
+            return "q4_mm", (self.qs[r0:r1], self.scale[r0:r1], self.min[r0:r1], self.group)
+        return "lut4_mm", (self.qs[r0:r1], self.lut[r0:r1], self.lut_scale[r0:r1], self.group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
