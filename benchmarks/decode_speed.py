@@ -37,15 +37,16 @@ OURS = ["fp32", "bf16", "int8", "int4:32", "kmeans:4", "kmeans-naive:4"]
 
 
 def bandwidth_gbs(repeats: int = 5) -> float:
-    """Read bandwidth seen by a large fp32 matrix-vector product (what decoding does), GB/s."""
-    w, v = torch.randn(8192, 16384), torch.randn(16384)
-    w @ v
+    """Read bandwidth of a streaming sum over 256 MB at torch's current thread count, GB/s: the memory's
+    ceiling for a step that only streams its weights (MKL's fp32 matvec reads at about half of it here)."""
+    x = torch.ones(64 << 20)
+    x.sum()
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
-        w @ v
+        x.sum()
         times.append(time.perf_counter() - t)
-    return w.numel() * 4 / statistics.median(times) / 1e9
+    return x.numel() * 4 / statistics.median(times) / 1e9
 
 
 def weights_read(model) -> int:
@@ -96,6 +97,14 @@ class Ours:
 
     def release(self, length):
         self.caches.pop(length, None)
+
+    def phases(self, length, steps):
+        """The native step's per-phase times at this depth, ms per step ({phase: [wall, busy per thread]})."""
+        if getattr(self.lm, "compiled", None) is None:
+            return None
+        self.lm.compiled.step.profile(True)
+        self.decode(length, steps)
+        return {k: [x * 1e3 for x in v] for k, v in self.lm.compiled.step.profile(False).items()}
 
     @torch.inference_mode()
     def prefill(self, ids):
@@ -211,6 +220,28 @@ def peer_table(rows: dict, cols: list[str], cpp_names: list[str], threads: int) 
     return out
 
 
+def print_phases(phases: dict, bandwidth: dict) -> None:
+    """Per phase of the native step, ms per step at each thread count and the speed-up over the first; the
+    memory's own speed-up (streaming read bandwidth) beside it is the ceiling of a bandwidth-bound phase."""
+    counts = sorted(bandwidth)
+    if len(counts) > 1:
+        print(f"\nread bandwidth {' / '.join(f'{bandwidth[t]:.1f}' for t in counts)} GB/s at {counts} threads: "
+              f"{bandwidth[counts[-1]] / bandwidth[counts[0]]:.2f}x, the ceiling for a step that streams its weights")
+    for name, by_length in phases.items():
+        for length, by_threads in by_length.items():
+            ts = [t for t in counts if t in by_threads]
+            print(f"\n{name}, depth {length}: ms per step by phase (wall; busy per thread)\n")
+            print("| phase | " + " | ".join(f"{t} thr" for t in ts) + (f" | {ts[-1]} vs {ts[0]} |" if len(ts) > 1 else " |"))
+            print("|---|" + "---|" * (len(ts) + (len(ts) > 1)))
+            for ph in by_threads[ts[0]]:
+                cells = [f"{by_threads[t][ph][0]:.2f} ({', '.join(f'{x:.2f}' for x in by_threads[t][ph][1:])})" for t in ts]
+                ratio = [f"{by_threads[ts[0]][ph][0] / max(by_threads[ts[-1]][ph][0], 1e-9):.2f}x"] if len(ts) > 1 else []
+                print(f"| {ph} | " + " | ".join(cells + ratio) + " |")
+            total = {t: sum(v[0] for v in by_threads[t].values()) for t in ts}
+            print("| total | " + " | ".join(f"{total[t]:.2f}" for t in ts)
+                  + (f" | {total[ts[0]] / total[ts[-1]]:.2f}x |" if len(ts) > 1 else " |"))
+
+
 def interleaved(variants, fn, repeats):
     """{variant name: median of fn(v)} with the order rotated every repeat."""
     res = {v.name: [] for v in variants}
@@ -266,12 +297,13 @@ def main(argv=None) -> int:
         print("llama.cpp is not built (make bench-llamacpp): llama.cpp not measured", file=sys.stderr)
     for name, meta in builds.items():
         print(f"llama.cpp {name}: {meta['bin']} ({meta.get('version', '?')}; {meta.get('note', '')})")
-    bw = bandwidth_gbs()
     gen = torch.Generator().manual_seed(0)
-    results = {"bandwidth_gbs": bw, "threads": {}, "load_s": {}}
-    print(f"measured read bandwidth {bw:.1f} GB/s; steps/run {args.steps}; repeats {args.repeats}")
+    results = {"bandwidth_gbs": {}, "threads": {}, "load_s": {}, "phases": {}}
+    print(f"steps/run {args.steps}; repeats {args.repeats}")
     for t in threads:
         torch.set_num_threads(t)
+        bw = results["bandwidth_gbs"][t] = bandwidth_gbs()
+        print(f"{t} thread{'s' if t > 1 else ''}: read bandwidth {bw:.1f} GB/s (streaming sum)")
         variants = load_variants()
         results["load_s"].update({v.name: v.load_s for v in variants})
         cpp = [LlamaBench(b, meta, path, t, fa, kv) for b, meta in builds.items() for kv in args.llamacpp_kv.split(",")
@@ -283,6 +315,10 @@ def main(argv=None) -> int:
             for v in allv:
                 v.prepare(ids, args.steps)
             med = interleaved(allv, lambda v: v.decode(length, args.steps), args.repeats)
+            for v in variants:
+                prof = v.phases(length, args.steps)
+                if prof:
+                    results["phases"].setdefault(v.name, {}).setdefault(length, {})[t] = prof
             for v in allv:
                 v.release(length)
                 bound = bw * 1e9 / (v.bytes + v.kv_bytes(length))
@@ -312,6 +348,7 @@ def main(argv=None) -> int:
         if cpp:
             results.setdefault("vs_llamacpp", {})[t] = peer_table(rows, cols, [v.name for v in cpp], t)
         del cpp, variants, allv
+    print_phases(results["phases"], results["bandwidth_gbs"])
     print("load time (s): " + ", ".join(f"{k} {x:.1f}" for k, x in results["load_s"].items()))
     if args.json:
         from attnlab.io import write_json

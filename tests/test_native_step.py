@@ -73,6 +73,62 @@ def test_native_step_equals_eager(spec, kv, policy):
     _close(got, ref, spec)
 
 
+@pytest.fixture
+def threads():
+    """Set torch's thread count for a test and restore it afterwards."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("spec,kv", [(None, None), (None, torch.float16), ("int4:32", torch.float16),
+                                     ("int8", torch.int8)])
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_team_of_threads_equals_eager(threads, spec, kv, n):
+    """The step split over n threads (row slices of every layer, cache stretches merged by log-sum-exp,
+    3 threads cutting 4-block layers unevenly) gives eager's logits, growing and evicting."""
+    if not torch.classes.attnlab.DecodeStep.openmp():
+        pytest.skip("kernels built without OpenMP: the step runs on one thread")
+    threads(n)
+    eager, fast = _pair(spec, kv, head_dim=32 if kv == torch.int8 else 0)
+    for policy in (None, _sink):
+        _close(_decode(fast, IDS, policy), _decode(eager, IDS, policy), spec)
+    assert fast.compiled.threads == n and fast.compiled.calls == {"native": 64, "eager": 0}
+
+
+def test_the_step_follows_the_thread_count(threads):
+    """Changing torch's thread count between steps rebuilds the team; the logits stay the float ones."""
+    eager, fast = _pair()
+    ref = _decode(eager, IDS)
+    cache = fast.new_cache(capacity=8)
+    fast.prefill(IDS[:, :8], cache)
+    got = []
+    for t in range(8, IDS.shape[1]):
+        threads(1 + t % 2)
+        got.append(fast.forward(IDS[:, t:t + 1], cache))
+    _close(torch.cat(got, 1), ref, None)
+    assert fast.compiled.threads == 1 + (IDS.shape[1] - 1) % 2
+
+
+def test_phase_profile_covers_the_step(threads):
+    """profile(True) times each phase per thread; the phases' wall times add up to no more than the steps took."""
+    threads(2)
+    _, fast = _pair("int4:32", torch.float16)
+    import time
+    cache = fast.new_cache(capacity=64)
+    fast.prefill(IDS[:, :8], cache)
+    fast.compiled.step.profile(True)
+    start = time.perf_counter()
+    for t in range(8, 40):
+        fast.forward(IDS[:, t:t + 1], cache)
+    took = (time.perf_counter() - start) / 32
+    prof = fast.compiled.step.profile(False)
+    assert list(prof) == ["wqkv", "rope+kv", "attention", "wo", "w13", "silu", "w2", "head"]
+    assert all(len(v) == 3 and min(v) >= 0 for v in prof.values())  # wall, busy thread 0, busy thread 1
+    assert 0 < sum(v[0] for v in prof.values()) <= took
+    assert fast.compiled.step.profile(False) == {}  # nothing timed since
+
+
 def test_sliding_window_natively_until_an_eviction_then_eagerly():
     """A window over a cache that never evicted is its last slots; after an eviction the step hands over."""
     eager, fast = _pair(sliding_window=6)
@@ -114,8 +170,8 @@ def _flip_one_layer(monkeypatch, layer):
         negated = torch.nn.Linear(layer.in_features, layer.out_features, bias=False)
         negated.weight.data = -layer.weight.data
 
-    def flipped(m):
-        return real(negated if m is layer else m)
+    def flipped(m, rows=None):
+        return real(negated if m is layer else m, rows)
     monkeypatch.setattr(native, "kernel_call", flipped)
 
 
@@ -134,7 +190,7 @@ def test_a_second_process_builds_nothing():
     before = {p: p.stat().st_mtime for p in so}
     assert before, "the kernels are built by the tests before this one"
     code = ("import time; t = time.perf_counter(); from attnlab.kernels import ops; assert ops.load(); "
-            "import torch; torch.classes.attnlab.DecodeStep(64, 4, 2, 16, 96, 1e-5); print(time.perf_counter() - t)")
+            "import torch; torch.classes.attnlab.DecodeStep(64, 4, 2, 16, 96, 1e-5, 1); print(time.perf_counter() - t)")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -230,8 +230,12 @@ Scales scales_of(const std::optional<torch::Tensor>& s, int64_t b, int64_t h) {
   else return {s->data_ptr<float>() + b * s->stride(0) + h * s->stride(1), s->stride(2)};
 }
 
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale,
-                               const std::optional<torch::Tensor>& k_scale, const std::optional<torch::Tensor>& v_scale) {
+// out [B, Hq, 1, D] and, where lse is given, each query head's log-sum-exp of its scores [B, Hq]: what a
+// caller that splits the cache into stretches (the native step's threads) needs to merge their outputs.
+// Inside a parallel region (such a caller's thread) it runs on the calling thread alone.
+torch::Tensor attend(torch::Tensor q, const torch::Tensor& k, const torch::Tensor& v, double scale,
+                     const std::optional<torch::Tensor>& k_scale, const std::optional<torch::Tensor>& v_scale,
+                     float* lse) {
   TORCH_CHECK(q.scalar_type() == torch::kFloat && q.dim() == 4 && q.size(2) == 1, "q must be float32 [B, Hq, 1, D]");
   TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes() && k.scalar_type() == v.scalar_type(),
               "k and v must have one shape [B, Hkv, n, D] and one dtype");
@@ -257,7 +261,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   // Work items are stretches of one KV head's rows. One stretch per head at one thread; with more, heads
   // are cut so the items share out evenly (3 KV heads on 2 threads: 6 stretches, not 2 heads and 1), each
   // at least kMinStretch rows, and the stretches' softmaxes are merged below by their maxima and sums.
-  const int64_t threads = at::get_num_threads(), heads_n = B * Hkv;
+  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads(), heads_n = B * Hkv;
   const int64_t cuts =
       threads == 1 ? 1 : std::max<int64_t>(1, std::min(threads / std::gcd(heads_n, threads), n / kMinStretch));
   const int64_t len = (n + cuts - 1) / cuts, items = heads_n * cuts;  // no stretch is empty: len >= kMinStretch
@@ -275,7 +279,10 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
       heads(Q + bh * G * D, kp, vp, k.stride(2), v.stride(2), scales_of<T>(k_scale, b, h).from(t0),
             scales_of<T>(v_scale, b, h).from(t0), m, D, G, static_cast<float>(scale), o, mx, mx + G);
       if (cuts == 1)
-        for (int64_t g = 0; g < G; ++g) scale_row(o + g * D, D, 1.f / mx[G + g]);
+        for (int64_t g = 0; g < G; ++g) {
+          scale_row(o + g * D, D, 1.f / mx[G + g]);
+          if (lse) lse[bh * G + g] = mx[g] + std::log(mx[G + g]);
+        }
     }
   };
   auto run = [&](int64_t i0, int64_t i1) {
@@ -299,8 +306,22 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
           for (int64_t d = 0; d < D; ++d) o[d] += w * p[d];
         }
         scale_row(o, D, 1.f / total);
+        if (lse) lse[bh * G + g] = top + std::log(total);
       }
   return out;
+}
+
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale,
+                               const std::optional<torch::Tensor>& k_scale, const std::optional<torch::Tensor>& v_scale) {
+  return attend(q, k, v, scale, k_scale, v_scale, nullptr);
+}
+
+std::tuple<torch::Tensor, torch::Tensor> decode_attention_lse(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                                                              double scale, const std::optional<torch::Tensor>& k_scale,
+                                                              const std::optional<torch::Tensor>& v_scale) {
+  auto lse = torch::empty({q.size(0), q.size(1)}, q.options().dtype(torch::kFloat));
+  auto out = attend(q, k, v, scale, k_scale, v_scale, lse.data_ptr<float>());
+  return {out, lse};
 }
 
 // Keys or values rounded for an int8 cache: x [..., D] float32 -> codes [..., D] int8 and scales
@@ -336,10 +357,12 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_kv(torch::Tensor x) {
 
 TORCH_LIBRARY_FRAGMENT(attnlab, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, float scale, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
+  m.def("decode_attention_lse(Tensor q, Tensor k, Tensor v, float scale, Tensor? k_scale=None, Tensor? v_scale=None) -> (Tensor, Tensor)");
   m.def("quantize_kv(Tensor x) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(attnlab, CPU, m) {
   m.impl("decode_attention", &decode_attention);
+  m.impl("decode_attention_lse", &decode_attention_lse);
   m.impl("quantize_kv", &quantize_kv);
 }

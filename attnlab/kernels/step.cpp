@@ -10,14 +10,27 @@
 // kernel variant the extension was built with. The elementwise glue (RMSNorm, RoPE, the cache write,
 // SiLU, residuals) is a few thousand numbers per layer: plain loops, cheaper than an op call each.
 //
+// Threads: one team for the whole step (an OpenMP parallel region per call, not one per kernel). Each
+// linear layer arrives cut into one slice of output rows per thread (`QuantLinear.kernel(rows=...)`), each
+// thread runs its slice's kernel (on one thread: at::parallel_for runs inline in a parallel region) and
+// writes its rows; attention is cut along the cache (each thread one stretch of the slots, merged by
+// log-sum-exp, as flash-decoding does); the elementwise glue runs on one thread or is shared. Barriers
+// separate the phases: ~6 per layer, against a fork/join per kernel call before (~150 per step).
+//
 // The Python side (`attnlab/model/native.py`) decides which steps come here (batch 1, one token, no
 // padding, float32 activations, a float32 / float16 / int8 cache) and keeps the cache's bookkeeping
 // (positions, growth, eviction) around the call.
 #include <torch/extension.h>
 #include <torch/custom_class.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
+#include <atomic>
+#include <chrono>
 #include <cmath>
+#include <exception>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -25,9 +38,10 @@
 
 namespace {
 
-// y = x W^T (+ b): a dispatcher op with its operands after x (a quantized layer's `kernel()`), or a
-// float weight through at::linear.
+// y = x W^T (+ b) over output rows [row0, row0 + rows): a dispatcher op with its operands after x (a
+// quantized layer's `kernel(rows=...)`), or a float weight's rows through at::linear.
 struct Linear {
+  int64_t row0 = 0, rows = 0;
   std::optional<c10::OperatorHandle> op;
   std::vector<c10::IValue> args;
   at::Tensor weight, bias;
@@ -65,20 +79,51 @@ void rope(float* x, const float* rot, int64_t heads, int64_t D) {
 }  // namespace
 
 struct DecodeStep : torch::CustomClassHolder {
-  int64_t dim, n_heads, n_kv, head_dim, hidden;
+  int64_t dim, n_heads, n_kv, head_dim, hidden, threads;
   double eps, scale;
   at::Tensor embed_w, embed_scale;  // float32 [V, dim], or int8 codes [V, dim] with scales [V, dim / group]
   int64_t embed_group = 0;
   std::vector<at::Tensor> norms;    // attn_norm, mlp_norm per layer, then the final norm
-  std::vector<Linear> linears;      // wqkv, wo, w13, w2 per layer, then the head
+  std::vector<std::vector<Linear>> linears;  // wqkv, wo, w13, w2 per layer, then the head: row slices, one per thread
   std::vector<at::Tensor> k, v, k_scale, v_scale, pos;  // the bound cache's per-layer buffers
+  // Phase timings when profiling (`profile(true)`): seconds per thread and phase of its own work ("busy"), and
+  // of the phase until its barrier released thread 0 ("wall"), summed over the calls since.
+  static constexpr const char* kPhases[] = {"wqkv", "rope+kv", "attention", "wo", "w13", "silu", "w2", "head"};
+  static constexpr int kNPhases = 8;
+  bool profiling = false;
+  std::vector<double> busy, wall;
+  int64_t profiled = 0;
   // attend.cpp's ops, called boxed: by schema, whatever C++ signature their kernels have
-  c10::OperatorHandle attend = c10::Dispatcher::singleton().findSchemaOrThrow("attnlab::decode_attention", "");
+  c10::OperatorHandle attend = c10::Dispatcher::singleton().findSchemaOrThrow("attnlab::decode_attention_lse", "");
   c10::OperatorHandle quantize_kv = c10::Dispatcher::singleton().findSchemaOrThrow("attnlab::quantize_kv", "");
 
-  DecodeStep(int64_t dim, int64_t n_heads, int64_t n_kv, int64_t head_dim, int64_t hidden, double eps)
-      : dim(dim), n_heads(n_heads), n_kv(n_kv), head_dim(head_dim), hidden(hidden), eps(eps),
-        scale(1.0 / std::sqrt(static_cast<double>(head_dim))) {}
+  DecodeStep(int64_t dim, int64_t n_heads, int64_t n_kv, int64_t head_dim, int64_t hidden, double eps, int64_t threads)
+      : dim(dim), n_heads(n_heads), n_kv(n_kv), head_dim(head_dim), hidden(hidden), threads(threads), eps(eps),
+        scale(1.0 / std::sqrt(static_cast<double>(head_dim))) {
+    TORCH_CHECK(threads >= 1 && (threads == 1 || openmp()), "threads must be >= 1 (1 in a build without OpenMP)");
+  }
+
+  // Start (or stop) timing the phases; returns {phase: [wall, busy thread 0, busy thread 1, ...]} in seconds
+  // per step, averaged over the steps since the last call.
+  c10::Dict<std::string, std::vector<double>> profile(bool on) {
+    c10::Dict<std::string, std::vector<double>> out;
+    for (int p = 0; p < kNPhases && profiled; ++p) {
+      std::vector<double> row{wall[p] / profiled};
+      for (int64_t t = 0; t < threads; ++t) row.push_back(busy[t * kNPhases + p] / profiled);
+      out.insert(kPhases[p], row);
+    }
+    profiling = on, profiled = 0;
+    busy.assign(threads * kNPhases, 0.0), wall.assign(kNPhases, 0.0);
+    return out;
+  }
+
+  static bool openmp() {
+#ifdef _OPENMP
+    return true;
+#else
+    return false;
+#endif
+  }
 
   void set_embedding(at::Tensor w, std::optional<at::Tensor> scale, int64_t group) {
     TORCH_CHECK(w.dim() == 2 && w.size(1) == dim && w.is_contiguous(), "embedding must be contiguous [V, dim]");
@@ -92,16 +137,27 @@ struct DecodeStep : torch::CustomClassHolder {
     norms.push_back(w);
   }
 
-  // op: an attnlab op name ("" = float weight tensors[0]); its operands after x are filled in the
-  // order of the op's schema from tensors, ints and floats.
+  // One thread's slice of a linear layer: output rows [row0, row0 + rows) (row0 == 0 starts the next layer).
+  // op: an attnlab op name ("" = float weight rows tensors[0]); its operands after x are filled in the order
+  // of the op's schema from tensors, ints and floats; bias: the slice's rows.
   void add_linear(const std::string& op, std::vector<at::Tensor> tensors, std::vector<int64_t> ints,
-                  std::vector<double> floats, std::optional<at::Tensor> bias) {
+                  std::vector<double> floats, std::optional<at::Tensor> bias, int64_t row0, int64_t rows) {
+    TORCH_CHECK(row0 >= 0 && rows > 0, "rows of a slice: row0 >= 0, rows > 0");
+    if (row0 == 0) linears.emplace_back();
+    TORCH_CHECK(!linears.empty() && static_cast<int64_t>(linears.back().size()) < threads &&
+                (linears.back().empty() ? row0 == 0 : row0 == linears.back().back().row0 + linears.back().back().rows),
+                "slices of a layer come in order, at most one per thread");
     Linear l;
-    if (bias) l.bias = bias->contiguous();
+    l.row0 = row0, l.rows = rows;
+    if (bias) {
+      TORCH_CHECK(bias->numel() == rows, "bias: the slice's rows");
+      l.bias = bias->contiguous();
+    }
     if (op.empty()) {
-      TORCH_CHECK(tensors.size() == 1 && tensors[0].scalar_type() == at::kFloat, "a float linear takes its weight");
+      TORCH_CHECK(tensors.size() == 1 && tensors[0].scalar_type() == at::kFloat && tensors[0].size(0) == rows,
+                  "a float linear takes its weight's rows");
       l.weight = tensors[0];
-      linears.push_back(std::move(l));
+      linears.back().push_back(std::move(l));
       return;
     }
     auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(("attnlab::" + op).c_str(), "");
@@ -123,7 +179,7 @@ struct DecodeStep : torch::CustomClassHolder {
     }
     TORCH_CHECK(t == tensors.size() && i == ints.size() && f == floats.size(), op, ": more operands than its schema");
     l.op = handle;
-    linears.push_back(std::move(l));
+    linears.back().push_back(std::move(l));
   }
 
   // The cache's buffers per layer: k, v [1, Hkv, C, D] float32 / float16 / int8, pos [1, Hkv, C] int64,
@@ -154,18 +210,21 @@ struct DecodeStep : torch::CustomClassHolder {
   // `QuantLinear.embed_rows`). Returns logits [1, 1, V] float32.
   at::Tensor run(int64_t token, int64_t slot, int64_t position, int64_t first, at::Tensor rot,
                  std::optional<at::Tensor> embedded) {
-    const int64_t L = static_cast<int64_t>(norms.size() / 2), D = head_dim;
+    const int64_t L = static_cast<int64_t>(norms.size() / 2);
     TORCH_CHECK(L > 0 && static_cast<int64_t>(linears.size()) == 4 * L + 1, "step not built");
     TORCH_CHECK(embedded ? embedded->scalar_type() == at::kFloat && embedded->is_contiguous() && embedded->numel() == dim
                          : embed_w.defined(), "no embedding table: pass the token's embedding row, float32 [dim]");
     TORCH_CHECK(static_cast<int64_t>(k.size()) == L, "no cache bound");
     TORCH_CHECK(slot >= 0 && slot < k[0].size(2) && first >= 0 && first <= slot, "slot outside the cache");
     TORCH_CHECK(embedded || (token >= 0 && token < embed_w.size(0)), "token id out of range");
-    TORCH_CHECK(rot.scalar_type() == at::kFloat && rot.is_contiguous() && rot.numel() == D, "rot: float32 (cos, sin) [D/2, 2]");
+    TORCH_CHECK(rot.scalar_type() == at::kFloat && rot.is_contiguous() && rot.numel() == head_dim,
+                "rot: float32 (cos, sin) [D/2, 2]");
     const auto f32 = at::TensorOptions().dtype(at::kFloat);
-    at::Tensor x = at::empty({1, dim}, f32), h = at::empty({1, dim}, f32), act = at::empty({1, hidden}, f32);
-    float* X = x.data_ptr<float>();
-    float* H = h.data_ptr<float>();
+    const int64_t V = linears.back().back().row0 + linears.back().back().rows, HD = n_heads * head_dim;
+    Buffers b{at::empty({dim}, f32), at::empty({(n_heads + 2 * n_kv) * head_dim}, f32), at::empty({2 * hidden}, f32),
+              at::empty({hidden}, f32), at::empty({1, 1, V}, f32), at::empty({threads, 1, dim}, f32),
+              at::empty({threads, 1, HD}, f32), at::empty({threads, HD}, f32), at::empty({threads, n_heads}, f32)};
+    float* X = b.x.data_ptr<float>();
     if (embedded) {
       std::copy_n(embedded->data_ptr<float>(), dim, X);
     } else if (embed_scale.defined()) {
@@ -175,39 +234,141 @@ struct DecodeStep : torch::CustomClassHolder {
     } else {
       std::copy_n(embed_w.data_ptr<float>() + token * dim, dim, X);
     }
-    const float* R = rot.data_ptr<float>();
-    const int64_t n = slot + 1;
-    for (int64_t l = 0; l < L; ++l) {
-      rms_norm(X, norms[2 * l].data_ptr<float>(), H, dim, eps);
-      at::Tensor qkv = linears[4 * l](h).contiguous();  // [1, (Hq + 2 Hkv) D]: q heads, k heads, v heads
-      float* Q = qkv.data_ptr<float>();
-      float* K = Q + n_heads * D;
-      const float* V = K + n_kv * D;
-      rope(Q, R, n_heads + n_kv, D);  // q and k heads are adjacent
-      write_kv(l, slot, position, K, V);
-      auto q = qkv.narrow(1, 0, n_heads * D).view({1, n_heads, 1, D});
-      const bool int8 = !k_scale.empty();
-      auto span = [&](const at::Tensor& t) { return t.narrow(2, first, n - first); };
-      torch::jit::Stack stack{q, span(k[l]), span(v[l]), scale, int8 ? c10::IValue(span(k_scale[l])) : c10::IValue(),
-                              int8 ? c10::IValue(span(v_scale[l])) : c10::IValue()};
-      attend.callBoxed(stack);
-      at::Tensor out = stack[0].toTensor();
-      at::Tensor o = linears[4 * l + 1](out.reshape({1, n_heads * D})).contiguous();
-      add(X, o.data_ptr<float>(), dim);
-      rms_norm(X, norms[2 * l + 1].data_ptr<float>(), H, dim, eps);
-      at::Tensor gu = linears[4 * l + 2](h).contiguous();  // [1, 2 hidden]: gate, then up
-      const float* G = gu.data_ptr<float>();
-      float* A = act.data_ptr<float>();
-      for (int64_t i = 0; i < hidden; ++i) A[i] = G[i] / (1.f + std::exp(-G[i])) * G[hidden + i];
-      at::Tensor y = linears[4 * l + 3](act).contiguous();
-      add(X, y.data_ptr<float>(), dim);
+    std::atomic<bool> failed{false};
+    std::exception_ptr error;
+    if (threads == 1) {
+      body(b, 0, slot, position, first, rot.data_ptr<float>(), failed, error);
+    } else {
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads)
+      {
+        c10::InferenceMode guard;
+        body(b, omp_get_thread_num(), slot, position, first, rot.data_ptr<float>(), failed, error);
+      }
+#endif
     }
-    rms_norm(X, norms[2 * L].data_ptr<float>(), H, dim, eps);
-    at::Tensor logits = linears[4 * L](h);
-    return logits.view({1, 1, logits.size(1)});
+    if (error) std::rethrow_exception(error);
+    profiled += profiling;
+    return b.logits;
   }
 
  private:
+  struct Buffers {
+    at::Tensor x, qkv, gu, act, logits;  // shared by the team
+    at::Tensor h, o, part, lse;          // one row per thread: normed input, merged attention, stretch out + lse
+  };
+
+  // The step as thread tid of a team of `threads` (alone: tid 0 of 1). Phases are separated by barriers
+  // (an orphaned `omp barrier` is a no-op outside a parallel region); after an error every thread still
+  // reaches every barrier, doing no more work, so the team never waits forever.
+  void body(Buffers& b, int64_t tid, int64_t slot, int64_t position, int64_t first, const float* R,
+            std::atomic<bool>& failed, std::exception_ptr& error) {
+    const int64_t L = static_cast<int64_t>(norms.size() / 2), D = head_dim, HD = n_heads * D, n = slot + 1;
+    using clock = std::chrono::steady_clock;
+    auto phase = [&](int id, auto&& work) {
+      const auto t0 = profiling ? clock::now() : clock::time_point();
+      if (!failed.load(std::memory_order_relaxed)) {
+        try {
+          work();
+        } catch (...) {
+#pragma omp critical(attnlab_step_error)
+          if (!failed.exchange(true)) error = std::current_exception();
+        }
+      }
+      if (profiling) busy[tid * kNPhases + id] += std::chrono::duration<double>(clock::now() - t0).count();
+#pragma omp barrier
+      if (profiling && tid == 0) wall[id] += std::chrono::duration<double>(clock::now() - t0).count();
+    };
+    float* X = b.x.data_ptr<float>();
+    float* QKV = b.qkv.data_ptr<float>();
+    float* GU = b.gu.data_ptr<float>();
+    float* A = b.act.data_ptr<float>();
+    at::Tensor h = b.h[tid], o = b.o[tid];
+    float* H = h.data_ptr<float>();
+    for (int64_t l = 0; l < L; ++l) {
+      phase(0, [&] {
+        rms_norm(X, norms[2 * l].data_ptr<float>(), H, dim, eps);
+        linear(4 * l, tid, h, QKV, false);  // [(Hq + 2 Hkv) D]: q heads, k heads, v heads
+      });
+      phase(1, [&] {
+        if (tid) return;
+        rope(QKV, R, n_heads + n_kv, D);  // q and k heads are adjacent
+        write_kv(l, slot, position, QKV + HD, QKV + HD + n_kv * D);
+      });
+      phase(2, [&] { attend_stretch(b, l, tid, first, n); });
+      phase(3, [&] {
+        merge(b, o.data_ptr<float>());
+        linear(4 * l + 1, tid, o, X, true);
+      });
+      phase(4, [&] {
+        rms_norm(X, norms[2 * l + 1].data_ptr<float>(), H, dim, eps);
+        linear(4 * l + 2, tid, h, GU, false);  // [2 hidden]: gate, then up
+      });
+      phase(5, [&] {
+        for (int64_t i = hidden * tid / threads; i < hidden * (tid + 1) / threads; ++i)
+          A[i] = GU[i] / (1.f + std::exp(-GU[i])) * GU[hidden + i];
+      });
+      phase(6, [&] { linear(4 * l + 3, tid, b.act.view({1, hidden}), X, true); });
+    }
+    phase(7, [&] {
+      rms_norm(X, norms[2 * L].data_ptr<float>(), H, dim, eps);
+      linear(4 * L, tid, h, b.logits.data_ptr<float>(), false);
+    });
+  }
+
+  // Thread tid's slice of linear i: out[rows] = (or +=) x W[rows]^T (+ b[rows]).
+  void linear(size_t i, int64_t tid, const at::Tensor& x, float* out, bool accumulate) const {
+    if (tid >= static_cast<int64_t>(linears[i].size())) return;
+    const Linear& part = linears[i][tid];
+    const at::Tensor y = part(x).contiguous();
+    const float* Y = y.data_ptr<float>();
+    float* O = out + part.row0;
+    if (accumulate) add(O, Y, part.rows);
+    else std::copy_n(Y, part.rows, O);
+  }
+
+  // Thread tid's stretch of the cache slots [first, n): its attention output and log-sum-exp per query head.
+  void attend_stretch(Buffers& b, int64_t l, int64_t tid, int64_t first, int64_t n) {
+    const int64_t s0 = first + (n - first) * tid / threads, s1 = first + (n - first) * (tid + 1) / threads;
+    float* lse = b.lse[tid].data_ptr<float>();
+    if (s1 <= s0) {
+      std::fill_n(lse, n_heads, -INFINITY);
+      return;
+    }
+    auto q = b.qkv.narrow(0, 0, n_heads * head_dim).view({1, n_heads, 1, head_dim});
+    const bool int8 = !k_scale.empty();
+    auto span = [&](const at::Tensor& t) { return t.narrow(2, s0, s1 - s0); };
+    torch::jit::Stack stack{q, span(k[l]), span(v[l]), scale, int8 ? c10::IValue(span(k_scale[l])) : c10::IValue(),
+                            int8 ? c10::IValue(span(v_scale[l])) : c10::IValue()};
+    attend.callBoxed(stack);
+    std::copy_n(stack[0].toTensor().data_ptr<float>(), n_heads * head_dim, b.part[tid].data_ptr<float>());
+    std::copy_n(stack[1].toTensor().data_ptr<float>(), n_heads, lse);
+  }
+
+  // The stretches' outputs merged per query head, weighted by e^(lse_t - max lse) (every thread, into its own o).
+  void merge(const Buffers& b, float* o) const {
+    const int64_t D = head_dim;
+    const float* part = b.part.data_ptr<float>();
+    const float* lse = b.lse.data_ptr<float>();
+    if (threads == 1) {
+      std::copy_n(part, n_heads * D, o);
+      return;
+    }
+    for (int64_t g = 0; g < n_heads; ++g) {
+      float top = -INFINITY, total = 0.f;
+      for (int64_t t = 0; t < threads; ++t) top = std::max(top, lse[t * n_heads + g]);
+      std::fill_n(o + g * D, D, 0.f);
+      for (int64_t t = 0; t < threads; ++t) {
+        if (lse[t * n_heads + g] == -INFINITY) continue;
+        const float w = std::exp(lse[t * n_heads + g] - top);
+        total += w;
+        const float* p = part + (t * n_heads + g) * D;
+        for (int64_t d = 0; d < D; ++d) o[g * D + d] += w * p[d];
+      }
+      for (int64_t d = 0; d < D; ++d) o[g * D + d] /= total;
+    }
+  }
+
   static void add(float* x, const float* y, int64_t n) {
     for (int64_t i = 0; i < n; ++i) x[i] += y[i];
   }
@@ -249,7 +410,9 @@ struct DecodeStep : torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(attnlab, m) {
   m.class_<DecodeStep>("DecodeStep")
-      .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, double>())
+      .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t>())
+      .def_static("openmp", &DecodeStep::openmp)
+      .def("profile", &DecodeStep::profile)
       .def("set_embedding", &DecodeStep::set_embedding)
       .def("add_norm", &DecodeStep::add_norm)
       .def("add_linear", &DecodeStep::add_linear)

@@ -28,18 +28,29 @@ from attnlab.quant.linear import QuantEmbedding, QuantLinear
 KV_DTYPES = (torch.float32, torch.float16, torch.int8)
 
 
-def kernel_call(layer: nn.Module) -> tuple[str, tuple, torch.Tensor | None] | str:
-    """(op name, operands after x, bias) of a linear layer ('' = a float weight), or why the step cannot run it."""
+def kernel_call(layer: nn.Module, rows: tuple[int, int] | None = None) -> tuple[str, tuple, torch.Tensor | None] | str:
+    """(op name, operands after x, bias) of a linear layer ('' = a float weight), over output rows
+    rows=(r0, r1) if given, or why the step cannot run it."""
     if type(layer) is nn.Linear:
         if layer.weight.dtype != torch.float32:
             return f"a {layer.weight.dtype} linear layer"
-        return "", (layer.weight.detach().contiguous(),), layer.bias
+        w = layer.weight.detach()
+        return "", ((w if rows is None else w[rows[0]:rows[1]]).contiguous(),), layer.bias
     if type(layer) is not QuantLinear:
         return f"a {type(layer).__name__} layer"
     if not layer.fused:
         return "unfused (naive) quantized layers"
-    op, args = layer.kernel()
+    op, args = layer.kernel(rows)
     return op, tuple(args), layer.bias
+
+
+def _slices(layer: nn.Module, threads: int) -> list[tuple[int, int]]:
+    """Output rows of a linear layer cut into at most `threads` near-equal slices on its kernel's row blocks."""
+    n = layer.out_features
+    align = getattr(layer, "row_align", 1)
+    blocks = -(-n // align)
+    cuts = [min(n, round(blocks * i / threads) * align) for i in range(threads + 1)]
+    return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
 
 
 def unsupported(model: nn.Module) -> str | None:
@@ -82,10 +93,18 @@ class NativeStep:
         why = unsupported(model)
         if why:
             raise ValueError(why)
-        cfg = model.cfg
         self.model = model
+        self.calls = {"native": 0, "eager": 0}
+        self._build(torch.get_num_threads())
+
+    def _build(self, threads: int) -> None:
+        """The C++ step for a team of `threads`: each linear layer cut into one slice of rows per thread."""
+        model, cfg = self.model, self.model.cfg
+        if not torch.classes.attnlab.DecodeStep.openmp():
+            threads = 1
+        self.threads = threads
         self.step = torch.classes.attnlab.DecodeStep(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
-                                                     cfg.hidden_dim, float(model.norm.eps))
+                                                     cfg.hidden_dim, float(model.norm.eps), threads)
         self.embed = None  # the embedding looked up in Python (a head in repacked blocks, int4, with mins)
         if type(model.embed) is QuantEmbedding:
             head = model.embed.head[0]
@@ -100,15 +119,16 @@ class NativeStep:
             self.step.add_norm(b.mlp_norm.weight.detach())
         self.step.add_norm(model.norm.weight.detach())
         for layer in _linears(model):
-            op, args, bias = kernel_call(layer)
-            tensors = [a for a in args if isinstance(a, torch.Tensor)]
-            ints = [int(a) for a in args if isinstance(a, int)]  # bools included
-            floats = [float(a) for a in args if isinstance(a, float)]
-            if len(tensors) + len(ints) + len(floats) != len(args):
-                raise ValueError(f"{op}: operands the native step cannot pass")
-            self.step.add_linear(op, tensors, ints, floats, None if bias is None else bias.detach().float())
+            for r0, r1 in _slices(layer, threads):
+                op, args, bias = kernel_call(layer, (r0, r1))
+                tensors = [a for a in args if isinstance(a, torch.Tensor)]
+                ints = [int(a) for a in args if isinstance(a, int)]  # bools included
+                floats = [float(a) for a in args if isinstance(a, float)]
+                if len(tensors) + len(ints) + len(floats) != len(args):
+                    raise ValueError(f"{op}: operands the native step cannot pass")
+                bias = None if bias is None else bias.detach()[r0:r1].float()
+                self.step.add_linear(op, tensors, ints, floats, bias, r0, r1 - r0)
         self._bound: tuple = ()
-        self.calls = {"native": 0, "eager": 0}
 
     def __call__(self, ids: torch.Tensor, step, kvs: list) -> torch.Tensor | None:
         """Logits [1, 1, vocab] of one token at the cache's step (`KVCache.begin`), or None where not covered."""
@@ -123,6 +143,8 @@ class NativeStep:
                 self.calls["eager"] += 1
                 return None
             first = slot + 1 - window
+        if torch.get_num_threads() != self.threads and torch.classes.attnlab.DecodeStep.openmp():
+            self._build(torch.get_num_threads())
         if not self._bound or kv0.k is not self._bound[0] or kvs[-1].k is not self._bound[1]:
             self._bind(kvs)
         rot = step.rot if not step.rot.is_complex() else torch.view_as_real(step.rot)

@@ -18,6 +18,28 @@ def reference(q, k, v):
     return F.scaled_dot_product_attention(q, k.float(), v.float(), enable_gqa=True)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("n,cut", [(37, 20), (600, 301)])
+def test_log_sum_exp_merges_stretches_of_the_cache(threads, n, cut):
+    """decode_attention_lse's lse is logsumexp of the scaled scores per query head, and two stretches'
+    outputs weighted by e^(lse - max lse) are the whole cache's output (the native step's threads)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(n)
+        q = torch.randn(2, 9, 1, 64, generator=g) * 2
+        k, v = (torch.randn(2, 3, n, 64, generator=g).half() for _ in range(2))
+        out, lse = torch.ops.attnlab.decode_attention_lse(q, k, v, 0.125)
+        scores = torch.einsum("bhd,bhnd->bhn", q[:, :, 0], k.float().repeat_interleave(3, 1)) * 0.125
+        torch.testing.assert_close(lse, scores.logsumexp(-1), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out, reference(q, k, v), atol=4e-6, rtol=1e-5)
+        parts = [torch.ops.attnlab.decode_attention_lse(q, k[:, :, a:b], v[:, :, a:b], 0.125) for a, b in ((0, cut), (cut, n))]
+        w = torch.stack([p[1] for p in parts]).softmax(0)[..., None, None]
+        torch.testing.assert_close(sum(w[i] * parts[i][0] for i in range(2)), out, atol=4e-6, rtol=1e-5)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("Hq,Hkv,D,n", [(9, 3, 64, 1), (9, 3, 64, 37), (32, 8, 128, 300), (4, 4, 64, 5),
                                         (14, 2, 64, 129), (7, 1, 72, 17), (8, 2, 40, 1000)])
