@@ -48,7 +48,7 @@ inline int64_t check_x(const torch::Tensor& x, bool vec, int64_t K) {
 }
 
 // The activations as the integer kernels multiply them: x [M, K] rounded to int8 per 32 values
-// (q, d), and for q4's min term the float sums per weight group (g, [M, K/group]); for q4 at group 32
+// (q, d), and for q4's min term the sums of the rounded values per weight group (g, [M, K/group]); for q4 at group 32
 // also in dot_q4_pairs' layout (X, D; `pairs`). The buffers are per thread and reused: no heap
 // allocation per call once they have grown.
 struct QActs {
@@ -193,7 +193,7 @@ torch::Tensor rows_axpy(const torch::Tensor& a, const Rows& w, const torch::Tens
 }
 
 // One q4 or q8 weight and its activations x [M, K] rounded: f(R, rows, m, o) as rows_mm calls it.
-// q4's min term: sum_j (c_j s + m) x_j = s sum c_j x_j + m sum x_j, with float sums of x.
+// q4's min term: sum_j (c_j s + m) xr_j = s sum c_j xr_j + m sum xr_j, xr the rounded activations.
 struct Q4 {
   int64_t K, G, per, M;
   const uint8_t* Q;

@@ -44,19 +44,26 @@ inline void store32(int8_t* q, const __m256i c[4]) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 }
 
-// x [nb * 32] -> int8 codes, one scale per 32 values and (if sums) their float sums; q = lrint(x * 127 / amax),
-// vectorised as ggml's quantize_row_q8_0 (cvtps rounds to nearest even, as lrintf does).
+// x [nb * 32] -> int8 codes, one scale per 32 values and (if sums) the sums of the rounded values, d * sum q;
+// q = lrint(x * 127 / amax), vectorised as ggml's quantize_row_q8_0 (cvtps rounds to nearest even, as lrintf).
+// Why sums of the rounded values (llama.cpp's Q8_1 `s`) and not of x: with them a min term makes the kernel
+// exactly (rounded x) . (c s + m); float sums of x leave the rounding error weighted by c s (0..15 s) instead
+// of by the weight (about -8 s..7 s), which on SmolLM2's Q4_1 file made the decode path's KL 4-5x llama.cpp's.
 inline void quantize_rows(const float* x, int64_t nb, int8_t* q, float* d, float* sums) {
   for (int64_t b = 0; b < nb; ++b) {
     __m256 v[4];
     for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(x + b * 32 + 8 * i);
     const float amax = absmax32(v);
-    if (sums) sums[b] = hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
     d[b] = amax / 127.f;
     const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
     __m256i c[4];
     for (int i = 0; i < 4; ++i) c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
     store32(q + b * 32, c);
+    if (sums) {
+      int32_t s = 0;
+      for (int i = 0; i < 32; ++i) s += q[b * 32 + i];
+      sums[b] = d[b] * static_cast<float>(s);
+    }
   }
 }
 
@@ -64,7 +71,7 @@ inline void quantize_rows(const float* x, int64_t nb, int8_t* q, float* d, float
 // (xr, dr) into out[0..R): the rows share each activation block load and their sums form R
 // independent chains (one chain is bound by the FMA latency). Each row's arithmetic and order is
 // the same for any R, so results do not depend on R.
-// q4: sum over groups of s * (codes . xq) * d + m * sum(x).
+// q4: sum over groups of s * (codes . xq) * d + m * sum(xq * d).
 template <int R, int P = 0>  // P: `per` known at compile time (1 for group 32), 0 if not
 inline void dot_q4(const uint8_t* Q, const float* S, const float* MN, const int64_t* rows, int64_t G, int64_t per_,
                    const int8_t* xr, const float* dr, const float* gs, float* out) {
@@ -104,7 +111,7 @@ inline void pair_acts(const int8_t* xq, const float* xd, int64_t nb, int8_t* X, 
   }
 }
 
-// sum over blocks of s * (codes . xq) * d + sum over groups of m * sum(x), for G (even) groups of 32
+// sum over blocks of s * (codes . xq) * d + sum over groups of m * sum(xq * d), for G (even) groups of 32
 template <int R>
 inline void dot_q4_pairs(const uint8_t* Q, const float* S, const float* MN, const int64_t* rows, int64_t G,
                          const int8_t* X, const float* D, const float* gs, float* out) {

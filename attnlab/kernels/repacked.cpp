@@ -13,8 +13,8 @@
 //   q8 (w = q * s [+ m]): group/4 chunks of 64 bytes: lane r's byte t = q[r][4c + t] + 128 (unsigned,
 //       as vpdpbusd wants: sum (q + 128) x = sum q x + 128 sum x, the last term removed per sub-block);
 //       then s[16] and, with a min, m[16] float32.
-// Activations are rounded to int8 per 32 (as every integer kernel here); the min terms use float sums
-// of x per group, as q4_mm does. Code paths by compile flags: AVX-512 (with VNNI: dpbusd; without:
+// Activations are rounded to int8 per 32 (as every integer kernel here); the min terms use the sums of
+// the rounded values per group, as q4_mm does. Code paths by compile flags: AVX-512 (with VNNI: dpbusd; without:
 // maddubs/madd), AVX2 (two 8-row halves per block; AVX-VNNI's dpbusd when built with it).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -95,8 +95,8 @@ struct V {  // 8 rows per step: a 16-row block in two halves
 };
 #endif
 
-// x [M, K] rounded to int8 per 32 (q, d), with int sums of q per 16 (qs16) and float sums of x per
-// group (fs, [M, K/group]; group may be 16). Per-thread buffers, reused across calls.
+// x [M, K] rounded to int8 per 32 (q, d), with int sums of q per 16 (qs16) and sums of the rounded
+// values per group (fs, [M, K/group]; group may be 16). Per-thread buffers, reused across calls.
 struct Acts {
   const int8_t* q;
   const float *d, *fs;
@@ -115,8 +115,11 @@ struct Acts {
     }
     q = qb.data(), d = db.data(), qs16 = sb.data(), fs = nullptr;
     if (!sums) return;
-    fb.assign(M * K / group, 0.f);
-    for (int64_t i = 0; i < M * K; ++i) fb[i / group] += x[i];
+    fb.assign(M * K / group, 0.f);  // sums of the rounded values (see quantize_rows: why not of x)
+    if (group >= 32)
+      for (int64_t b = 0; b < M * K / 32; ++b) fb[b / (group / 32)] += db[b] * static_cast<float>(sb[2 * b] + sb[2 * b + 1]);
+    else
+      for (int64_t i = 0; i < M * K / 16; ++i) fb[i] += db[i / 2] * static_cast<float>(sb[i]);
     fs = fb.data();
   }
 };

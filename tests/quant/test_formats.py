@@ -51,8 +51,8 @@ def test_kmeans_assigns_the_nearest_centroid_and_beats_uniform(w, bits):
 
 
 def _integer_reference(layer, x, bias):
-    """The integer kernels' arithmetic in float: int8-rounded activations times the codes' part of
-    the weight, plus the exact activations times the int4 minimum (kept in float by the kernel)."""
+    """The integer kernels' arithmetic in float: int8-rounded activations times the weight, the int4
+    minimum included (its term sums the rounded activations, as llama.cpp's Q8_1 does)."""
     p = layer.packed
     if p.kind == "int8":
         return torch.nn.functional.linear(round_activations(x), p.dequantize(), bias)
@@ -63,7 +63,7 @@ def _integer_reference(layer, x, bias):
     codes = unpack4(p.qs).float().view(*p.shape[:1], -1, p.group)
     scaled = (codes * p.scale[..., None]).view(p.shape)
     mins = p.min[..., None].expand(-1, -1, p.group).reshape(p.shape)
-    return torch.nn.functional.linear(round_activations(x), scaled, bias) + torch.nn.functional.linear(x, mins)
+    return torch.nn.functional.linear(round_activations(x), scaled + mins, bias)  # the min over rounded x too
 
 
 @pytest.mark.parametrize("spec", SPECS)
