@@ -205,4 +205,31 @@ inline float dot_f32(const float* w, const float* x, int64_t K) {  // K a multip
   return hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
 }
 
+// e^x for x <= 0 (softmax after the max is subtracted; SiLU on -|x|): 2^(x log2 e) = 2^n * 2^f, |f| <= 1/2,
+// 2^f by a degree-6 polynomial (relative error ~2e-7); below -87 the result flushes to 0.
+inline __m256 exp_neg(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(t, n);
+  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// SiLU(g) * u, 8 at a time: g * sigmoid(g) with e = e^-|g| (exp_neg's range): sigmoid = 1 / (1 + e) for
+// g >= 0, e / (1 + e) below.
+inline __m256 silu_mul(__m256 g, __m256 u) {
+  const __m256 e = exp_neg(_mm256_or_ps(g, _mm256_set1_ps(-0.f)));  // -|g|: the sign bit set
+  const __m256 r = _mm256_div_ps(_mm256_set1_ps(1.f), _mm256_add_ps(_mm256_set1_ps(1.f), e));
+  const __m256 sig = _mm256_blendv_ps(r, _mm256_mul_ps(e, r), g);  // sign bit of g picks e / (1 + e)
+  return _mm256_mul_ps(_mm256_mul_ps(g, sig), u);
+}
+
 }  // namespace attnlab_simd

@@ -36,6 +36,8 @@
 #include <tuple>
 #include <vector>
 
+#include "kernels_simd.h"
+
 namespace {
 
 // y = x W^T (+ b) over output rows [row0, row0 + rows): a dispatcher op with its operands after x (a
@@ -304,9 +306,12 @@ struct DecodeStep : torch::CustomClassHolder {
         rms_norm(X, norms[2 * l + 1].data_ptr<float>(), H, dim, eps);
         linear(4 * l + 2, tid, h, GU, false);  // [2 hidden]: gate, then up
       });
-      phase(5, [&] {
-        for (int64_t i = hidden * tid / threads; i < hidden * (tid + 1) / threads; ++i)
-          A[i] = GU[i] / (1.f + std::exp(-GU[i])) * GU[hidden + i];
+      phase(5, [&] {  // SiLU(gate) x up, 8 at a time, in slices of 8 per thread
+        const int64_t i0 = hidden / 8 * tid / threads * 8, i1 = tid + 1 == threads ? hidden : hidden / 8 * (tid + 1) / threads * 8;
+        int64_t i = i0;
+        for (; i + 8 <= i1; i += 8)
+          _mm256_storeu_ps(A + i, attnlab_simd::silu_mul(_mm256_loadu_ps(GU + i), _mm256_loadu_ps(GU + hidden + i)));
+        for (; i < i1; ++i) A[i] = GU[i] / (1.f + std::exp(-GU[i])) * GU[hidden + i];
       });
       phase(6, [&] { linear(4 * l + 3, tid, b.act.view({1, hidden}), X, true); });
     }
