@@ -267,6 +267,8 @@ def main(argv=None) -> int:
     p.add_argument("--compile-kv", default=None, help="KV-cache dtypes of the compiled variants (default: --kv)")
     p.add_argument("--llamacpp-kv", default="f16", help="comma list of llama.cpp KV-cache types (f16, q8_0); "
                    "q8_0 runs with flash attention only (llama.cpp's requirement)")
+    p.add_argument("--llamacpp-fa", default="off,on", metavar="off,on",
+                   help="llama.cpp's flash-attention settings to time with an f16 cache (its fastest counts)")
     p.add_argument("--no-transformers", action="store_true")
     p.add_argument("--no-llamacpp", action="store_true")
     p.add_argument("--llamacpp-builds", default="native,generic", help="which of llama.cpp's builds to time "
@@ -274,6 +276,8 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="smollm2-135m", help="the GGUF file (or embedded name) every engine runs")
     p.add_argument("--json", default=None, help="write every measurement here")
     args = p.parse_args(argv)
+    if not set(args.llamacpp_fa.split(",")) <= {"off", "on"}:
+        p.error(f"--llamacpp-fa takes off, on or both, got {args.llamacpp_fa!r}")
     threads = [int(t) for t in args.threads.split(",")]
     lengths = [int(x) for x in args.lengths.split(",")]
 
@@ -306,8 +310,9 @@ def main(argv=None) -> int:
         print(f"{t} thread{'s' if t > 1 else ''}: read bandwidth {bw:.1f} GB/s (streaming sum)")
         variants = load_variants()
         results["load_s"].update({v.name: v.load_s for v in variants})
+        fas = [{"off": False, "on": True}[f] for f in args.llamacpp_fa.split(",")]
         cpp = [LlamaBench(b, meta, path, t, fa, kv) for b, meta in builds.items() for kv in args.llamacpp_kv.split(",")
-               for fa in ((False, True) if kv == "f16" else (True,))]
+               for fa in (fas if kv == "f16" else (True,))]
         allv = variants + cpp
         rows = {}
         for length in lengths:
