@@ -159,10 +159,14 @@ def build(cfg: ModelConfig, tensors: dict, dtype: torch.dtype | None = torch.flo
 
     def place(name, t, bias=None):
         """Put a matrix where the network takes it: native packed ones become their QuantLinear at once, so
-        the row layout (and its repacking transient) is dropped per matrix, never held for the whole model."""
+        the row layout (and its repacking transient) is dropped per matrix, never held for the whole model;
+        under a dtype each matrix is expanded as it comes."""
         if native and isinstance(t, Packed):
             layers[name] = _quant_linear(t, bias)
-            _release_freed()
+        elif quant is None and not native:  # --dtype: expanded now, so the model is never held twice
+            state[name + ".weight"] = (t.dequantize() if isinstance(t, Packed) else t).to(dtype)
+            if bias is not None:
+                state[name + ".bias"] = bias.to(dtype)
         else:
             state[name + ".weight"] = t
             if bias is not None:
@@ -173,6 +177,7 @@ def build(cfg: ModelConfig, tensors: dict, dtype: torch.dtype | None = torch.flo
         place("lm_head", take("lm_head.weight"))
     elif quant is not None or (native and isinstance(state["embed.weight"], Packed)):
         place("lm_head", state.pop("embed.weight"))  # the head is the embedding, read back by lookups
+    _release_freed()
     for i in range(cfg.n_layers):
         p, a = f"model.layers.{i}.", f"layers.{i}."
         try:
@@ -189,6 +194,7 @@ def build(cfg: ModelConfig, tensors: dict, dtype: torch.dtype | None = torch.flo
             state[a + "mlp_norm.weight"] = take(p + "post_attention_layernorm.weight")
         except KeyError as e:
             raise ModelLoadError(f"checkpoint is missing tensor {e.args[0]}") from None
+        _release_freed()  # per layer: per matrix would fault the same pages back in for the next one
     if isinstance(state.get("embed.weight"), Packed):  # an untied embedding is looked up, not multiplied
         state["embed.weight"] = state["embed.weight"].dequantize()
     packed = {k.removesuffix(".weight"): state.pop(k) for k in list(state) if isinstance(state[k], Packed)}
