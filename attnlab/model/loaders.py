@@ -87,6 +87,9 @@ class GGUFTensors(MutableMapping):
     def __delitem__(self, hf: str) -> None:
         del self.names[hf]
 
+    def __contains__(self, hf) -> bool:  # Mapping's would read the tensor
+        return hf in self.names
+
     def __iter__(self):
         return iter(self.names)
 
@@ -153,6 +156,11 @@ def build(cfg: ModelConfig, tensors: dict, dtype: torch.dtype | None = torch.flo
     def take(name):
         return tensors.pop(name)
 
+    def qkv(p, kind):  # the network rotates adjacent pairs; no part outlives the concatenation
+        return cat([rows(lambda w: interleave_rows(w, cfg.n_heads), take(p + f"self_attn.q_proj.{kind}")),
+                    rows(lambda w: interleave_rows(w, cfg.n_kv_heads), take(p + f"self_attn.k_proj.{kind}")),
+                    take(p + f"self_attn.v_proj.{kind}")])
+
     with torch.device("meta"), _skip_init():
         model = Transformer(cfg)
     state, layers = {}, {}  # layers: name -> QuantLinear, built as each matrix is assembled (native only)
@@ -173,20 +181,18 @@ def build(cfg: ModelConfig, tensors: dict, dtype: torch.dtype | None = torch.flo
                 state[name + ".bias"] = bias
 
     state["embed.weight"], state["norm.weight"] = take("model.embed_tokens.weight"), take("model.norm.weight")
+    if cfg.tie_embeddings and (quant is not None or (native and isinstance(state["embed.weight"], Packed))):
+        place("lm_head", state.pop("embed.weight"))  # the head is the embedding, read back by lookups
+    if isinstance(state.get("embed.weight"), Packed):  # an untied embedding is looked up, not multiplied
+        state["embed.weight"] = state["embed.weight"].dequantize()
     if not cfg.tie_embeddings:
         place("lm_head", take("lm_head.weight"))
-    elif quant is not None or (native and isinstance(state["embed.weight"], Packed)):
-        place("lm_head", state.pop("embed.weight"))  # the head is the embedding, read back by lookups
     _release_freed()
     for i in range(cfg.n_layers):
         p, a = f"model.layers.{i}.", f"layers.{i}."
         try:
-            qkv = {}
-            for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
-                q, k, v = (take(p + f"self_attn.{n}_proj.{kind}") for n in "qkv")
-                qkv[kind] = cat(  # the network rotates adjacent pairs
-                    [rows(lambda w: interleave_rows(w, cfg.n_heads), q), rows(lambda w: interleave_rows(w, cfg.n_kv_heads), k), v])
-            place(a + "attn.wqkv", qkv["weight"], qkv.get("bias"))
+            bias = qkv(p, "bias") if cfg.qkv_bias else None
+            place(a + "attn.wqkv", qkv(p, "weight"), bias)
             place(a + "attn.wo", take(p + "self_attn.o_proj.weight"))
             place(a + "mlp.w13", cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]))
             place(a + "mlp.w2", take(p + "mlp.down_proj.weight"))
@@ -195,8 +201,6 @@ def build(cfg: ModelConfig, tensors: dict, dtype: torch.dtype | None = torch.flo
         except KeyError as e:
             raise ModelLoadError(f"checkpoint is missing tensor {e.args[0]}") from None
         _release_freed()  # per layer: per matrix would fault the same pages back in for the next one
-    if isinstance(state.get("embed.weight"), Packed):  # an untied embedding is looked up, not multiplied
-        state["embed.weight"] = state["embed.weight"].dequantize()
     packed = {k.removesuffix(".weight"): state.pop(k) for k in list(state) if isinstance(state[k], Packed)}
     if quant is None:  # a float checkpoint, or --dtype: every packed matrix expanded
         state.update({k + ".weight": v.dequantize() for k, v in packed.items()})
