@@ -64,3 +64,15 @@ def test_same_network_as_the_expanded_load(q4_file):
     ids = torch.arange(TINY["vocab"])[None, :16]
     with torch.inference_mode():
         assert torch.isfinite(native(ids)).all()
+
+
+def test_ggml_type_table_matches_the_gguf_package():
+    """The header scan's own table of ggml types (no gguf import on the load path) is the gguf package's."""
+    import gguf
+
+    from attnlab.model.gguf_header import GGML_TYPES, ggml_type
+    for type_id, (name, block, size) in GGML_TYPES.items():
+        kind = gguf.GGMLQuantizationType(type_id)
+        assert (kind.name, *gguf.GGML_QUANT_SIZES[kind]) == (name, block, size)
+    iq4 = gguf.GGMLQuantizationType.IQ4_NL  # not in the table: asked of the package
+    assert ggml_type(int(iq4)) == ("IQ4_NL", *gguf.GGML_QUANT_SIZES[iq4])
