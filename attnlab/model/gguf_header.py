@@ -120,10 +120,24 @@ def _value(cur: _Cursor, vtype: int, key: str, depth: int = 0):
     raise error(cur.path, f"metadata {key}: unknown value type {vtype}")
 
 
+# ggml type id -> (name, values per block, bytes per block) for the types Llama-family files use; the
+# `gguf` package (0.2 s to import, with numpy and sentencepiece) is asked only about others.
+GGML_TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
+              7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110),
+              12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 30: ("BF16", 1, 2)}
+
+
+def ggml_type(type_id: int) -> tuple[str, int, int]:
+    """(name, block, type size) of a ggml type id; KeyError or ValueError when unknown."""
+    if type_id in GGML_TYPES:
+        return GGML_TYPES[type_id]
+    import gguf
+    kind = gguf.GGMLQuantizationType(type_id)
+    return (kind.name, *gguf.GGML_QUANT_SIZES[kind])
+
+
 def scan_gguf(path: Path) -> GGUFHeader:
     """Walk a GGUF header with every length checked against the file: metadata and tensor table, no tensor data."""
-    import gguf
-
     with open(path, "rb") as f:
         try:
             buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
@@ -159,25 +173,25 @@ def scan_gguf(path: Path) -> GGUFHeader:
             if not 1 <= n_dims <= 4:
                 raise error(path, f"tensor {name} has {n_dims} dimensions (1 to 4 allowed)")
             dims = [cur.unpack("Q", f"tensor {name} dimensions") for _ in range(n_dims)]
-            ggml_type = cur.unpack("I", f"tensor {name} type")
+            type_id = cur.unpack("I", f"tensor {name} type")
             offset = cur.unpack("Q", f"tensor {name} offset")
-            infos.append((name, dims, ggml_type, offset))
+            infos.append((name, dims, type_id, offset))
         alignment = head.meta.get("general.alignment", 32)
         if type(alignment) is not int or alignment < 1 or alignment & (alignment - 1) or alignment > 1 << 20:
             raise error(path, f"general.alignment must be a power of two, got {alignment!r}")
         head.data_offset = -(-cur.pos // alignment) * alignment
         room = cur.size - head.data_offset
-        for name, dims, ggml_type, offset in infos:
+        for name, dims, type_id, offset in infos:
             if name in head.tensors:
                 raise error(path, f"tensor {name} appears twice")
             try:
-                block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)]
+                _, block, type_size = ggml_type(type_id)
             except (ValueError, KeyError):
-                raise error(path, f"tensor {name} has unknown type {ggml_type}") from None
+                raise error(path, f"tensor {name} has unknown type {type_id}") from None
             if min(dims) < 1 or max(dims) > 1 << 32 or dims[0] % block:
                 raise error(path, f"tensor {name} has impossible dimensions {dims}")
             nbytes = math.prod(dims) // block * type_size
             if offset % alignment or offset + nbytes > room:
                 raise error(path, f"corrupt or truncated GGUF file: tensor {name} ({nbytes} bytes at data offset {offset}) lies outside the file")
-            head.tensors[name] = GGUFTensorInfo(tuple(reversed(dims)), ggml_type, offset, nbytes)
+            head.tensors[name] = GGUFTensorInfo(tuple(reversed(dims)), type_id, offset, nbytes)
     return head

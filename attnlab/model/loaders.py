@@ -59,12 +59,11 @@ class GGUFTensors(MutableMapping):
         self.names = {hf: name for name in head.tensors if (hf := validate.hf_name(name)) is not None}
 
     def __getitem__(self, hf: str):
-        import gguf
-
+        from attnlab.model.gguf_header import ggml_type
         from attnlab.quant import formats
         name = self.names[hf]
         info = self.head.tensors[name]
-        kind = gguf.GGMLQuantizationType(info.ggml_type).name
+        kind = ggml_type(info.ggml_type)[0]
         try:
             raw = torch.empty(info.nbytes, dtype=torch.uint8)
             with open(self.path, "rb") as f:
@@ -88,6 +87,9 @@ class GGUFTensors(MutableMapping):
     def __delitem__(self, hf: str) -> None:
         del self.names[hf]
 
+    def __contains__(self, hf) -> bool:  # Mapping's would read the tensor
+        return hf in self.names
+
     def __iter__(self):
         return iter(self.names)
 
@@ -97,8 +99,6 @@ class GGUFTensors(MutableMapping):
 
 def _tensor(raw: torch.Tensor, kind: str, shape: tuple[int, ...], packed_types):
     """One GGUF tensor's bytes -> Packed (a packed type, a matrix) or a float32 tensor of `shape`."""
-    import gguf
-
     from attnlab.quant import formats
 
     if kind in packed_types and len(shape) == 2:
@@ -106,6 +106,7 @@ def _tensor(raw: torch.Tensor, kind: str, shape: tuple[int, ...], packed_types):
     floats = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
     if kind in floats:
         return raw.view(floats[kind]).reshape(shape).float()
+    import gguf
     data = gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType[kind])  # other block types, as floats
     return torch.from_numpy(np.asarray(data, dtype=np.float32).reshape(shape))
 
@@ -155,41 +156,62 @@ def build(cfg: ModelConfig, tensors: dict, dtype: torch.dtype | None = torch.flo
     def take(name):
         return tensors.pop(name)
 
+    def qkv(p, kind):  # the network rotates adjacent pairs; no part outlives the concatenation
+        return cat([rows(lambda w: interleave_rows(w, cfg.n_heads), take(p + f"self_attn.q_proj.{kind}")),
+                    rows(lambda w: interleave_rows(w, cfg.n_kv_heads), take(p + f"self_attn.k_proj.{kind}")),
+                    take(p + f"self_attn.v_proj.{kind}")])
+
     with torch.device("meta"), _skip_init():
         model = Transformer(cfg)
-    state = {"embed.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
+    state, layers = {}, {}  # layers: name -> QuantLinear, built as each matrix is assembled (native only)
+
+    def place(name, t, bias=None):
+        """Put a matrix where the network takes it: native packed ones become their QuantLinear at once, so
+        the row layout (and its repacking transient) is dropped per matrix, never held for the whole model;
+        under a dtype each matrix is expanded as it comes."""
+        if native and isinstance(t, Packed):
+            layers[name] = _quant_linear(t, bias)
+        elif quant is None and not native:  # --dtype: expanded now, so the model is never held twice
+            state[name + ".weight"] = (t.dequantize() if isinstance(t, Packed) else t).to(dtype)
+            if bias is not None:
+                state[name + ".bias"] = bias.to(dtype)
+        else:
+            state[name + ".weight"] = t
+            if bias is not None:
+                state[name + ".bias"] = bias
+
+    state["embed.weight"], state["norm.weight"] = take("model.embed_tokens.weight"), take("model.norm.weight")
+    if cfg.tie_embeddings and (quant is not None or (native and isinstance(state["embed.weight"], Packed))):
+        place("lm_head", state.pop("embed.weight"))  # the head is the embedding, read back by lookups
+    if isinstance(state.get("embed.weight"), Packed):  # an untied embedding is looked up, not multiplied
+        state["embed.weight"] = state["embed.weight"].dequantize()
     if not cfg.tie_embeddings:
-        state["lm_head.weight"] = take("lm_head.weight")
-    elif quant is not None or (native and isinstance(state["embed.weight"], Packed)):
-        state["lm_head.weight"] = state.pop("embed.weight")  # the head is the embedding, read back by lookups
+        place("lm_head", take("lm_head.weight"))
     for i in range(cfg.n_layers):
         p, a = f"model.layers.{i}.", f"layers.{i}."
         try:
-            for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
-                q, k, v = (take(p + f"self_attn.{n}_proj.{kind}") for n in "qkv")
-                state[a + f"attn.wqkv.{kind}"] = cat(  # the network rotates adjacent pairs
-                    [rows(lambda w: interleave_rows(w, cfg.n_heads), q), rows(lambda w: interleave_rows(w, cfg.n_kv_heads), k), v])
-            state[a + "attn.wo.weight"] = take(p + "self_attn.o_proj.weight")
-            state[a + "mlp.w13.weight"] = cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
-            state[a + "mlp.w2.weight"] = take(p + "mlp.down_proj.weight")
+            bias = qkv(p, "bias") if cfg.qkv_bias else None
+            place(a + "attn.wqkv", qkv(p, "weight"), bias)
+            place(a + "attn.wo", take(p + "self_attn.o_proj.weight"))
+            place(a + "mlp.w13", cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]))
+            place(a + "mlp.w2", take(p + "mlp.down_proj.weight"))
             state[a + "attn_norm.weight"] = take(p + "input_layernorm.weight")
             state[a + "mlp_norm.weight"] = take(p + "post_attention_layernorm.weight")
         except KeyError as e:
             raise ModelLoadError(f"checkpoint is missing tensor {e.args[0]}") from None
-    if isinstance(state.get("embed.weight"), Packed):  # an untied embedding is looked up, not multiplied
-        state["embed.weight"] = state["embed.weight"].dequantize()
     packed = {k.removesuffix(".weight"): state.pop(k) for k in list(state) if isinstance(state[k], Packed)}
-    if quant is None and not native:
+    if quant is None:  # a float checkpoint, or --dtype: every packed matrix expanded
         state.update({k + ".weight": v.dequantize() for k, v in packed.items()})
         packed = {}
     state = {k: v.to(dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=False, assign=True)
-    if cfg.tie_embeddings and "lm_head.weight" not in state and "lm_head" not in packed:
+    if cfg.tie_embeddings and "lm_head.weight" not in state and "lm_head" not in packed and "lm_head" not in layers:
         model.lm_head.weight = model.embed.weight
     if quant is not None:
         quantize_model(model, quant, packed)
-    elif native and packed:
-        _keep_packed(model, packed)
+    elif layers:
+        _keep_packed(model, layers)
+    _release_freed()  # once: per layer it cut the 1B peak by ~70 MiB but cost 1.5-2 s of page faults
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise ModelLoadError(f"checkpoint does not fill {missing[0]}")
@@ -211,24 +233,44 @@ def _skip_init():
             setattr(torch.nn.init, n, fn)
 
 
-def _keep_packed(model: Transformer, packed: dict) -> None:
-    """The file's formats as they are: each packed matrix becomes a QuantLinear (float ones stay nn.Linear);
+def _quant_linear(p, bias):
+    from attnlab.quant.linear import QuantLinear
+    return QuantLinear(p, None if bias is None else bias.float())
+
+
+def _release_freed() -> None:
+    """Hand freed heap memory back to the OS. Why: glibc raises its mmap threshold to the size of the
+    largest block freed (up to 32 MiB), so a load's transient tensors of a few MiB come from the heap and
+    stay in RSS after they are freed; without this, a 1B model's RSS stays 0.7 GiB above what it holds."""
+    import ctypes
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
+
+
+def _keep_packed(model: Transformer, layers: dict) -> None:
+    """The file's formats as they are: each packed matrix is a QuantLinear (float ones stay nn.Linear);
     a tied embedding reads its rows from the packed head. model.quant names the format ('int4:32' for a
     Q4_0/Q4_1 file, whose head is int8:32 as under --quant int4:32; 'gguf: int4:32, int8:16' when mixed)."""
-    from attnlab.quant.linear import QuantEmbedding, QuantLinear, linear_names
+    from attnlab.quant.linear import QuantEmbedding, linear_names
 
     formats = []
-    for name, p in packed.items():
+    for name, layer in layers.items():
         parent, _, leaf = name.rpartition(".")
-        owner = model.get_submodule(parent) if parent else model
-        setattr(owner, leaf, QuantLinear(p, getattr(getattr(owner, leaf), "bias", None)))
+        setattr(model.get_submodule(parent) if parent else model, leaf, layer)
         if name != "lm_head":
-            formats.append(p.format)
-    if model.cfg.tie_embeddings and "lm_head" in packed:
+            formats.append(_format(layer))
+    if model.cfg.tie_embeddings and "lm_head" in layers:
         model.embed = QuantEmbedding(model.lm_head)
     kinds = sorted(set(formats))
     uniform = len(kinds) == 1 and len(formats) == len(linear_names(model)) - 1 and "+" not in kinds[0]
     model.quant = kinds[0] if uniform else "gguf: " + ", ".join(kinds)
+
+
+def _format(layer) -> str:
+    """`Packed.format` of a QuantLinear's weight, without rebuilding its row layout."""
+    return f"{layer.kind}:{layer.group}" + ("+min" if layer.has_min else "")
 
 
 def load_model(spec: str | Path, dtype: torch.dtype | None = None, quant=None, rope: str | None = None):

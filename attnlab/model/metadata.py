@@ -64,15 +64,19 @@ def gguf_config(path: Path, head: GGUFHeader) -> ModelConfig:
 
 def _rope_freqs(path: Path, head: GGUFHeader) -> list[float] | None:
     """Llama 3.1's per-frequency divisors, read from the file (a few hundred bytes; no other tensor is read)."""
-    import gguf
     info = head.tensors.get("rope_freqs.weight")
     if info is None:
         return None
     with open(path, "rb") as f:
         f.seek(head.data_offset + info.offset)
         raw = np.frombuffer(f.read(info.nbytes), dtype=np.uint8)
+    floats = {0: np.float32, 1: np.float16}  # what files hold it as; the gguf package reads anything else
     try:
-        values = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(info.ggml_type))
+        if info.ggml_type in floats and raw.size % np.dtype(floats[info.ggml_type]).itemsize == 0:
+            values = raw.view(floats[info.ggml_type])
+        else:
+            import gguf
+            values = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(info.ggml_type))
     except (NotImplementedError, ValueError) as e:
         raise error(path, f"tensor rope_freqs.weight cannot be read: {type(e).__name__}: {e}") from None
     return [float(x) for x in np.asarray(values, dtype=np.float32).reshape(-1)]

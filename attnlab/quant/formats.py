@@ -184,6 +184,15 @@ def _low_high(qs: torch.Tensor) -> torch.Tensor:
     return torch.cat([qs & 15, qs >> 4], 1)
 
 
+def _k_nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """Q4_K's 128 code bytes [nb, 128] (chunk c of 32 bytes: sub-block 2c in the low nibbles, 2c+1 in the
+    high) -> pack4's layout [nb, 128] (per sub-block, byte j: value j low, value j + 16 high), nibble to
+    nibble: half the bytes of unpacking to codes and packing again, the bulk of a Q4_K_M load."""
+    b = qs.reshape(-1, 4, 2, 16)  # chunk, values 0-15 / 16-31 of both sub-blocks, j
+    lo, hi = b[:, :, 0], b[:, :, 1]
+    return torch.stack([(lo & 15) | (hi << 4), (lo >> 4) | (hi & 0xF0)], 2).reshape(-1, 128)
+
+
 def from_gguf(raw, kind: str, shape: tuple[int, int]) -> Packed:
     """GGUF raw blocks (uint8, any shape holding the tensor's bytes) of a `GGUF_PACKED` type -> Packed, exactly.
 
@@ -216,8 +225,8 @@ def from_gguf(raw, kind: str, shape: tuple[int, int]) -> Packed:
     d, dmin = _f16(raw, 0)[:, None], _f16(raw, 2)[:, None]
     sc, mn = _k_scales(raw[:, 4:16])
     scale, min_ = (d * sc).view(N, -1), (-(dmin * mn)).view(N, -1)
-    ql = _shifted(raw[:, -128:].reshape(-1, 4, 32), [0, 4], 15).reshape(-1, 8, 32)  # sub-block 2c: low, 2c+1: high
     if kind == "Q4_K":
-        return Packed("int4", (N, K), BLOCK, 4, qs=pack4(ql.reshape(N, K)), scale=scale, min=min_)
+        return Packed("int4", (N, K), BLOCK, 4, qs=_k_nibbles(raw[:, -128:]).reshape(N, K // 2), scale=scale, min=min_)
+    ql = _shifted(raw[:, -128:].reshape(-1, 4, 32), [0, 4], 15).reshape(-1, 8, 32)  # sub-block 2c: low, 2c+1: high
     qh = _shifted(raw[:, 16:48].reshape(-1, 1, 32), list(range(8)), 1).reshape(-1, 8, 32)  # Q5_K: bit s of byte j
     return Packed("int8", (N, K), BLOCK, 8, q=(ql | (qh << 4)).view(torch.int8).reshape(N, K), scale=scale, min=min_)
