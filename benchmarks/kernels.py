@@ -17,6 +17,12 @@ turn by this process so every (variant, threads) cell is timed once per repeat, 
 microseconds per call, the speedup over the first variant, 2-thread over 1-thread, and GB/s of weights.
 `--clock cpu` times 1-thread cells in CPU time (steady on a shared machine); more threads need wall time.
 `python benchmarks/kernels.py --variants avx2,avx512vnni --threads 1,2 --repeats 9 --depths ''`
+
+`--layouts` times the repacked kernels (q4x_mm, q8x_mm) on the same GGUF blocks (Q4_0, Q4_1, Q8_0 made by
+the `gguf` package from random weights) stored two ways, interleaved: scales (and mins) as float32, the
+layout before fp16 scales, and as the layout the values allow (`repack.q4_layout`: float16, Q4_0 with no
+min). Shapes: SmolLM2-135M's and Llama-3.2-1B's. Printed: us per call, bytes per weight, GB/s, speedup.
+`python benchmarks/kernels.py --layouts --threads 1 --repeats 9`
 """
 from __future__ import annotations
 
@@ -199,6 +205,74 @@ def compare_variants(args) -> None:
     print(f"# load average {os.getloadavg()[0]:.2f} at end")
 
 
+# (name, N, K, GGUF type): SmolLM2-135M's and Llama-3.2-1B's matvecs (the 1B head: SmolLM's 49152 tokens, Q8_0)
+LAYOUT_SHAPES = [("w13", 2 * H, D, "Q4_1"), ("w2", D, H, "Q4_1"), ("w13", 2 * H, D, "Q4_0"),
+                 ("1B wqkv", 3072, 2048, "Q4_0"), ("1B wo", 2048, 2048, "Q4_0"), ("1B w13", 16384, 2048, "Q4_0"),
+                 ("1B w2", 2048, 8192, "Q4_0"), ("1B w13", 16384, 2048, "Q4_1"), ("1B head", 49152, 2048, "Q8_0")]
+
+
+def layout_calls(N: int, K: int, kind: str, copies: int, g: torch.Generator) -> dict:
+    """{layout flags: [calls]} over `copies` distinct GGUF-quantized weights, each packed float32 and as its values allow."""
+    import gguf
+
+    from attnlab.kernels import repack
+    from attnlab.quant.formats import from_gguf
+    out = {}
+    for _ in range(copies):
+        w = (torch.randn(N, K, generator=g) * 0.05).numpy()
+        p = from_gguf(gguf.quants.quantize(w, gguf.GGMLQuantizationType[kind]), kind, (N, K))
+        x = torch.randn(1, K, generator=g)
+        for fmt in (0, None):
+            if p.kind == "int4":
+                wp, f = repack.pack_q4(p.qs, p.scale, p.min, p.group, fmt)
+                op, args = torch.ops.attnlab.q4x_mm, (wp, N, p.group, f)
+            else:
+                wp, f = repack.pack_q8(p.q, p.scale, p.group, None, fmt)
+                op, args = torch.ops.attnlab.q8x_mm, (wp, N, p.group, False, f)
+            out.setdefault(f, []).append((lambda op=op, x=x, args=args: op(x, *args), wp.numel() * N / (wp.shape[0] * 16)))
+    return out
+
+
+def compare_layouts(args) -> None:
+    from attnlab.kernels import repack
+    t = int(args.threads)
+    torch.set_num_threads(t)
+    if not kernels.load():
+        raise SystemExit("fused kernels unavailable")
+    clock = time.thread_time if args.clock == "cpu" and t == 1 else time.perf_counter
+    print(f"# {isa.describe()}; variant {kernels.variant()}")
+    print(f"# read bandwidth (torch sum over 256 MiB): {read_bandwidth(t):.1f} GB/s at {t} thread(s)")
+    torch.set_num_threads(t)
+    print(f"# threads {t}, repeats {args.repeats} interleaved, medians, clock {'cpu' if clock is time.thread_time else 'wall'}; "
+          f"load average {os.getloadavg()[0]:.2f} at start")
+    print(f"{'shape':9} {'type':5} {'N x K':>12} {'f32 us':>9} {'new us':>9} {'layout':>7} {'B/w f32':>8} {'B/w new':>8} "
+          f"{'GB/s f32':>9} {'GB/s new':>9} {'speedup':>8} {'bytes ratio':>11}")
+    g = torch.Generator().manual_seed(0)
+    only = set(args.only.split(",")) - {""}
+    for name, N, K, kind in LAYOUT_SHAPES:
+        if only and name not in only:
+            continue
+        copies = max(2, min(args.layers, int(64e6 // (N * K))))  # >= 32 MB of weights per pass: from memory
+        calls = layout_calls(N, K, kind, copies, g)
+        fmts = list(calls)
+        times = {f: [] for f in fmts}
+        for _ in range(args.repeats):
+            for f in fmts:
+                calls[f][0][0]()
+                start = clock()
+                for c, _ in calls[f]:
+                    c()
+                times[f].append((clock() - start) / len(calls[f]))
+        med = {f: statistics.median(v) for f, v in times.items()}
+        nb = {f: calls[f][0][1] for f in fmts}
+        new = fmts[-1]
+        flags = ("h" if new & repack.HALF else "") + ("s" if new & repack.SYM else "") or "-"
+        print(f"{name:9} {kind:5} {N:>6}x{K:<5} {med[0] * 1e6:9.1f} {med[new] * 1e6:9.1f} {flags:>7} "
+              f"{nb[0] / (N * K):8.4f} {nb[new] / (N * K):8.4f} {nb[0] / med[0] / 1e9:9.1f} {nb[new] / med[new] / 1e9:9.1f} "
+              f"{med[0] / med[new]:8.2f} {nb[0] / nb[new]:11.2f}", flush=True)
+    print(f"# load average {os.getloadavg()[0]:.2f} at end")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--baseline", default="", help="git revision whose kernels to time alongside ours")
@@ -210,12 +284,15 @@ def main() -> None:
     p.add_argument("--threads", default="1", help="thread count (with --variants: a list, e.g. 1,2)")
     p.add_argument("--variants", default="", help="ISA variants to compare, one process each (e.g. avx2,avx512vnni)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--layouts", action="store_true", help="repacked blocks with float32 against float16 scales")
     p.add_argument("--depths", default="1024,4096", help="cache depths of the attention cases ('' to skip them)")
     args = p.parse_args()
     if args.worker:
         return worker(args)
     if args.variants:
         return compare_variants(args)
+    if args.layouts:
+        return compare_layouts(args)
     clock = time.perf_counter if args.clock == "wall" else time.thread_time
     torch.set_num_threads(int(args.threads))
     if not kernels.load():

@@ -94,18 +94,18 @@ def lut4_mm(x: torch.Tensor, qs: torch.Tensor, lut: torch.Tensor, lut_scale: tor
     return x @ dequantize_lut4(qs, lut, lut_scale, group).T
 
 
-def q4x_mm(x: torch.Tensor, w: torch.Tensor, n: int, group: int) -> torch.Tensor:
-    """q4_mm over weights repacked by `repack.pack_q4` (w uint8 [ceil(n/16), K/group, group*8 + 128])."""
+def q4x_mm(x: torch.Tensor, w: torch.Tensor, n: int, group: int, fmt: int) -> torch.Tensor:
+    """q4_mm over weights repacked by `repack.pack_q4` with layout flags fmt (`repack.HALF`, `repack.SYM`)."""
     if enabled():
-        return torch.ops.attnlab.q4x_mm(x, w, n, group)
-    return x @ dequantize_int4(*repack.unpack_q4(w, n, x.shape[1], group), group).T
+        return torch.ops.attnlab.q4x_mm(x, w, n, group, fmt)
+    return x @ dequantize_int4(*repack.unpack_q4(w, n, x.shape[1], group, fmt), group).T
 
 
-def q8x_mm(x: torch.Tensor, w: torch.Tensor, n: int, group: int, has_min: bool) -> torch.Tensor:
-    """q8_mm (w = q * s [+ m]) over weights repacked by `repack.pack_q8`."""
+def q8x_mm(x: torch.Tensor, w: torch.Tensor, n: int, group: int, has_min: bool, fmt: int) -> torch.Tensor:
+    """q8_mm (w = q * s [+ m]) over weights repacked by `repack.pack_q8` (flags fmt: `repack.HALF`)."""
     if enabled():
-        return torch.ops.attnlab.q8x_mm(x, w, n, group, has_min)
-    q, scale, min_ = repack.unpack_q8(w, n, x.shape[1], group, has_min)
+        return torch.ops.attnlab.q8x_mm(x, w, n, group, has_min, fmt)
+    q, scale, min_ = repack.unpack_q8(w, n, x.shape[1], group, has_min, fmt)
     return x @ dequantize_int8_blocks(q, scale, min_=min_).T
 
 

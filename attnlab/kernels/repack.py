@@ -4,6 +4,11 @@ Why: one 512-bit load then feeds 16 output rows (4 inputs of each per 32-bit lan
 `vpdpbusd` wants. The repacked tensor replaces the row layout (one copy of the weights in memory);
 `unpack_*` rebuild the row layout when someone asks for it (dequantise, save, Deja Vu's row ops).
 Rows are padded to a multiple of 16 with zero codes and scales; the kernels write only the first N.
+
+Layout flags, one int per layer (decided here at pack time, passed to the kernels): HALF stores scales
+and mins as float16 where every value of the layer is exactly a float16 (a GGUF file's own scales), so
+nothing changes numerically; SYM (int4) stores no min where min == -8 * scale for the whole layer (Q4_0).
+A decode matvec reads every byte once, so bytes are its time: Q4_0 18 bytes per 32 weights (was 24).
 """
 from __future__ import annotations
 
@@ -12,6 +17,23 @@ import torch
 from attnlab.kernels.reference import pack4, unpack4
 
 ROWS = 16
+HALF, SYM = 1, 2  # the layout flags (repacked.cpp)
+
+
+def exact_half(*ts: torch.Tensor | None) -> bool:
+    """Whether every value of the tensors is exactly a float16 (NaN and overflow are not)."""
+    return all(t is None or bool((t.float().half().float() == t.float()).all()) for t in ts)
+
+
+def q4_layout(scale: torch.Tensor, min_: torch.Tensor) -> int:
+    """The flags an int4 layer packs with: HALF if scale and min are float16 values, SYM if min == -8 * scale."""
+    sym = bool((min_.float() == -8 * scale.float()).all())
+    return (HALF if exact_half(scale, None if sym else min_) else 0) | (SYM if sym else 0)
+
+
+def q8_layout(scale: torch.Tensor, min_: torch.Tensor | None = None) -> int:
+    """The flags an int8 layer packs with: HALF if scale (and min) are float16 values."""
+    return HALF if exact_half(scale, min_) else 0
 
 
 def _blocks(t: torch.Tensor, nb: int) -> torch.Tensor:
@@ -20,51 +42,75 @@ def _blocks(t: torch.Tensor, nb: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
 
 
-def _floats(t: torch.Tensor, nb: int) -> torch.Tensor:
-    """Per-group floats [N, G] -> bytes [nb, G, 64] (16 rows' values side by side per group)."""
-    G = t.shape[1]
-    return _blocks(t.float(), nb).view(nb, ROWS, G).transpose(1, 2).contiguous().view(torch.uint8).view(nb, G, 64)
+def _floats(t: torch.Tensor, nb: int, half: bool) -> torch.Tensor:
+    """Per-group floats [N, G] -> bytes [nb, G, 32 or 64] (16 rows' values side by side per group)."""
+    G, dt = t.shape[1], torch.float16 if half else torch.float32
+    if half and not exact_half(t):
+        raise ValueError("float16 scales asked for values that are not float16")
+    return _blocks(t.float().to(dt), nb).view(nb, ROWS, G).transpose(1, 2).contiguous().view(torch.uint8).view(nb, G, -1)
 
 
-def _unfloats(b: torch.Tensor, N: int) -> torch.Tensor:
+def _unfloats(b: torch.Tensor, N: int, half: bool) -> torch.Tensor:
     nb, G = b.shape[:2]
-    return b.contiguous().view(torch.float32).view(nb, G, ROWS).transpose(1, 2).reshape(nb * ROWS, G)[:N].contiguous()
+    f = b.contiguous().view(torch.float16 if half else torch.float32).float()
+    return f.view(nb, G, ROWS).transpose(1, 2).reshape(nb * ROWS, G)[:N].contiguous()
 
 
-def pack_q4(qs: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor, group: int) -> torch.Tensor:
-    """int4 codes [N, K/2] (pack4's nibbles), scale and min [N, K/group] -> uint8 [ceil(N/16), K/group, group*8 + 128]."""
+def pack_q4(qs: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor, group: int,
+            fmt: int | None = None) -> tuple[torch.Tensor, int]:
+    """int4 codes [N, K/2] (pack4's nibbles), scale and min [N, K/group] -> (uint8 [ceil(N/16), K/group,
+    group*8 + 32 or 64 per float row], flags); fmt forces the flags (default `q4_layout`)."""
     N, K = qs.shape[0], qs.shape[1] * 2
     nb, G, per = -(-N // ROWS), K // group, group // 32
+    fmt = q4_layout(scale, min_) if fmt is None else fmt
+    if fmt & SYM and not bool((min_.float() == -8 * scale.float()).all()):
+        raise ValueError("SYM layout asked for mins that are not -8 * scale")
     c = _blocks(unpack4(qs), nb).view(nb, ROWS, G, per, 2, 4, 4).permute(0, 2, 3, 4, 5, 1, 6)  # nb G per half j r t
     codes = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).reshape(nb, G, per * 256)
-    return torch.cat([codes, _floats(scale, nb), _floats(min_, nb)], dim=2)
+    half = bool(fmt & HALF)
+    parts = [codes, _floats(scale, nb, half)] + ([] if fmt & SYM else [_floats(min_, nb, half)])
+    return torch.cat(parts, dim=2), fmt
 
 
-def unpack_q4(w: torch.Tensor, N: int, K: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """pack_q4's inverse: (qs [N, K/2], scale, min [N, K/group])."""
+def unpack_q4(w: torch.Tensor, N: int, K: int, group: int, fmt: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """pack_q4's inverse: (qs [N, K/2], scale, min [N, K/group] float32)."""
     nb, G, per = w.shape[0], K // group, group // 32
     b = w[:, :, :per * 256].reshape(nb, G, per, 4, ROWS, 4)  # nb G per j r t
     c = torch.stack([b & 15, b >> 4], dim=3)  # nb G per half j r t
     codes = c.permute(0, 5, 1, 2, 3, 4, 6).reshape(nb * ROWS, K)[:N]
-    off = per * 256
-    return pack4(codes), _unfloats(w[:, :, off:off + 64], N), _unfloats(w[:, :, off + 64:off + 128], N)
+    off, size, half = per * 256, 32 if fmt & HALF else 64, bool(fmt & HALF)
+    scale = _unfloats(w[:, :, off:off + size], N, half)
+    mn = -8 * scale if fmt & SYM else _unfloats(w[:, :, off + size:off + 2 * size], N, half)
+    return pack4(codes), scale, mn
 
 
-def pack_q8(q: torch.Tensor, scale: torch.Tensor, group: int, min_: torch.Tensor | None = None) -> torch.Tensor:
-    """int8 codes [N, K], scale (and min) [N, K/group] -> uint8 [ceil(N/16), K/group, group*16 + 64 (+64)]."""
+def pack_q8(q: torch.Tensor, scale: torch.Tensor, group: int, min_: torch.Tensor | None = None,
+            fmt: int | None = None) -> tuple[torch.Tensor, int]:
+    """int8 codes [N, K], scale (and min) [N, K/group] -> (uint8 [ceil(N/16), K/group, group*16 + 32 or 64
+    per float row], flags); fmt forces the flags (default `q8_layout`)."""
     N, K = q.shape
     nb, G = -(-N // ROWS), K // group
+    fmt = q8_layout(scale, min_) if fmt is None else fmt
+    if fmt & SYM:
+        raise ValueError("int8 blocks have no SYM layout")
     u = (_blocks(q, nb).to(torch.int16) + 128).to(torch.uint8)
     codes = u.view(nb, ROWS, G, group // 4, 4).permute(0, 2, 3, 1, 4).reshape(nb, G, group * 16)
-    parts = [codes, _floats(scale, nb)] + ([] if min_ is None else [_floats(min_, nb)])
-    return torch.cat(parts, dim=2)
+    half = bool(fmt & HALF)
+    parts = [codes, _floats(scale, nb, half)] + ([] if min_ is None else [_floats(min_, nb, half)])
+    return torch.cat(parts, dim=2), fmt
 
 
-def unpack_q8(w: torch.Tensor, N: int, K: int, group: int, has_min: bool):
-    """pack_q8's inverse: (q [N, K] int8, scale [N, K/group], min or None)."""
+def unpack_q8(w: torch.Tensor, N: int, K: int, group: int, has_min: bool, fmt: int):
+    """pack_q8's inverse: (q [N, K] int8, scale [N, K/group] float32, min or None)."""
     nb, G = w.shape[0], K // group
     u = w[:, :, :group * 16].reshape(nb, G, group // 4, ROWS, 4).permute(0, 3, 1, 2, 4).reshape(nb * ROWS, K)[:N]
     q = (u.to(torch.int16) - 128).to(torch.int8)
-    off = group * 16
-    mn = _unfloats(w[:, :, off + 64:off + 128], N) if has_min else None
-    return q, _unfloats(w[:, :, off:off + 64], N), mn
+    off, size, half = group * 16, 32 if fmt & HALF else 64, bool(fmt & HALF)
+    mn = _unfloats(w[:, :, off + size:off + 2 * size], N, half) if has_min else None
+    return q, _unfloats(w[:, :, off:off + size], N, half), mn
+
+
+def nbytes(kind: str, N: int, K: int, group: int, has_min: bool, fmt: int) -> int:
+    """Bytes of an N x K weight in this layout, rows unpadded: codes + per-group scales (and mins)."""
+    floats = 1 if kind == "int4" and fmt & SYM else 2 if kind == "int4" or has_min else 1
+    return N * K // (2 if kind == "int4" else 1) + N * (K // group) * floats * (2 if fmt & HALF else 4)

@@ -9,10 +9,13 @@
 // Layout of one (16-row block, group of `group` inputs), bytes:
 //   q4 (w = c * s + m): per 32-input block, 4 chunks j of 64 bytes: lane r's byte t holds code
 //       c[r][32b + 4j + t] in its low nibble and c[r][32b + 16 + 4j + t] in its high one;
-//       then s[16] and m[16] float32.
+//       then s[16] and m[16]; with SYM no m (m = -8 s for the whole layer: GGUF Q4_0).
 //   q8 (w = q * s [+ m]): group/4 chunks of 64 bytes: lane r's byte t = q[r][4c + t] + 128 (unsigned,
 //       as vpdpbusd wants: sum (q + 128) x = sum q x + 128 sum x, the last term removed per sub-block);
-//       then s[16] and, with a min, m[16] float32.
+//       then s[16] and, with a min, m[16].
+//   s and m are float16 with HALF (the layer's values all exact in fp16: the GGUF files' own scales),
+//   float32 otherwise. Why: the matvec is bound by the bytes it reads; Q4_0 at group 32 goes from 24
+//   bytes per 32 weights (f32 s + m) to llama.cpp's 18, Q4_1 to 20, Q8_0 from 36 to 34.
 // Activations are rounded to int8 per 32 (as every integer kernel here); the min terms use the sums of
 // the rounded values per group, as q4_mm does. Code paths by compile flags: AVX-512 (with VNNI: dpbusd; without:
 // maddubs/madd), AVX2 (two 8-row halves per block; AVX-VNNI's dpbusd when built with it).
@@ -21,6 +24,7 @@
 #include <immintrin.h>
 
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "kernels_simd.h"
@@ -54,6 +58,7 @@ struct V {  // 16 rows per step
 #endif
   static F cvt(I a) { return _mm512_cvtepi32_ps(a); }
   static F loadf(const float* p) { return _mm512_loadu_ps(p); }
+  static F loadh(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static F set1(float v) { return _mm512_set1_ps(v); }
   static F zerof() { return _mm512_setzero_ps(); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
@@ -87,6 +92,7 @@ struct V {  // 8 rows per step: a 16-row block in two halves
 #endif
   static F cvt(I a) { return _mm256_cvtepi32_ps(a); }
   static F loadf(const float* p) { return _mm256_loadu_ps(p); }
+  static F loadh(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static F set1(float v) { return _mm256_set1_ps(v); }
   static F zerof() { return _mm256_setzero_ps(); }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
@@ -153,14 +159,34 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int
   return out;
 }
 
-}  // namespace
+constexpr int64_t HALF = 1, SYM = 2;  // layout flags (`repack.HALF`, `repack.SYM`)
 
-// x [M, K] fp32; w [ceil(N/16), K/group, group*8 + 128] uint8 (q4 layout above) -> [M, N]
-torch::Tensor q4x_mm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t group) {
+// 16 per-row floats of half h at p: float16 (HALF) or float32.
+template <bool H>
+typename V::F scales(const uint8_t* p, int h) {
+  if constexpr (H) return V::loadh(reinterpret_cast<const uint16_t*>(p) + h * V::R);
+  else return V::loadf(reinterpret_cast<const float*>(p) + h * V::R);
+}
+
+// Calls f(std::integral_constant<bool, HALF>, std::integral_constant<bool, SYM>) for the layout flags.
+template <class Fn>
+torch::Tensor with_layout(int64_t fmt, Fn f) {
+  using T = std::true_type;
+  using U = std::false_type;
+  TORCH_CHECK(fmt >= 0 && fmt <= (HALF | SYM), "repacked layout flags must be 0-3, got ", fmt);
+  switch (fmt) {
+    case 0: return f(U{}, U{});
+    case HALF: return f(T{}, U{});
+    case SYM: return f(U{}, T{});
+    default: return f(T{}, T{});
+  }
+}
+
+template <bool H, bool S>
+torch::Tensor q4x(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int64_t group) {
   const int64_t K = x.size(1);
-  TORCH_CHECK(group % 32 == 0 && group > 0 && K % group == 0, "q4x: group must be a multiple of 32 dividing K");
-  check_x(x, K);
-  const int64_t G = K / group, per = group / 32, stride = per * 256 + 128;
+  constexpr int64_t sb = H ? 32 : 64;  // bytes of 16 scales
+  const int64_t G = K / group, per = group / 32, stride = per * 256 + sb * (S ? 1 : 2);
   const Acts a(x.data_ptr<float>(), x.size(0), K, group, true);
   return run(x, w, N, G, stride, [&](int h, const uint8_t* p, int64_t m, float* o) {
     const int8_t* xq = a.q + m * K;
@@ -168,8 +194,7 @@ torch::Tensor q4x_mm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t group)
     const float* fs = a.fs + m * G;
     typename V::F acc = V::zerof(), accm = V::zerof();
     for (int64_t g = 0; g < G; ++g, p += stride) {
-      const float* sc = reinterpret_cast<const float*>(p + per * 256);
-      const typename V::F s = V::loadf(sc + h * V::R), mn = V::loadf(sc + 16 + h * V::R);
+      const typename V::F s = scales<H>(p + per * 256, h);
       for (int64_t b = 0; b < per; ++b) {
         const uint8_t* c = p + b * 256 + h * V::R * 4;
         const int8_t* xb = xq + (g * per + b) * 32;
@@ -182,21 +207,19 @@ torch::Tensor q4x_mm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t group)
         const typename V::I t = V::add(V::add(i0, i1), V::add(i2, i3));
         acc = V::fmadd(V::cvt(t), V::mul(s, V::set1(d[g * per + b])), acc);
       }
-      accm = V::fmadd(mn, V::set1(fs[g]), accm);
+      // m * sum(x): with SYM, s * (-8 sum(x)), the same float (scaling by 8 is exact)
+      if constexpr (S) accm = V::fmadd(s, V::set1(-8.f * fs[g]), accm);
+      else accm = V::fmadd(scales<H>(p + per * 256 + sb, h), V::set1(fs[g]), accm);
     }
-    const typename V::F y = V::fmadd(V::set1(1.f), acc, accm);
-    V::store(o, y);
+    V::store(o, V::fmadd(V::set1(1.f), acc, accm));
   });
 }
 
-// x [M, K] fp32; w [ceil(N/16), K/group, group*16 + 64 (+ 64 with a min)] uint8 (q8 layout) -> [M, N]
-torch::Tensor q8x_mm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t group, bool has_min) {
+template <bool H>
+torch::Tensor q8x(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int64_t group, bool has_min) {
   const int64_t K = x.size(1);
-  TORCH_CHECK(group % 16 == 0 && group > 0 && K % group == 0 && K % 32 == 0,
-              "q8x: group must be a multiple of 16 dividing K (a multiple of 32)");
-  TORCH_CHECK(group <= 32 || group % 32 == 0, "q8x: a group above 32 must be a multiple of 32");
-  check_x(x, K);
-  const int64_t G = K / group, stride = group * 16 + (has_min ? 128 : 64), sub = std::min<int64_t>(group, 32);
+  constexpr int64_t sb = H ? 32 : 64;
+  const int64_t G = K / group, stride = group * 16 + sb * (has_min ? 2 : 1), sub = std::min<int64_t>(group, 32);
   const Acts a(x.data_ptr<float>(), x.size(0), K, group, has_min);
   return run(x, w, N, G, stride, [&](int h, const uint8_t* p, int64_t m, float* o) {
     const int8_t* xq = a.q + m * K;
@@ -204,8 +227,7 @@ torch::Tensor q8x_mm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t group,
     const int32_t* q16 = a.qs16 + m * K / 16;
     typename V::F acc = V::zerof(), accm = V::zerof();
     for (int64_t g = 0; g < G; ++g, p += stride) {
-      const float* sc = reinterpret_cast<const float*>(p + group * 16);
-      const typename V::F s = V::loadf(sc + h * V::R);
+      const typename V::F s = scales<H>(p + group * 16, h);
       for (int64_t u = 0; u < group / sub; ++u) {  // sub-blocks of one activation scale and one weight scale
         const int64_t i = g * group + u * sub;  // first input
         const uint8_t* c = p + u * sub * 16 + h * V::R * 4;
@@ -217,15 +239,36 @@ torch::Tensor q8x_mm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t group,
         const int32_t corr = 128 * (sub == 32 ? q16[i / 16] + q16[i / 16 + 1] : q16[i / 16]);
         acc = V::fmadd(V::cvt(V::sub1(V::add(i0, i1), corr)), V::mul(s, V::set1(d[i / 32])), acc);
       }
-      if (has_min) accm = V::fmadd(V::loadf(sc + 16 + h * V::R), V::set1(a.fs[m * G + g]), accm);
+      if (has_min) accm = V::fmadd(scales<H>(p + group * 16 + sb, h), V::set1(a.fs[m * G + g]), accm);
     }
     V::store(o, V::fmadd(V::set1(1.f), acc, accm));
   });
 }
 
+}  // namespace
+
+// x [M, K] fp32; w [ceil(N/16), K/group, group*8 + scale/min bytes] uint8 (q4 layout above, flags fmt) -> [M, N]
+torch::Tensor q4x_mm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t group, int64_t fmt) {
+  const int64_t K = x.size(1);
+  TORCH_CHECK(group % 32 == 0 && group > 0 && K % group == 0, "q4x: group must be a multiple of 32 dividing K");
+  check_x(x, K);
+  return with_layout(fmt, [&](auto half, auto sym) { return q4x<half.value, sym.value>(x, w, N, group); });
+}
+
+// x [M, K] fp32; w [ceil(N/16), K/group, group*16 + scale (+ min) bytes] uint8 (q8 layout) -> [M, N]
+torch::Tensor q8x_mm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t group, bool has_min, int64_t fmt) {
+  const int64_t K = x.size(1);
+  TORCH_CHECK(group % 16 == 0 && group > 0 && K % group == 0 && K % 32 == 0,
+              "q8x: group must be a multiple of 16 dividing K (a multiple of 32)");
+  TORCH_CHECK(group <= 32 || group % 32 == 0, "q8x: a group above 32 must be a multiple of 32");
+  TORCH_CHECK(fmt == 0 || fmt == HALF, "q8x: layout flags must be 0 or HALF (1), got ", fmt);
+  check_x(x, K);
+  return fmt == HALF ? q8x<true>(x, w, N, group, has_min) : q8x<false>(x, w, N, group, has_min);
+}
+
 TORCH_LIBRARY_FRAGMENT(attnlab, m) {
-  m.def("q4x_mm(Tensor x, Tensor w, int n, int group) -> Tensor");
-  m.def("q8x_mm(Tensor x, Tensor w, int n, int group, bool has_min) -> Tensor");
+  m.def("q4x_mm(Tensor x, Tensor w, int n, int group, int fmt) -> Tensor");
+  m.def("q8x_mm(Tensor x, Tensor w, int n, int group, bool has_min, int fmt) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(attnlab, CPU, m) { m.impl("q4x_mm", &q4x_mm), m.impl("q8x_mm", &q8x_mm); }

@@ -97,10 +97,11 @@ class QuantLinear(nn.Module):
         self.has_min = packed.kind == "int8" and getattr(packed, "min", None) is not None
         self.repacked = fused and self._repackable() and ops.load() and (ops.repacks() or self._needs_repack())
         if self.repacked:  # one copy: the 16-row blocks replace the row layout (`packed` rebuilds it)
-            if packed.kind == "int4":
-                wp = repack.pack_q4(packed.qs, packed.scale, packed.min, packed.group)
+            if packed.kind == "int4":  # layout flags (fp16 scales, no min) decided from the values, per layer
+                wp, self.layout = repack.pack_q4(packed.qs, packed.scale, packed.min, packed.group)
             else:
-                wp = repack.pack_q8(packed.q, packed.scale, packed.group, packed.min if self.has_min else None)
+                wp, self.layout = repack.pack_q8(packed.q, packed.scale, packed.group,
+                                                 packed.min if self.has_min else None)
             self.register_buffer("wp", wp)
         else:
             for name, t in packed.tensors().items():
@@ -126,9 +127,9 @@ class QuantLinear(nn.Module):
         N, K = self.out_features, self.in_features
         if getattr(self, "repacked", False):
             if self.kind == "int4":
-                qs, scale, mn = repack.unpack_q4(self.wp, N, K, self.group)
+                qs, scale, mn = repack.unpack_q4(self.wp, N, K, self.group, self.layout)
                 return Packed("int4", (N, K), self.group, 4, qs=qs, scale=scale, min=mn)
-            q, scale, mn = repack.unpack_q8(self.wp, N, K, self.group, self.has_min)
+            q, scale, mn = repack.unpack_q8(self.wp, N, K, self.group, self.has_min, self.layout)
             return Packed("int8", (N, K), self.group, 8, q=q, scale=scale, **({"min": mn} if self.has_min else {}))
         names = ("q", "qs", "scale", "min", "codebook")
         return Packed(self.kind, (N, K), self.group, self.bits,
@@ -158,10 +159,10 @@ class QuantLinear(nn.Module):
         R, n, K, g = repack.ROWS, flat.numel(), self.in_features, self.group
         blocks = self.wp[flat // R]
         if self.kind == "int4":
-            qs, scale, mn = repack.unpack_q4(blocks, n * R, K, g)
+            qs, scale, mn = repack.unpack_q4(blocks, n * R, K, g, self.layout)
             p = Packed("int4", (n * R, K), g, 4, qs=qs, scale=scale, min=mn)
         else:
-            q, scale, mn = repack.unpack_q8(blocks, n * R, K, g, self.has_min)
+            q, scale, mn = repack.unpack_q8(blocks, n * R, K, g, self.has_min, self.layout)
             p = Packed("int8", (n * R, K), g, 8, q=q, scale=scale, min=mn if self.has_min else None)
         pick = torch.arange(n) * R + flat % R
         return p.map_rows(lambda t: t[pick]).dequantize().view(*ids.shape, -1)
@@ -176,10 +177,10 @@ class QuantLinear(nn.Module):
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the weight as held (repacked: the layout's scale bytes, rows unpadded)."""
         if not self.repacked:
             return self.packed.nbytes
-        N, K, G = self.out_features, self.in_features, self.in_features // self.group
-        return N * K // (2 if self.kind == "int4" else 1) + N * G * 4 * (2 if self.kind == "int4" or self.has_min else 1)
+        return repack.nbytes(self.kind, self.out_features, self.in_features, self.group, self.has_min, self.layout)
 
     @property
     def row_align(self) -> int:
@@ -201,8 +202,8 @@ class QuantLinear(nn.Module):
         if self.repacked:
             wp = self.wp[r0 // a:(r1 + a - 1) // a]
             if self.kind == "int4":
-                return "q4x_mm", (wp, r1 - r0, self.group)
-            return "q8x_mm", (wp, r1 - r0, self.group, self.has_min)
+                return "q4x_mm", (wp, r1 - r0, self.group, self.layout)
+            return "q8x_mm", (wp, r1 - r0, self.group, self.has_min, self.layout)
         if self.kind == "int8":
             return "q8_mm", (self.q[r0:r1], self.scale[r0:r1], self.group)
         if self.kind == "int4":
@@ -224,7 +225,8 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         g = f", group={self.group}" if self.group else ""
-        r = ", repacked" if self.repacked else ""
+        r = "" if not self.repacked else ", repacked" + (", fp16 scales" if self.layout & repack.HALF else "") + (
+            ", min -8*scale" if self.layout & repack.SYM else "")
         return f"{self.in_features} -> {self.out_features}, {self.kind}{g}, bits={self.bits}, fused={self.fused}{r}"
 
 

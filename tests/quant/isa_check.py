@@ -1,8 +1,9 @@
 """Run in a process of its own by test_isa.py (`python -m tests.quant.isa_check VARIANT`, with
 ATTNLAB_ISA=VARIANT): every matrix kernel of that variant against the reference arithmetic on
-ragged shapes: the activations rounded to int8 per 32 (`round_activations`) times the weights, min terms
-included (a min over x itself would pass as closeness but loses 4-5x the KL, see kernels_simd.h).
-Prints 'ok VARIANT' on success."""
+ragged shapes, the repacked ones in every layout (float32 / float16 scales, int4 with a stored min or
+min = -8 * scale), and a float16 scale 1 ulp off must fail the same check. The reference arithmetic: the
+activations rounded to int8 per 32 (`round_activations`) times the weights, min terms included (a min over
+x itself would pass as closeness but loses 4-5x the KL, see kernels_simd.h). Prints 'ok VARIANT' on success."""
 import sys
 
 import torch
@@ -16,6 +17,14 @@ def close(got, ref, bound, what):
     """|got - ref| within float32 summation error: 3e-6 of the sum of |terms| (bound), elementwise."""
     err = (got - ref).abs()
     assert (err <= 3e-6 * bound + 1e-6).all(), f"{what}: max err {err.max().item():.3g}"
+
+
+def _q4_ref(x, xr, qs, scale, mn, group):
+    """The kernels' sums: int8-rounded activations times the codes' part and the mins' part."""
+    N, K = qs.shape[0], x.shape[1]
+    codes = (unpack4(qs).float().view(N, -1, group) * scale[..., None]).view(N, K)
+    mins = dequantize_int4(qs, scale, mn, group) - codes
+    return xr @ codes.T + xr @ mins.T, xr.abs() @ codes.abs().T + xr.abs() @ mins.abs().T
 
 
 def main(variant: str) -> None:
@@ -32,27 +41,47 @@ def main(variant: str) -> None:
                 for group in (32, 64, K):
                     if K % group:
                         continue
-                    p = quantize_int4(w, group)  # codes' part and min's part, as the kernels sum them
-                    codes = (unpack4(p.qs).float().view(N, -1, group) * p.scale[..., None]).view(N, K)
-                    mins = dequantize_int4(p.qs, p.scale, p.min, group) - codes
-                    ref, bound = xr @ codes.T + xr @ mins.T, xr.abs() @ codes.abs().T + xr.abs() @ mins.abs().T
-                    close(torch.ops.attnlab.q4_mm(x, p.qs, p.scale, p.min, group), ref, bound, f"q4_mm {N}x{K}/{group} M{M}")
-                    wp = repack.pack_q4(p.qs, p.scale, p.min, group)
-                    close(torch.ops.attnlab.q4x_mm(x, wp, N, group), ref, bound, f"q4x_mm {N}x{K}/{group} M{M}")
-                    count += 2
+                    p = quantize_int4(w, group)
+                    for fmt in range(4):  # float32 / float16 scales (HALF), a stored min / -8 * scale (SYM)
+                        scale = p.scale.half().float() if fmt & repack.HALF else p.scale
+                        mn = -8 * scale if fmt & repack.SYM else p.min.half().float() if fmt & repack.HALF else p.min
+                        what = f"q4x_mm {N}x{K}/{group} M{M} layout {fmt}"
+                        ref, bound = _q4_ref(x, xr, p.qs, scale, mn, group)
+                        if fmt == 0:
+                            close(torch.ops.attnlab.q4_mm(x, p.qs, scale, mn, group), ref, bound, f"q4_mm {what}")
+                        wp, got = repack.pack_q4(p.qs, scale, mn, group)
+                        assert got == fmt, (what, got)  # the values decide the layout
+                        close(torch.ops.attnlab.q4x_mm(x, wp, N, group, fmt), ref, bound, what)
+                        count += 1
+                        if fmt & repack.HALF and N * M >= 32:  # scales 1 float16 ulp off (a wrong conversion)
+                            # must fail (with >= 32 outputs: one output may sum to ~0, leaving no error to see)
+                            wrong = (scale.half().view(torch.int16) + 1).view(torch.float16).float()
+                            bad = repack.pack_q4(p.qs, wrong, -8 * wrong if fmt & repack.SYM else mn, group, fmt)[0]
+                            try:
+                                close(torch.ops.attnlab.q4x_mm(x, bad, N, group, fmt), ref, bound, what)
+                            except AssertionError:
+                                count += 1
+                            else:
+                                raise AssertionError(f"{what}: a 1-ulp float16 scale error went unnoticed")
                 for group in (16, 32, K):
                     q8 = quantize_int8(w, group)
-                    wq = (q8.q.float().view(N, -1, group) * q8.scale[..., None]).view(N, K)
-                    ref, bound = xr @ wq.T, xr.abs() @ wq.abs().T
-                    if group % 32 == 0:
-                        close(torch.ops.attnlab.q8_mm(x, q8.q, q8.scale, group), ref, bound, f"q8_mm {N}x{K}/{group}")
-                    close(torch.ops.attnlab.q8x_mm(x, repack.pack_q8(q8.q, q8.scale, group), N, group, False), ref,
-                          bound, f"q8x_mm {N}x{K}/{group} M{M}")
                     mn = torch.randn(N, K // group, generator=g) * 0.01
-                    mins = mn.repeat_interleave(group, dim=1)
-                    close(torch.ops.attnlab.q8x_mm(x, repack.pack_q8(q8.q, q8.scale, group, mn), N, group, True),
-                          ref + xr @ mins.T, bound + xr.abs() @ mins.abs().T, f"q8x_mm+min {N}x{K}/{group} M{M}")
-                    count += 3
+                    for half in (False, True):
+                        scale, mh = (q8.scale.half().float(), mn.half().float()) if half else (q8.scale, mn)
+                        wq = (q8.q.float().view(N, -1, group) * scale[..., None]).view(N, K)
+                        ref, bound = xr @ wq.T, xr.abs() @ wq.abs().T
+                        what = f"{N}x{K}/{group} M{M} half {half}"
+                        if group % 32 == 0 and not half:
+                            close(torch.ops.attnlab.q8_mm(x, q8.q, scale, group), ref, bound, f"q8_mm {what}")
+                        wp, fmt = repack.pack_q8(q8.q, scale, group)
+                        assert fmt == (repack.HALF if half else 0), (what, fmt)
+                        close(torch.ops.attnlab.q8x_mm(x, wp, N, group, False, fmt), ref, bound, f"q8x_mm {what}")
+                        mins = mh.repeat_interleave(group, dim=1)
+                        wp, fmt = repack.pack_q8(q8.q, scale, group, mh)
+                        assert fmt == (repack.HALF if half else 0), (what, fmt)
+                        close(torch.ops.attnlab.q8x_mm(x, wp, N, group, True, fmt), ref + xr @ mins.T,
+                              bound + xr.abs() @ mins.abs().T, f"q8x_mm+min {what}")
+                        count += 2
     print(f"ok {variant} ({count} checks)")
 
 

@@ -57,34 +57,83 @@ def test_repack_round_trips_and_takes_rows():
     N, K = 37, 128
     q = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
     s, m = torch.rand(N, K // 16, generator=g), torch.randn(N, K // 16, generator=g)
-    got = repack.unpack_q8(repack.pack_q8(q, s, 16, m), N, K, 16, True)
-    assert all(torch.equal(a, b) for a, b in zip(got, (q, s, m)))
     qs = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=g)
-    got = repack.unpack_q4(repack.pack_q4(qs, s[:, :2], m[:, :2], 64), N, K, 64)
-    assert all(torch.equal(a, b) for a, b in zip(got, (qs, s[:, :2], m[:, :2])))
+    for half in (False, True):
+        s_, m_ = (s.half().float(), m.half().float()) if half else (s, m)
+        wp, fmt = repack.pack_q8(q, s_, 16, m_)
+        assert fmt == (repack.HALF if half else 0) and wp.shape == (3, K // 16, 16 * 16 + 2 * (32 if half else 64))
+        got = repack.unpack_q8(wp, N, K, 16, True, fmt)
+        assert all(torch.equal(a, b) for a, b in zip(got, (q, s_, m_)))
+        for sym, mn in ((False, m_[:, :2]), (True, -8 * s_[:, :2])):
+            wp, fmt = repack.pack_q4(qs, s_[:, :2], mn, 64)
+            assert fmt == (repack.HALF if half else 0) | (repack.SYM if sym else 0)
+            assert wp.shape[2] == 2 * 256 + (1 if sym else 2) * (32 if half else 64)  # Q4_0: 18 bytes per 32
+            got = repack.unpack_q4(wp, N, K, 64, fmt)
+            assert all(torch.equal(a, b) for a, b in zip(got, (qs, s_[:, :2], mn)))
+
+
+def test_layout_is_decided_by_every_value_of_the_layer():
+    s = torch.rand(20, 2, generator=torch.Generator().manual_seed(0)).half().float()
+    assert repack.q4_layout(s, -8 * s) == repack.HALF | repack.SYM and repack.q8_layout(s) == repack.HALF
+    off = s.clone()
+    off[19, 1] += 2 ** -20  # one value that float16 cannot hold: the whole layer stays float32
+    assert repack.q8_layout(off) == 0 and repack.q4_layout(off, -8 * off) == repack.SYM
+    assert repack.q4_layout(s, -8 * off) == 0  # one min not -8 * scale: mins are stored
+    assert repack.q8_layout(s, torch.full_like(s, 1e5)) == 0  # beyond float16's range
+    qs = torch.zeros(20, 16, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="not float16"):
+        repack.pack_q4(qs, off, -8 * off, 32, repack.HALF)
+    with pytest.raises(ValueError, match="-8"):
+        repack.pack_q4(qs, s, -8 * off, 32, repack.SYM)
 
 
 def _layers(model):
     return [m for m in model.modules() if isinstance(m, QuantLinear)]
 
 
-@pytest.mark.parametrize("tie", [False, True])
-def test_repacked_weights_give_the_row_layout_logits(monkeypatch, tie):
+def _load(source: str, tie: bool, tmp_path):
+    """A tiny network: int4:32 by our quantizer, or a GGUF file's Q4_0 / Q4_1 blocks in their own format."""
+    if source == "int4:32":
+        lm = tiny_lm(tie_embeddings=tie)  # head: 97 rows, not a multiple of 16
+        quantize_model(lm.model, "int4:32")
+        return lm, 97
+    from attnlab.engine import LM
+    from tests.model_files import tiny_tensors, write_gguf
+    path = tmp_path / f"{source}.gguf"
+    if not path.exists():
+        write_gguf(path, tiny_tensors(tied=tie, vocab=41, dim=64, hidden=96), qtype=source,
+                   meta={"embedding_length": 64, "feed_forward_length": 96})
+    return LM.load(path, tokenizer=False), 41
+
+
+# int4:32 of our quantizer: float32 scales and mins; Q4_0: float16 scales, min -8 * scale; Q4_1: float16 both
+LAYOUTS = {"int4:32": 0, "Q4_0": repack.HALF | repack.SYM, "Q4_1": repack.HALF}
+
+
+@pytest.mark.parametrize("source,tie", [("int4:32", False), ("int4:32", True), ("Q4_0", False), ("Q4_1", True)])
+def test_repacked_weights_give_the_row_layout_logits(monkeypatch, tmp_path, source, tie):
     if not ops.load():
         pytest.skip("no C++ kernels on this machine")
     lms = {}
     for flag in "01":
         monkeypatch.setenv("ATTNLAB_REPACK", flag)
-        lm = tiny_lm(tie_embeddings=tie)  # head: 97 rows, not a multiple of 16
-        quantize_model(lm.model, "int4:32")
+        lm, vocab = _load(source, tie, tmp_path)
         assert [m.repacked for m in _layers(lm.model)] == [flag == "1"] * len(_layers(lm.model))
         lms[flag] = lm
-    ids = torch.randint(0, 97, (1, 24), generator=torch.Generator().manual_seed(0))
+    assert {m.layout for m in _layers(lms["1"].model)} == {LAYOUTS[source]}
+    ids = torch.randint(0, vocab, (1, 24), generator=torch.Generator().manual_seed(0))
     with ops.disabled():  # dequantised matrices: the row layout is rebuilt exactly
         assert torch.equal(lms["0"].logits(ids), lms["1"].logits(ids))
     for a, b in zip(_layers(lms["0"].model), _layers(lms["1"].model)):
         assert torch.equal(a.dequantize(), b.dequantize())
-        assert a.state_dict().keys() == b.state_dict().keys() and a.nbytes == b.nbytes
+        assert a.state_dict().keys() == b.state_dict().keys()
+        assert all(torch.equal(t, b.state_dict()[k]) for k, t in a.state_dict().items())
+        floats = 1 if b.kind == "int8" or b.layout & repack.SYM else 2  # bytes per 32 weights: Q4_0's 18, Q4_1's 20
+        per32 = (16 if b.kind == "int4" else 32) + floats * (2 if b.layout & repack.HALF else 4)
+        assert b.nbytes == b.out_features * b.in_features * per32 // 32
+        assert (b.nbytes == a.nbytes) == (b.layout == 0) and b.nbytes <= a.nbytes  # a: the row layout, float32
+    if tie:  # a tied head's lookup from the repacked blocks
+        assert torch.equal(lms["0"].model.embed(ids), lms["1"].model.embed(ids))
     # decode-sized inputs and a prefill (the fused kernels), each layer fed what it sees in the model: the same sums in
     # another order. (Whole-model logits are not compared: a 1e-6 difference that flips one activation's
     # int8 rounding moves this random tiny model's logits by ~0.1, as much as the rounding itself.)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from attnlab.kernels import ops
+from attnlab.kernels import ops, repack
 from attnlab.quant import QuantLinear, QuantSpec
 
 
@@ -20,3 +20,40 @@ def test_kernel_op_equals_forward(spec, rows):
     assert torch.equal(y, layer(x))  # the same kernel, so the same bits
     ref = x @ layer.dequantize().T  # and it is x @ W^T (activations rounded to int8: about 1% off)
     assert (y - ref).abs().max() < 0.03 * ref.abs().max()
+
+
+def _layers(N: int, K: int) -> dict:
+    """Layers in each repacked layout (float32 scales, float16 ones, Q4_0's no-min) and the row layout."""
+    from attnlab.quant.formats import Packed
+    g = torch.Generator().manual_seed(3)
+    qs = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=g)
+    q = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
+    s = (torch.rand(N, K // 32, generator=g) * 0.01).half().float()
+    m = (-torch.rand(N, K // 32, generator=g) * 0.05).half().float()
+    return {"int4:32 f32": QuantSpec.parse("int4:32").quantize(torch.randn(N, K, generator=g)),
+            "Q4_0": Packed("int4", (N, K), 32, 4, qs=qs, scale=s, min=-8 * s),
+            "Q4_1": Packed("int4", (N, K), 32, 4, qs=qs, scale=s, min=m),
+            "Q8_0": Packed("int8", (N, K), 32, 8, q=q, scale=s),
+            "Q5_1": Packed("int8", (N, K), 32, 8, q=q, scale=s, min=m)}
+
+
+@pytest.mark.parametrize("name", ["int4:32 f32", "Q4_0", "Q4_1", "Q8_0", "Q5_1"])
+def test_kernel_rows_are_views_that_give_the_same_rows(name):
+    """kernel(rows=(r0, r1)): how the native step splits a matvec across threads, in every layout."""
+    if not ops.load():
+        pytest.skip("no C++ kernels on this machine")
+    N, K = 75, 96  # 4 whole blocks of 16 rows and a ragged one
+    layer = QuantLinear(_layers(N, K)[name])
+    if layer.repacked:
+        assert layer.layout == {"int4:32 f32": 0, "Q4_0": repack.HALF | repack.SYM}.get(name, repack.HALF)
+    x = torch.randn(2, K, generator=torch.Generator().manual_seed(4))
+    op, args = layer.kernel()
+    full = getattr(torch.ops.attnlab, op)(x, *args)
+    a = layer.row_align
+    for r0, r1 in ((0, a), (a, 3 * a), (3 * a, N), (0, N)):
+        op, part = layer.kernel(rows=(r0, r1))
+        assert torch.equal(getattr(torch.ops.attnlab, op)(x, *part), full[:, r0:r1])
+        w = part[0]
+        assert w.untyped_storage().data_ptr() == args[0].untyped_storage().data_ptr()  # a view, no copy
+    with pytest.raises(ValueError, match="multiples"):
+        layer.kernel(rows=(1, N) if a > 1 else (0, N + 1))
