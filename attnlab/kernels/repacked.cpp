@@ -266,9 +266,44 @@ torch::Tensor q8x_mm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t group,
   return fmt == HALF ? q8x<true>(x, w, N, group, has_min) : q8x<false>(x, w, N, group, has_min);
 }
 
+// Rows ids [n] of a repacked int8 weight w (q8 layout, K inputs), dequantised -> [n, K] float32: a tied
+// head's embedding lookup, one token per decode step, reading 16 * K bytes instead of unpacking a block.
+torch::Tensor q8x_rows(torch::Tensor w, torch::Tensor ids, int64_t K, int64_t group, bool has_min, int64_t fmt) {
+  TORCH_CHECK(fmt == 0 || fmt == HALF, "q8x_rows: layout flags must be 0 or HALF (1), got ", fmt);
+  TORCH_CHECK(group > 0 && group % 4 == 0 && K % group == 0, "q8x_rows: group must divide K in fours");
+  const int64_t G = K / group, sb = fmt == HALF ? 32 : 64, stride = group * 16 + sb * (has_min ? 2 : 1);
+  TORCH_CHECK(w.scalar_type() == torch::kByte && w.is_contiguous() && w.dim() == 3 && w.size(1) == G &&
+              w.size(2) == stride, "q8x_rows: w must be contiguous uint8 [blocks, ", G, ", ", stride, "]");
+  TORCH_CHECK(ids.scalar_type() == torch::kLong && ids.dim() == 1, "q8x_rows: ids must be int64 [n]");
+  const auto idc = ids.contiguous();
+  const int64_t n = idc.numel(), rows = w.size(0) * 16;
+  const int64_t* I = idc.data_ptr<int64_t>();
+  auto out = torch::empty({n, K}, w.options().dtype(torch::kFloat));
+  float* O = out.data_ptr<float>();
+  const uint8_t* W = w.data_ptr<uint8_t>();
+  auto value = [&](const uint8_t* p, int64_t r) {  // 16 per-row floats at p: row r's
+    return fmt == HALF ? static_cast<float>(reinterpret_cast<const at::Half*>(p)[r]) : reinterpret_cast<const float*>(p)[r];
+  };
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(I[i] >= 0 && I[i] < rows, "q8x_rows: row ", I[i], " outside the weight's ", rows, " rows");
+    const int64_t b = I[i] / 16, r = I[i] % 16;
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* p = W + (b * G + g) * stride;
+      const float s = value(p + group * 16, r), mn = has_min ? value(p + group * 16 + sb, r) : 0.f;
+      float* o = O + i * K + g * group;
+      for (int64_t c = 0; c < group / 4; ++c)
+        for (int t = 0; t < 4; ++t) o[4 * c + t] = static_cast<float>(static_cast<int>(p[64 * c + 4 * r + t]) - 128) * s + mn;
+    }
+  }
+  return out;
+}
+
 TORCH_LIBRARY_FRAGMENT(attnlab, m) {
+  m.def("q8x_rows(Tensor w, Tensor ids, int k, int group, bool has_min, int fmt) -> Tensor");
   m.def("q4x_mm(Tensor x, Tensor w, int n, int group, int fmt) -> Tensor");
   m.def("q8x_mm(Tensor x, Tensor w, int n, int group, bool has_min, int fmt) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(attnlab, CPU, m) { m.impl("q4x_mm", &q4x_mm), m.impl("q8x_mm", &q8x_mm); }
+TORCH_LIBRARY_IMPL(attnlab, CPU, m) {
+  m.impl("q4x_mm", &q4x_mm), m.impl("q8x_mm", &q8x_mm), m.impl("q8x_rows", &q8x_rows);
+}

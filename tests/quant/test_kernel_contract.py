@@ -57,3 +57,16 @@ def test_kernel_rows_are_views_that_give_the_same_rows(name):
         assert w.untyped_storage().data_ptr() == args[0].untyped_storage().data_ptr()  # a view, no copy
     with pytest.raises(ValueError, match="multiples"):
         layer.kernel(rows=(1, N) if a > 1 else (0, N + 1))
+
+
+@pytest.mark.parametrize("name", ["int4:32 f32", "Q4_0", "Q4_1", "Q8_0", "Q5_1"])
+def test_embedding_rows_are_the_weights_rows(name):
+    """embed_rows (a tied head's lookup; q8x_rows in C++ for repacked int8) gives rows of dequantize()
+    in every layout, repeated and unsorted ids included, and rejects a row outside the weight."""
+    N, K = 75, 96
+    layer = QuantLinear(_layers(N, K)[name])
+    ids = torch.tensor([[74, 0, 16, 16], [31, 15, 64, 3]])
+    torch.testing.assert_close(layer.embed_rows(ids), layer.dequantize()[ids], rtol=0, atol=0)
+    if layer.repacked and layer.kind == "int8" and ops.enabled():
+        with pytest.raises(RuntimeError, match="outside"):
+            layer.embed_rows(torch.tensor([80]))
