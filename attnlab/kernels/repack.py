@@ -36,6 +36,13 @@ def q8_layout(scale: torch.Tensor, min_: torch.Tensor | None = None) -> int:
     return HALF if exact_half(scale, min_) else 0
 
 
+def _native(reference: bool) -> bool:
+    """Repack in C++ (one pass, `repacked.cpp`; in torch the permutes took ~70% of a 1B load): the torch
+    forms in `pack_*` are the layout's reference (`reference=True`, for tests) and a kernel-less fallback."""
+    from attnlab.kernels import ops
+    return not reference and ops.enabled()
+
+
 def _blocks(t: torch.Tensor, nb: int) -> torch.Tensor:
     """[N, ...] -> [nb*16, ...] zero-padded."""
     pad = nb * ROWS - t.shape[0]
@@ -57,14 +64,20 @@ def _unfloats(b: torch.Tensor, N: int, half: bool) -> torch.Tensor:
 
 
 def pack_q4(qs: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor, group: int,
-            fmt: int | None = None) -> tuple[torch.Tensor, int]:
+            fmt: int | None = None, reference: bool = False) -> tuple[torch.Tensor, int]:
     """int4 codes [N, K/2] (pack4's nibbles), scale and min [N, K/group] -> (uint8 [ceil(N/16), K/group,
     group*8 + 32 or 64 per float row], flags); fmt forces the flags (default `q4_layout`)."""
     N, K = qs.shape[0], qs.shape[1] * 2
     nb, G, per = -(-N // ROWS), K // group, group // 32
-    fmt = q4_layout(scale, min_) if fmt is None else fmt
-    if fmt & SYM and not bool((min_.float() == -8 * scale.float()).all()):
+    if fmt is None:
+        fmt = q4_layout(scale, min_)
+    elif fmt & SYM and not bool((min_.float() == -8 * scale.float()).all()):
         raise ValueError("SYM layout asked for mins that are not -8 * scale")
+    elif fmt & HALF and not exact_half(scale, None if fmt & SYM else min_):
+        raise ValueError("float16 scales asked for values that are not float16")
+    if _native(reference):
+        return torch.ops.attnlab.repack_q4(qs.contiguous(), scale.float().contiguous(), min_.float().contiguous(),
+                                           group, fmt), fmt
     c = _blocks(unpack4(qs), nb).view(nb, ROWS, G, per, 2, 4, 4).permute(0, 2, 3, 4, 5, 1, 6)  # nb G per half j r t
     codes = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).reshape(nb, G, per * 256)
     half = bool(fmt & HALF)
@@ -85,14 +98,20 @@ def unpack_q4(w: torch.Tensor, N: int, K: int, group: int, fmt: int) -> tuple[to
 
 
 def pack_q8(q: torch.Tensor, scale: torch.Tensor, group: int, min_: torch.Tensor | None = None,
-            fmt: int | None = None) -> tuple[torch.Tensor, int]:
+            fmt: int | None = None, reference: bool = False) -> tuple[torch.Tensor, int]:
     """int8 codes [N, K], scale (and min) [N, K/group] -> (uint8 [ceil(N/16), K/group, group*16 + 32 or 64
     per float row], flags); fmt forces the flags (default `q8_layout`)."""
     N, K = q.shape
     nb, G = -(-N // ROWS), K // group
-    fmt = q8_layout(scale, min_) if fmt is None else fmt
-    if fmt & SYM:
+    if fmt is None:
+        fmt = q8_layout(scale, min_)
+    elif fmt & SYM:
         raise ValueError("int8 blocks have no SYM layout")
+    elif fmt & HALF and not exact_half(scale, min_):
+        raise ValueError("float16 scales asked for values that are not float16")
+    if _native(reference):
+        return torch.ops.attnlab.repack_q8(q.contiguous(), scale.float().contiguous(),
+                                           None if min_ is None else min_.float().contiguous(), group, fmt), fmt
     u = (_blocks(q, nb).to(torch.int16) + 128).to(torch.uint8)
     codes = u.view(nb, ROWS, G, group // 4, 4).permute(0, 2, 3, 1, 4).reshape(nb, G, group * 16)
     half = bool(fmt & HALF)

@@ -70,3 +70,28 @@ def test_embedding_rows_are_the_weights_rows(name):
     if layer.repacked and layer.kind == "int8" and ops.enabled():
         with pytest.raises(RuntimeError, match="outside"):
             layer.embed_rows(torch.tensor([80]))
+
+
+@pytest.mark.parametrize("N,K,group", [(75, 96, 32), (16, 64, 64), (33, 128, 16), (5, 256, 256)])
+def test_native_repacking_equals_the_torch_layout(N, K, group):
+    """repack_q4 / repack_q8 (C++, at load) build byte for byte the blocks of the torch reference, in every
+    layout, ragged row counts included; and a forced layout the values cannot take is refused."""
+    if not ops.load():
+        pytest.skip("no C++ kernels on this machine")
+    g = torch.Generator().manual_seed(N)
+    qs = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=g)
+    q = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
+    s, m = torch.rand(N, K // group, generator=g), -torch.rand(N, K // group, generator=g)
+    for half in (False, True):
+        sc, mn = (s.half().float(), m.half().float()) if half else (s, m)
+        cases = [(repack.pack_q8, (q, sc, group)), (repack.pack_q8, (q, sc, group, mn))]
+        if group % 32 == 0:
+            cases += [(repack.pack_q4, (qs, sc, mn, group)), (repack.pack_q4, (qs, sc, -8 * sc, group))]
+        for pack, args in cases:
+            got, ref = pack(*args), pack(*args, reference=True)
+            assert got[1] == ref[1] == (repack.HALF if half else 0) | (repack.SYM if args[2] is not None
+                                                                        and pack is repack.pack_q4 and
+                                                                        torch.equal(args[2], -8 * sc) else 0)
+            assert torch.equal(got[0], ref[0])
+    with pytest.raises(ValueError, match="float16"):
+        repack.pack_q8(q, s + 1e-4, group, fmt=repack.HALF)
