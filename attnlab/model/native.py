@@ -11,7 +11,9 @@ is ready the moment the model is loaded (walking the modules once, milliseconds)
 `NativeStep(model)` reads, once, every tensor a step needs and each linear layer's kernel call
 (`QuantLinear.kernel()`: op name + packed operands, whatever layout the kernels chose; a float
 `nn.Linear` is a matmul). It holds the network's tensors, not its modules: swap a module after
-building the step and build it again (`LM.compile_decode()`). A call covers batch 1, one token,
+building the step and build it again (`LM.compile_decode()`). With torch's thread count above one,
+the step runs as one team of threads (each linear cut into a slice of rows per thread, see step.cpp);
+a changed thread count rebuilds it on the next call. A call covers batch 1, one token,
 no padding, a float32 / float16 / int8 cache, a sliding window over a cache that never evicted;
 anything else returns None and the engine's step runs the eager network instead (so do sparsity
 plans, observers and policies that score by attention: the engine never sends those here).
@@ -105,7 +107,7 @@ class NativeStep:
         self.threads = threads
         self.step = torch.classes.attnlab.DecodeStep(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                                                      cfg.hidden_dim, float(model.norm.eps), threads)
-        self.embed = None  # the embedding looked up in Python (a head in repacked blocks, int4, with mins)
+        self.embed = None  # the lookup called from Python (a tied head in repacked blocks: `embed_rows`)
         if type(model.embed) is QuantEmbedding:
             head = model.embed.head[0]
             if head.kind == "int8" and not head.repacked and not head.has_min:
