@@ -292,7 +292,10 @@ torch::Tensor q8x_rows(torch::Tensor w, torch::Tensor ids, int64_t K, int64_t gr
       const float s = value(p + group * 16, r), mn = has_min ? value(p + group * 16 + sb, r) : 0.f;
       float* o = O + i * K + g * group;
       for (int64_t c = 0; c < group / 4; ++c)
-        for (int t = 0; t < 4; ++t) o[4 * c + t] = static_cast<float>(static_cast<int>(p[64 * c + 4 * r + t]) - 128) * s + mn;
+        for (int t = 0; t < 4; ++t) {  // q * s rounded before + m (no fused multiply-add): dequantize()'s bits
+          volatile float qs = static_cast<float>(static_cast<int>(p[64 * c + 4 * r + t]) - 128) * s;
+          o[4 * c + t] = qs + mn;
+        }
     }
   }
   return out;

@@ -256,14 +256,14 @@ torch::Tensor q4_cols_int(const torch::Tensor& x, double tau, const uint8_t* Q, 
 // output n (ggml's nibble layout per 32 outputs), st and mt [K/32, N] the scale and min of output n's group of
 // 32 input channels. Per group g of 32 channels, its active values are rounded to int8 with one scale, exactly
 // as the dense q4 kernel rounds x per 32 values (zeroed channels do not change the group's max), so
-// out[n] = sum_g st[g, n] d_g (sum_j q_j c[n, j]) + mt[g, n] sum_j a_j is the dense int4 product of the
+// out[n] = sum_g st[g, n] d_g (sum_j q_j c[n, j]) + mt[g, n] d_g sum_j q_j is the dense int4 product of the
 // zeroed input up to summation order. Channels pair up in one maddubs as in q4_cols_int.
 torch::Tensor q4g_cols(const torch::Tensor& x, double tau, const uint8_t* Q, const float* ST, const float* MT,
                        int64_t K, int64_t N) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous() && x.numel() == K && K % 32 == 0,
               "x must be a contiguous float32 vector of size ", K, " (a multiple of 32)");
   const Active act(x.data_ptr<float>(), K, static_cast<float>(tau));
-  // per group with active channels: its first channel in act, its count, d, the sum of its values, and
+  // per group with active channels: its first channel in act, its count, d, the sum of its rounded values, and
   // per pair of channels the two int8 codes as one int16
   std::vector<int64_t> gid, gstart, gcount;
   std::vector<float> gd, gsum;
@@ -271,15 +271,18 @@ torch::Tensor q4g_cols(const torch::Tensor& x, double tau, const uint8_t* Q, con
   for (int64_t t = 0, pp = 0; t < act.k;) {
     const int64_t g = act.idx[t] / 32;
     int64_t e = t;
-    float amax = 0.f, sum = 0.f;
-    while (e < act.k && act.idx[e] / 32 == g) amax = std::max(amax, std::fabs(act.a[e])), sum += act.a[e], ++e;
+    float amax = 0.f;
+    while (e < act.k && act.idx[e] / 32 == g) amax = std::max(amax, std::fabs(act.a[e])), ++e;
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    gid.push_back(g), gstart.push_back(pp), gcount.push_back(e - t), gd.push_back(amax / 127.f), gsum.push_back(sum);
+    gid.push_back(g), gstart.push_back(pp), gcount.push_back(e - t), gd.push_back(amax / 127.f);
+    int32_t qsum = 0;  // the min term sums the rounded values, as the dense kernels do (kernels_simd.h)
     for (int64_t u = t; u < e; u += 2) {
       const int32_t q0 = _mm_cvtss_si32(_mm_set_ss(act.a[u] * inv));
       const int32_t q1 = u + 1 < e ? _mm_cvtss_si32(_mm_set_ss(act.a[u + 1] * inv)) : 0;
       pairs[pp++] = (q0 & 0xFF) | ((q1 & 0xFF) << 8);
+      qsum += q0 + q1;
     }
+    gsum.push_back(gd.back() * static_cast<float>(qsum));
     // rows of the pairs: stored beside, in act order (a lone last channel pairs with itself, coefficient 0)
     t = e;
   }
