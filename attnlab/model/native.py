@@ -102,7 +102,8 @@ class NativeStep:
     def _build(self, threads: int) -> None:
         """The C++ step for a team of `threads`: each linear layer cut into one slice of rows per thread."""
         model, cfg = self.model, self.model.cfg
-        if not torch.classes.attnlab.DecodeStep.openmp():
+        self.team = bool(torch.classes.attnlab.DecodeStep.openmp())  # can the step run more than one thread
+        if not self.team:
             threads = 1
         self.threads = threads
         self.step = torch.classes.attnlab.DecodeStep(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
@@ -145,7 +146,7 @@ class NativeStep:
                 self.calls["eager"] += 1
                 return None
             first = slot + 1 - window
-        if torch.get_num_threads() != self.threads and torch.classes.attnlab.DecodeStep.openmp():
+        if torch.get_num_threads() != self.threads and self.team:
             self._build(torch.get_num_threads())
         if not self._bound or kv0.k is not self._bound[0] or kvs[-1].k is not self._bound[1]:
             self._bind(kvs)
