@@ -9,6 +9,8 @@ Layout flags, one int per layer (decided here at pack time, passed to the kernel
 and mins as float16 where every value of the layer is exactly a float16 (a GGUF file's own scales), so
 nothing changes numerically; SYM (int4) stores no min where min == -8 * scale for the whole layer (Q4_0).
 A decode matvec reads every byte once, so bytes are its time: Q4_0 18 bytes per 32 weights (was 24).
+KQ (alone) keeps a GGUF K-quant's factorised scales (`formats.KScales`) per 256-input superblock instead of
+one float32 product per group: Q4_K in q4x 4.625 bits per weight (was 6), Q6_K in q8x 6.5625 (was 10).
 """
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ import torch
 from attnlab.kernels.reference import pack4, unpack4
 
 ROWS = 16
-HALF, SYM = 1, 2  # the layout flags (repacked.cpp)
+HALF, SYM, KQ = 1, 2, 4  # the layout flags (repacked.cpp)
+SUPER = 256  # inputs per K-quant superblock
 
 
 def exact_half(*ts: torch.Tensor | None) -> bool:
@@ -63,12 +66,78 @@ def _unfloats(b: torch.Tensor, N: int, half: bool) -> torch.Tensor:
     return f.view(nb, G, ROWS).transpose(1, 2).reshape(nb * ROWS, G)[:N].contiguous()
 
 
+def _bytes(t: torch.Tensor, nb: int, S: int) -> torch.Tensor:
+    """Per-group bytes (uint8 or int8) [N, G] -> [nb, S, G/S * 16]: per superblock, group by group, 16 rows' bytes."""
+    G = t.shape[1]
+    return _blocks(t.view(torch.uint8), nb).view(nb, ROWS, S, G // S).permute(0, 2, 3, 1).reshape(nb, S, -1)
+
+
+def _unbytes(b: torch.Tensor, N: int) -> torch.Tensor:
+    nb, S = b.shape[:2]
+    return b.reshape(nb, S, -1, ROWS).permute(0, 3, 1, 2).reshape(nb * ROWS, -1)[:N]
+
+
+def _check_kq(kscale, scale: torch.Tensor, min_: torch.Tensor | None, group: int, K: int) -> None:
+    """KQ needs the K-quant factors of exactly these scales (and mins), groups of 32 (Q4_K) or 16 (Q6_K)."""
+    if kscale is None or K % SUPER or group != (32 if kscale.m is not None else 16):
+        raise ValueError(f"KQ layout asked without K-quant factors of groups of {group} on {K} inputs")
+    rep = SUPER // group
+    if not torch.equal(kscale.d.float().repeat_interleave(rep, 1) * kscale.sc.float(), scale.float()) or (
+            kscale.m is not None and not torch.equal(-(kscale.dmin.float().repeat_interleave(rep, 1) * kscale.m.float()),
+                                                     min_.float())):
+        raise ValueError("KQ layout asked with factors whose products are not the scales (and mins)")
+
+
+def kscales(w: torch.Tensor, N: int, K: int, kind: str):
+    """The K-quant factors (`formats.KScales`) a KQ-packed weight holds: int4 (Q4_K) or int8 (Q6_K)."""
+    from attnlab.quant.formats import KScales
+    if kind == "int4":  # after 2048 code bytes: sc[8][16], m[8][16], d[16], dmin[16]
+        b = w[:, :, 2048:]
+        return KScales(_unbytes(b[:, :, :128], N), _unfloats(b[:, :, 256:288], N, True).half(),
+                       _unbytes(b[:, :, 128:256], N), _unfloats(b[:, :, 288:320], N, True).half())
+    b = w[:, :, 3072:]  # after 3072 code bytes: int8 sc[16][16], d[16]
+    return KScales(_unbytes(b[:, :, :256], N).view(torch.int8), _unfloats(b[:, :, 256:288], N, True).half())
+
+
+def _q4_codes(qs: torch.Tensor, nb: int, G: int, per: int) -> torch.Tensor:
+    """pack4's codes [N, K/2] -> the q4 chunks [nb, G, per * 256] (layout: repacked.cpp)."""
+    c = _blocks(unpack4(qs), nb).view(nb, ROWS, G, per, 2, 4, 4).permute(0, 2, 3, 4, 5, 1, 6)  # nb G per half j r t
+    return (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).reshape(nb, G, per * 256)
+
+
+def _q4_uncodes(b: torch.Tensor, N: int, K: int) -> torch.Tensor:
+    """_q4_codes' inverse from the code bytes [nb, G, per * 256] -> pack4's [N, K/2]."""
+    nb, G, per = b.shape[0], b.shape[1], b.shape[2] // 256
+    b = b.reshape(nb, G, per, 4, ROWS, 4)  # nb G per j r t
+    c = torch.stack([b & 15, b >> 4], dim=3)  # nb G per half j r t
+    return pack4(c.permute(0, 5, 1, 2, 3, 4, 6).reshape(nb * ROWS, K)[:N])
+
+
+def _pack_q4k(qs: torch.Tensor, ks, nb: int, reference: bool) -> torch.Tensor:
+    """Q4_K's superblocks: per 16 rows and 256 inputs, 8 q4 sub-blocks of codes (2048 bytes), uint8 sc[8][16]
+    and m[8][16], float16 d[16] and dmin[16]: 2368 bytes."""
+    K = qs.shape[1] * 2
+    S = K // SUPER
+    if _native(reference):
+        return torch.ops.attnlab.repack_q4k(qs.contiguous(), ks.sc.contiguous(), ks.m.contiguous(),
+                                            ks.d.float().contiguous(), ks.dmin.float().contiguous())
+    codes = _q4_codes(qs, nb, K // 32, 1).view(nb, S, 8 * 256)
+    return torch.cat([codes, _bytes(ks.sc, nb, S), _bytes(ks.m, nb, S), _floats(ks.d, nb, True),
+                      _floats(ks.dmin, nb, True)], dim=2)
+
+
 def pack_q4(qs: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor, group: int,
-            fmt: int | None = None, reference: bool = False) -> tuple[torch.Tensor, int]:
+            fmt: int | None = None, reference: bool = False, kscale=None) -> tuple[torch.Tensor, int]:
     """int4 codes [N, K/2] (pack4's nibbles), scale and min [N, K/group] -> (uint8 [ceil(N/16), K/group,
-    group*8 + 32 or 64 per float row], flags); fmt forces the flags (default `q4_layout`)."""
+    group*8 + 32 or 64 per float row], flags); fmt forces the flags (default `q4_layout`, or KQ with Q4_K's
+    factors kscale: uint8 [ceil(N/16), K/256, 2368])."""
     N, K = qs.shape[0], qs.shape[1] * 2
     nb, G, per = -(-N // ROWS), K // group, group // 32
+    if fmt is None and kscale is not None and kscale.m is not None and group == 32 and K % SUPER == 0:
+        fmt = KQ
+    if fmt == KQ:
+        _check_kq(kscale, scale, min_, group, K)
+        return _pack_q4k(qs, kscale, nb, reference), KQ
     if fmt is None:
         fmt = q4_layout(scale, min_)
     elif fmt & SYM and not bool((min_.float() == -8 * scale.float()).all()):
@@ -78,23 +147,22 @@ def pack_q4(qs: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor, group: in
     if _native(reference):
         return torch.ops.attnlab.repack_q4(qs.contiguous(), scale.float().contiguous(), min_.float().contiguous(),
                                            group, fmt), fmt
-    c = _blocks(unpack4(qs), nb).view(nb, ROWS, G, per, 2, 4, 4).permute(0, 2, 3, 4, 5, 1, 6)  # nb G per half j r t
-    codes = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).reshape(nb, G, per * 256)
     half = bool(fmt & HALF)
-    parts = [codes, _floats(scale, nb, half)] + ([] if fmt & SYM else [_floats(min_, nb, half)])
+    parts = [_q4_codes(qs, nb, G, per), _floats(scale, nb, half)] + ([] if fmt & SYM else [_floats(min_, nb, half)])
     return torch.cat(parts, dim=2), fmt
 
 
 def unpack_q4(w: torch.Tensor, N: int, K: int, group: int, fmt: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """pack_q4's inverse: (qs [N, K/2], scale, min [N, K/group] float32)."""
+    """pack_q4's inverse: (qs [N, K/2], scale, min [N, K/group] float32); KQ's factors: `kscales`."""
     nb, G, per = w.shape[0], K // group, group // 32
-    b = w[:, :, :per * 256].reshape(nb, G, per, 4, ROWS, 4)  # nb G per j r t
-    c = torch.stack([b & 15, b >> 4], dim=3)  # nb G per half j r t
-    codes = c.permute(0, 5, 1, 2, 3, 4, 6).reshape(nb * ROWS, K)[:N]
+    if fmt == KQ:  # the products, as formats.from_gguf makes them
+        ks = kscales(w, N, K, "int4")
+        d, dmin = (t.float().repeat_interleave(SUPER // group, 1) for t in (ks.d, ks.dmin))
+        return _q4_uncodes(w[:, :, :2048].reshape(nb, G, 256), N, K), d * ks.sc.float(), -(dmin * ks.m.float())
     off, size, half = per * 256, 32 if fmt & HALF else 64, bool(fmt & HALF)
     scale = _unfloats(w[:, :, off:off + size], N, half)
     mn = -8 * scale if fmt & SYM else _unfloats(w[:, :, off + size:off + 2 * size], N, half)
-    return pack4(codes), scale, mn
+    return _q4_uncodes(w[:, :, :off], N, K), scale, mn
 
 
 def pack_q8(q: torch.Tensor, scale: torch.Tensor, group: int, min_: torch.Tensor | None = None,
@@ -131,5 +199,7 @@ def unpack_q8(w: torch.Tensor, N: int, K: int, group: int, has_min: bool, fmt: i
 
 def nbytes(kind: str, N: int, K: int, group: int, has_min: bool, fmt: int) -> int:
     """Bytes of an N x K weight in this layout, rows unpadded: codes + per-group scales (and mins)."""
+    if fmt == KQ:  # per 256 inputs: Q4_K 128 code + 16 sc/m bytes + 4 of d/dmin; Q6_K 192 + 16 sc + 2 of d
+        return N * K // SUPER * (148 if kind == "int4" else 210)
     floats = 1 if kind == "int4" and fmt & SYM else 2 if kind == "int4" or has_min else 1
     return N * K // (2 if kind == "int4" else 1) + N * (K // group) * floats * (2 if fmt & HALF else 4)

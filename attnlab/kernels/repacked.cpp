@@ -16,6 +16,10 @@
 //   s and m are float16 with HALF (the layer's values all exact in fp16: the GGUF files' own scales),
 //   float32 otherwise. Why: the matvec is bound by the bytes it reads; Q4_0 at group 32 goes from 24
 //   bytes per 32 weights (f32 s + m) to llama.cpp's 18, Q4_1 to 20, Q8_0 from 36 to 34.
+//   q4 with KQ (GGUF Q4_K, groups of 32 in superblocks of 256 inputs): per superblock, the 8 sub-blocks'
+//       codes as above (2048 bytes), uint8 sc[8][16] and m[8][16] (0..63), float16 d[16] and dmin[16]:
+//       s = sc * d and m = -(m * dmin) per sub-block, the float32 products the loader makes, so the sums
+//       are the bits of the float32 layout at 4.625 bits per weight instead of 6.
 // Activations are rounded to int8 per 32 (as every integer kernel here); the min terms use the sums of
 // the rounded values per group, as q4_mm does. Code paths by compile flags: AVX-512 (with VNNI: dpbusd; without:
 // maddubs/madd), AVX2 (two 8-row halves per block; AVX-VNNI's dpbusd when built with it).
@@ -57,6 +61,7 @@ struct V {  // 16 rows per step
   }
 #endif
   static F cvt(I a) { return _mm512_cvtepi32_ps(a); }
+  static F loadu8(const uint8_t* p) { return cvt(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))); }
   static F loadf(const float* p) { return _mm512_loadu_ps(p); }
   static F loadh(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static F set1(float v) { return _mm512_set1_ps(v); }
@@ -91,6 +96,7 @@ struct V {  // 8 rows per step: a 16-row block in two halves
   }
 #endif
   static F cvt(I a) { return _mm256_cvtepi32_ps(a); }
+  static F loadu8(const uint8_t* p) { return cvt(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))); }
   static F loadf(const float* p) { return _mm256_loadu_ps(p); }
   static F loadh(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static F set1(float v) { return _mm256_set1_ps(v); }
@@ -159,7 +165,7 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int
   return out;
 }
 
-constexpr int64_t HALF = 1, SYM = 2;  // layout flags (`repack.HALF`, `repack.SYM`)
+constexpr int64_t HALF = 1, SYM = 2, KQ = 4;  // layout flags (`repack.HALF`, `repack.SYM`, `repack.KQ`)
 
 // 16 per-row floats of half h at p: float16 (HALF) or float32.
 template <bool H>
@@ -182,6 +188,17 @@ torch::Tensor with_layout(int64_t fmt, Fn f) {
   }
 }
 
+// Sum over one 32-input block of codes c (half h's lanes at c) times the int8 activations xb: R int32 row sums.
+inline typename V::I q4dot(const uint8_t* c, const int8_t* xb) {
+  typename V::I i0 = V::zero(), i1 = V::zero(), i2 = V::zero(), i3 = V::zero();
+  typename V::I w0 = V::load(c), w1 = V::load(c + 64), w2 = V::load(c + 128), w3 = V::load(c + 192);
+  i0 = V::dp7(i0, V::lo4(w0), V::bcast(xb)), i1 = V::dp7(i1, V::hi4(w0), V::bcast(xb + 16));
+  i2 = V::dp7(i2, V::lo4(w1), V::bcast(xb + 4)), i3 = V::dp7(i3, V::hi4(w1), V::bcast(xb + 20));
+  i0 = V::dp7(i0, V::lo4(w2), V::bcast(xb + 8)), i1 = V::dp7(i1, V::hi4(w2), V::bcast(xb + 24));
+  i2 = V::dp7(i2, V::lo4(w3), V::bcast(xb + 12)), i3 = V::dp7(i3, V::hi4(w3), V::bcast(xb + 28));
+  return V::add(V::add(i0, i1), V::add(i2, i3));
+}
+
 template <bool H, bool S>
 torch::Tensor q4x(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int64_t group) {
   const int64_t K = x.size(1);
@@ -196,20 +213,37 @@ torch::Tensor q4x(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int
     for (int64_t g = 0; g < G; ++g, p += stride) {
       const typename V::F s = scales<H>(p + per * 256, h);
       for (int64_t b = 0; b < per; ++b) {
-        const uint8_t* c = p + b * 256 + h * V::R * 4;
-        const int8_t* xb = xq + (g * per + b) * 32;
-        typename V::I i0 = V::zero(), i1 = V::zero(), i2 = V::zero(), i3 = V::zero();
-        typename V::I w0 = V::load(c), w1 = V::load(c + 64), w2 = V::load(c + 128), w3 = V::load(c + 192);
-        i0 = V::dp7(i0, V::lo4(w0), V::bcast(xb)), i1 = V::dp7(i1, V::hi4(w0), V::bcast(xb + 16));
-        i2 = V::dp7(i2, V::lo4(w1), V::bcast(xb + 4)), i3 = V::dp7(i3, V::hi4(w1), V::bcast(xb + 20));
-        i0 = V::dp7(i0, V::lo4(w2), V::bcast(xb + 8)), i1 = V::dp7(i1, V::hi4(w2), V::bcast(xb + 24));
-        i2 = V::dp7(i2, V::lo4(w3), V::bcast(xb + 12)), i3 = V::dp7(i3, V::hi4(w3), V::bcast(xb + 28));
-        const typename V::I t = V::add(V::add(i0, i1), V::add(i2, i3));
+        const typename V::I t = q4dot(p + b * 256 + h * V::R * 4, xq + (g * per + b) * 32);
         acc = V::fmadd(V::cvt(t), V::mul(s, V::set1(d[g * per + b])), acc);
       }
       // m * sum(x): with SYM, s * (-8 sum(x)), the same float (scaling by 8 is exact)
       if constexpr (S) accm = V::fmadd(s, V::set1(-8.f * fs[g]), accm);
       else accm = V::fmadd(scales<H>(p + per * 256 + sb, h), V::set1(fs[g]), accm);
+    }
+    V::store(o, V::fmadd(V::set1(1.f), acc, accm));
+  });
+}
+
+// Q4_K superblocks (KQ): q4x<false, false> at group 32, each sub-block's s and m made from the factors in
+// the same float32 operations as the loader's (d * sc, -(dmin * m): negating the factor negates the product
+// exactly), so the same sums in the same order give the same bits.
+torch::Tensor q4k(const torch::Tensor& x, const torch::Tensor& w, int64_t N) {
+  const int64_t K = x.size(1), G = K / 256, stride = 2368;
+  const Acts a(x.data_ptr<float>(), x.size(0), K, 32, true);
+  return run(x, w, N, G, stride, [&](int h, const uint8_t* p, int64_t m, float* o) {
+    const int8_t* xq = a.q + m * K;
+    const float* d = a.d + m * K / 32;
+    const float* fs = a.fs + m * K / 32;
+    typename V::F acc = V::zerof(), accm = V::zerof();
+    for (int64_t g = 0; g < G; ++g, p += stride) {
+      const typename V::F sd = scales<true>(p + 2304, h), md = V::mul(scales<true>(p + 2336, h), V::set1(-1.f));
+      for (int64_t u = 0; u < 8; ++u) {
+        const int64_t b = g * 8 + u;  // the 32-input block
+        const typename V::F s = V::mul(V::loadu8(p + 2048 + u * 16 + h * V::R), sd);
+        const typename V::I t = q4dot(p + u * 256 + h * V::R * 4, xq + b * 32);
+        acc = V::fmadd(V::cvt(t), V::mul(s, V::set1(d[b])), acc);
+        accm = V::fmadd(V::mul(V::loadu8(p + 2176 + u * 16 + h * V::R), md), V::set1(fs[b]), accm);
+      }
     }
     V::store(o, V::fmadd(V::set1(1.f), acc, accm));
   });
@@ -247,11 +281,16 @@ torch::Tensor q8x(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int
 
 }  // namespace
 
-// x [M, K] fp32; w [ceil(N/16), K/group, group*8 + scale/min bytes] uint8 (q4 layout above, flags fmt) -> [M, N]
+// x [M, K] fp32; w [ceil(N/16), K/group, group*8 + scale/min bytes] uint8 (q4 layout above, flags fmt) -> [M, N];
+// with KQ [ceil(N/16), K/256, 2368]
 torch::Tensor q4x_mm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t group, int64_t fmt) {
   const int64_t K = x.size(1);
   TORCH_CHECK(group % 32 == 0 && group > 0 && K % group == 0, "q4x: group must be a multiple of 32 dividing K");
   check_x(x, K);
+  if (fmt == KQ) {
+    TORCH_CHECK(group == 32 && K % 256 == 0, "q4x: the KQ layout needs groups of 32 and K a multiple of 256");
+    return q4k(x, w, N);
+  }
   return with_layout(fmt, [&](auto half, auto sym) { return q4x<half.value, sym.value>(x, w, N, group); });
 }
 
@@ -348,6 +387,39 @@ torch::Tensor repack_q4(torch::Tensor qs, torch::Tensor scale, torch::Tensor min
   return out;
 }
 
+// Q4_K's codes and factors -> the KQ superblocks: the codes as repack_q4 moves them at group 32, then
+// sc[8][16], m[8][16] (uint8 [N, K/32]) and d[16], dmin[16] (float32 [N, K/256] holding float16 values).
+torch::Tensor repack_q4k(torch::Tensor qs, torch::Tensor sc, torch::Tensor m, torch::Tensor d, torch::Tensor dmin) {
+  TORCH_CHECK(qs.scalar_type() == torch::kByte && qs.is_contiguous() && qs.dim() == 2, "qs must be contiguous uint8 [N, K/2]");
+  const int64_t N = qs.size(0), K = qs.size(1) * 2, G = K / 256, NB = (N + 15) / 16, stride = 2368;
+  TORCH_CHECK(K % 256 == 0, "repack_q4k: K must be a multiple of 256");
+  for (const auto* t : {&sc, &m})
+    TORCH_CHECK(t->scalar_type() == torch::kByte && t->is_contiguous() && t->dim() == 2 && t->size(0) == N &&
+                t->size(1) == K / 32, "repack_q4k: sc and m must be contiguous uint8 [", N, ", ", K / 32, "]");
+  check_floats(d, N, G, "d");
+  check_floats(dmin, N, G, "dmin");
+  auto out = torch::zeros({NB, G, stride}, qs.options());
+  const uint8_t *Q = qs.data_ptr<uint8_t>(), *SC = sc.data_ptr<uint8_t>(), *MN = m.data_ptr<uint8_t>();
+  uint8_t* O = out.data_ptr<uint8_t>();
+  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t g = 0; g < G; ++g) {
+        uint8_t* p = O + (b * G + g) * stride;
+        for (int64_t r = 0; r < 16 && 16 * b + r < N; ++r) {
+          const int64_t row = 16 * b + r;
+          for (int64_t u = 0; u < 8; ++u) {
+            for (int j = 0; j < 4; ++j) std::memcpy(p + u * 256 + j * 64 + r * 4, Q + row * (K / 2) + (8 * g + u) * 16 + 4 * j, 4);
+            p[2048 + u * 16 + r] = SC[row * (K / 32) + 8 * g + u];
+            p[2176 + u * 16 + r] = MN[row * (K / 32) + 8 * g + u];
+          }
+        }
+        put_floats(p + 2304, d.data_ptr<float>(), b, g, N, G, true);
+        put_floats(p + 2336, dmin.data_ptr<float>(), b, g, N, G, true);
+      }
+  });
+  return out;
+}
+
 // int8 codes q [N, K] -> the q8 blocks: lane r of chunk c <- q[r][4c..4c+3] + 128.
 torch::Tensor repack_q8(torch::Tensor q, torch::Tensor scale, const std::optional<torch::Tensor>& min, int64_t group,
                         int64_t fmt) {
@@ -381,6 +453,7 @@ torch::Tensor repack_q8(torch::Tensor q, torch::Tensor scale, const std::optiona
 TORCH_LIBRARY_FRAGMENT(attnlab, m) {
   m.def("repack_q4(Tensor qs, Tensor scale, Tensor min, int group, int fmt) -> Tensor");
   m.def("repack_q8(Tensor q, Tensor scale, Tensor? min, int group, int fmt) -> Tensor");
+  m.def("repack_q4k(Tensor qs, Tensor sc, Tensor m, Tensor d, Tensor dmin) -> Tensor");
   m.def("q8x_rows(Tensor w, Tensor ids, int k, int group, bool has_min, int fmt) -> Tensor");
   m.def("q4x_mm(Tensor x, Tensor w, int n, int group, int fmt) -> Tensor");
   m.def("q8x_mm(Tensor x, Tensor w, int n, int group, bool has_min, int fmt) -> Tensor");
@@ -388,5 +461,5 @@ TORCH_LIBRARY_FRAGMENT(attnlab, m) {
 
 TORCH_LIBRARY_IMPL(attnlab, CPU, m) {
   m.impl("q4x_mm", &q4x_mm), m.impl("q8x_mm", &q8x_mm), m.impl("q8x_rows", &q8x_rows);
-  m.impl("repack_q4", &repack_q4), m.impl("repack_q8", &repack_q8);
+  m.impl("repack_q4", &repack_q4), m.impl("repack_q8", &repack_q8), m.impl("repack_q4k", &repack_q4k);
 }

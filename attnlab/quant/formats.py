@@ -22,9 +22,25 @@ from attnlab.kernels.reference import (  # noqa: F401  (the formats' shared rule
 
 
 @dataclass
+class KScales:
+    """A GGUF K-quant's scales as the file factorises them, per row: sub-block scales sc (Q4_K: uint8 0..63
+    per 32 weights, with mins m; Q6_K: int8 per 16) times float16 d (and dmin) per 256-weight superblock.
+    Packed.scale = d * sc and min = -(dmin * m) in float32 are the products; these factors let the repacked
+    layout keep the file's 4.5 / 6.56 bits per weight (`repack.KQ`) instead of a float32 per group."""
+    sc: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor | None = None
+    dmin: torch.Tensor | None = None
+
+    def map_rows(self, fn) -> "KScales":
+        return KScales(*(None if t is None else fn(t) for t in (self.sc, self.d, self.m, self.dmin)))
+
+
+@dataclass
 class Packed:
     """A quantized matrix. kind: 'int8' (q [N, K] int8, scale and optional min [N, K/group]), 'int4' (qs [N, K/2],
-    scale and min [N, K/group]), 'kmeans' (qs [N, K/2], codebook [N, K/group, 16]); group K = one per row."""
+    scale and min [N, K/group]), 'kmeans' (qs [N, K/2], codebook [N, K/group, 16]); group K = one per row.
+    kscale: the scales' K-quant factors where the GGUF file had them (not saved: checkpoints hold the products)."""
     kind: str
     shape: tuple[int, int]
     group: int = 0
@@ -34,13 +50,15 @@ class Packed:
     scale: torch.Tensor | None = None
     min: torch.Tensor | None = None
     codebook: torch.Tensor | None = None
+    kscale: KScales | None = None
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {k: getattr(self, k) for k in ("q", "qs", "scale", "min", "codebook") if getattr(self, k) is not None}
 
     def map_rows(self, fn) -> "Packed":
         """Apply a row operation (permutation, reshape along rows) to every row-indexed component."""
-        return replace(self, **{k: fn(v) for k, v in self.tensors().items()})
+        return replace(self, **{k: fn(v) for k, v in self.tensors().items()},
+                       kscale=None if self.kscale is None else self.kscale.map_rows(fn))
 
     @property
     def nbytes(self) -> int:
@@ -74,14 +92,15 @@ def promote(p: Packed, kind: str, group: int, with_min: bool) -> Packed:
     scale = p.scale.repeat_interleave(rep, 1)
     mn = None if not with_min else (torch.zeros_like(p.scale) if p.min is None else p.min).repeat_interleave(rep, 1)
     if kind == "int4":
-        return replace(p, group=group, scale=scale, min=mn)
+        return replace(p, group=group, scale=scale, min=mn, kscale=None)
     q = p.q if p.kind == "int8" else unpack4(p.qs).view(torch.int8)  # codes 0..15 are int8 as they are
     return Packed("int8", p.shape, group, 8, q=q, scale=scale, min=mn)
 
 
 def cat_rows(parts: list[Packed]) -> Packed:
     """Rows of several matrices as one (the fused q/k/v and gate/up); mixed formats (a Q4_K_M file's Q4_K
-    q beside a Q6_K v) meet in the smallest format all fit exactly (`promote`), never dequantised."""
+    q beside a Q6_K v) meet in the smallest format all fit exactly (`promote`), never dequantised. The K-quant
+    factors stay if every part has them in the same format, else they are dropped (the products stay)."""
     first = parts[0]
     if any(p.shape[1] != first.shape[1] for p in parts):
         raise AttnlabError("cannot concatenate matrices of different widths")
@@ -94,7 +113,13 @@ def cat_rows(parts: list[Packed]) -> Packed:
         parts = [promote(p, kind, group, with_min) for p in parts]
         first = parts[0]
     fields = {k: torch.cat([p.tensors()[k] for p in parts]) for k in first.tensors()}
-    return replace(first, shape=(sum(p.shape[0] for p in parts), first.shape[1]), **fields)
+    ks = [p.kscale for p in parts]
+    if any(k is None for k in ks):
+        kscale = None
+    else:
+        cat = lambda name: None if getattr(ks[0], name) is None else torch.cat([getattr(k, name) for k in ks])  # noqa: E731
+        kscale = KScales(*(cat(n) for n in ("sc", "d", "m", "dmin")))
+    return replace(first, shape=(sum(p.shape[0] for p in parts), first.shape[1]), kscale=kscale, **fields)
 
 
 def check_shape(w: torch.Tensor, group: int) -> None:
@@ -156,9 +181,10 @@ _BLOCK_BYTES = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (3
                 "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
 
 
-def _f16(raw: torch.Tensor, at: int) -> torch.Tensor:
-    """The fp16 at byte `at` of every block [nb, bytes] -> float32 [nb]."""
-    return raw.view(torch.int16)[:, at // 2].view(torch.float16).float()  # every block size and `at` are even
+def _f16(raw: torch.Tensor, at: int, keep: bool = False) -> torch.Tensor:
+    """The fp16 at byte `at` of every block [nb, bytes] -> float32 [nb] (float16 with keep)."""
+    h = raw.view(torch.int16)[:, at // 2].view(torch.float16)  # every block size and `at` are even
+    return h.clone() if keep else h.float()
 
 
 def _shifted(b: torch.Tensor, shifts: list[int], mask: int) -> torch.Tensor:
@@ -167,11 +193,11 @@ def _shifted(b: torch.Tensor, shifts: list[int], mask: int) -> torch.Tensor:
 
 
 def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K / Q5_K's 12 bytes of eight 6-bit scales and mins [nb, 12] -> float32 scales, mins [nb, 8] (ggml's layout)."""
+    """Q4_K / Q5_K's 12 bytes of eight 6-bit scales and mins [nb, 12] -> uint8 scales, mins [nb, 8] (ggml's layout)."""
     d, m, md = s.view(-1, 3, 4).unbind(1)
     sc = torch.cat([d & 63, (md & 15) | ((d >> 2) & 48)], 1)
     mn = torch.cat([m & 63, (md >> 4) | ((m >> 2) & 48)], 1)
-    return sc.float(), mn.float()
+    return sc, mn
 
 
 def _fifth_bit(qh: torch.Tensor) -> torch.Tensor:
@@ -198,6 +224,7 @@ def from_gguf(raw, kind: str, shape: tuple[int, int]) -> Packed:
 
     The value each format keeps is the file's, bit for bit after dequantisation (w = d*sc*q - dmin*m for
     Q4_K/Q5_K in groups of 32, d*sc*(q-32) for Q6_K in groups of 16). Vectorised over all blocks.
+    Q4_K and Q6_K also keep the factors of those products (`KScales`) for the superblock layouts.
     """
     N, K = shape
     size, nbytes = _BLOCK_BYTES[kind]
@@ -220,13 +247,18 @@ def from_gguf(raw, kind: str, shape: tuple[int, int]) -> Packed:
         ql = _shifted(raw[:, :128].reshape(-1, 2, 64), [0, 4], 15).reshape(-1, 8, 32)
         qh = _shifted(raw[:, 128:192].reshape(-1, 2, 32), [0, 2, 4, 6], 3).reshape(-1, 8, 32)
         q = (ql | (qh << 4)).view(torch.int8) - 32
-        scale = _f16(raw, 208)[:, None] * raw[:, 192:208].view(torch.int8).float()
-        return Packed("int8", (N, K), 16, 8, q=q.reshape(N, K), scale=scale.view(N, K // 16))
+        sc = raw[:, 192:208].view(torch.int8)
+        scale = _f16(raw, 208)[:, None] * sc.float()
+        return Packed("int8", (N, K), 16, 8, q=q.reshape(N, K), scale=scale.view(N, K // 16),
+                      kscale=KScales(sc.reshape(N, K // 16), _f16(raw, 208, keep=True).view(N, K // 256)))
     d, dmin = _f16(raw, 0)[:, None], _f16(raw, 2)[:, None]
     sc, mn = _k_scales(raw[:, 4:16])
-    scale, min_ = (d * sc).view(N, -1), (-(dmin * mn)).view(N, -1)
+    scale, min_ = (d * sc.float()).view(N, -1), (-(dmin * mn.float())).view(N, -1)
     if kind == "Q4_K":
-        return Packed("int4", (N, K), BLOCK, 4, qs=_k_nibbles(raw[:, -128:]).reshape(N, K // 2), scale=scale, min=min_)
+        ks = KScales(sc.reshape(N, K // 32), _f16(raw, 0, keep=True).view(N, -1), mn.reshape(N, K // 32),
+                     _f16(raw, 2, keep=True).view(N, -1))
+        return Packed("int4", (N, K), BLOCK, 4, qs=_k_nibbles(raw[:, -128:]).reshape(N, K // 2), scale=scale, min=min_,
+                      kscale=ks)
     ql = _shifted(raw[:, -128:].reshape(-1, 4, 32), [0, 4], 15).reshape(-1, 8, 32)  # sub-block 2c: low, 2c+1: high
     qh = _shifted(raw[:, 16:48].reshape(-1, 1, 32), list(range(8)), 1).reshape(-1, 8, 32)  # Q5_K: bit s of byte j
     return Packed("int8", (N, K), BLOCK, 8, q=(ql | (qh << 4)).view(torch.int8).reshape(N, K), scale=scale, min=min_)

@@ -97,8 +97,9 @@ class QuantLinear(nn.Module):
         self.has_min = packed.kind == "int8" and getattr(packed, "min", None) is not None
         self.repacked = fused and self._repackable() and ops.load() and (ops.repacks() or self._needs_repack())
         if self.repacked:  # one copy: the 16-row blocks replace the row layout (`packed` rebuilds it)
-            if packed.kind == "int4":  # layout flags (fp16 scales, no min) decided from the values, per layer
-                wp, self.layout = repack.pack_q4(packed.qs, packed.scale, packed.min, packed.group)
+            if packed.kind == "int4":  # layout flags (fp16 scales, no min, Q4_K's factors) decided per layer
+                wp, self.layout = repack.pack_q4(packed.qs, packed.scale, packed.min, packed.group,
+                                                 kscale=packed.kscale)
             else:
                 wp, self.layout = repack.pack_q8(packed.q, packed.scale, packed.group,
                                                  packed.min if self.has_min else None)
@@ -126,9 +127,10 @@ class QuantLinear(nn.Module):
         """The weight in the row layout (rebuilt from the 16-row blocks when repacked: a new copy)."""
         N, K = self.out_features, self.in_features
         if getattr(self, "repacked", False):
+            ks = repack.kscales(self.wp, N, K, self.kind) if self.layout == repack.KQ else None
             if self.kind == "int4":
                 qs, scale, mn = repack.unpack_q4(self.wp, N, K, self.group, self.layout)
-                return Packed("int4", (N, K), self.group, 4, qs=qs, scale=scale, min=mn)
+                return Packed("int4", (N, K), self.group, 4, qs=qs, scale=scale, min=mn, kscale=ks)
             q, scale, mn = repack.unpack_q8(self.wp, N, K, self.group, self.has_min, self.layout)
             return Packed("int8", (N, K), self.group, 8, q=q, scale=scale, **({"min": mn} if self.has_min else {}))
         names = ("q", "qs", "scale", "min", "codebook")
@@ -229,7 +231,8 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         g = f", group={self.group}" if self.group else ""
         r = "" if not self.repacked else ", repacked" + (", fp16 scales" if self.layout & repack.HALF else "") + (
-            ", min -8*scale" if self.layout & repack.SYM else "")
+            ", min -8*scale" if self.layout & repack.SYM else "") + (
+            f", {'Q4_K' if self.kind == 'int4' else 'Q6_K'} superblocks" if self.layout == repack.KQ else "")
         return f"{self.in_features} -> {self.out_features}, {self.kind}{g}, bits={self.bits}, fused={self.fused}{r}"
 
 

@@ -1,16 +1,18 @@
 """Run in a process of its own by test_isa.py (`python -m tests.quant.isa_check VARIANT`, with
 ATTNLAB_ISA=VARIANT): every matrix kernel of that variant against the reference arithmetic on
 ragged shapes, the repacked ones in every layout (float32 / float16 scales, int4 with a stored min or
-min = -8 * scale), and a float16 scale 1 ulp off must fail the same check. The reference arithmetic: the
-activations rounded to int8 per 32 (`round_activations`) times the weights, min terms included (a min over
-x itself would pass as closeness but loses 4-5x the KL, see kernels_simd.h). Prints 'ok VARIANT' on success."""
+min = -8 * scale, GGUF K-quant superblocks), and a float16 scale 1 ulp off must fail the same check. The
+reference arithmetic: the activations rounded to int8 per 32 (`round_activations`) times the weights, min
+terms included (a min over x itself would pass as closeness but loses 4-5x the KL, see kernels_simd.h).
+Prints 'ok VARIANT' on success."""
 import sys
 
+import numpy as np
 import torch
 
 from attnlab.kernels import build, repack
 from attnlab.kernels.reference import dequantize_int4, round_activations, unpack4
-from attnlab.quant.formats import quantize_int4, quantize_int8
+from attnlab.quant.formats import from_gguf, quantize_int4, quantize_int8
 
 
 def close(got, ref, bound, what):
@@ -82,7 +84,28 @@ def main(variant: str) -> None:
                         close(torch.ops.attnlab.q8x_mm(x, wp, N, group, True, fmt), ref + xr @ mins.T,
                               bound + xr.abs() @ mins.abs().T, f"q8x_mm+min {what}")
                         count += 2
+    count += k_quants(g)
     print(f"ok {variant} ({count} checks)")
+
+
+def k_quants(g) -> int:
+    """GGUF K-quants in their superblock layouts (repack.KQ): the same bits as the float32 layout of the
+    same weights in this variant, and the reference's value."""
+    from tests.quant.test_kquants import random_blocks
+    rng, count = np.random.default_rng(0), 0
+    for N in (1, 17, 40):
+        for K in (256, 768):
+            p = from_gguf(random_blocks("Q4_K", N, K, rng), "Q4_K", (N, K))
+            wk, fmt = repack.pack_q4(p.qs, p.scale, p.min, 32, kscale=p.kscale)
+            flat = repack.pack_q4(p.qs, p.scale, p.min, 32, fmt=0)[0]
+            assert fmt == repack.KQ
+            for M in (1, 2, 5, 9):
+                x = torch.randn(M, K, generator=g)
+                got = torch.ops.attnlab.q4x_mm(x, wk, N, 32, fmt)
+                assert torch.equal(got, torch.ops.attnlab.q4x_mm(x, flat, N, 32, 0)), f"q4x_mm KQ {N}x{K} M{M}"
+                close(got, *_q4_ref(x, round_activations(x), p.qs, p.scale, p.min, 32), f"q4x_mm KQ {N}x{K} M{M}")
+                count += 1
+    return count
 
 
 if __name__ == "__main__":

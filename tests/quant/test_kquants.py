@@ -1,5 +1,7 @@
 """GGUF K-quant and 5-bit blocks kept on the file's own grid: dequantisation equals the `gguf` package's,
 mixed formats concatenate exactly, and a mixed-format file (a Q4_K_M-like mix) runs in its own formats."""
+from dataclasses import replace
+
 import gguf
 import numpy as np
 import pytest
@@ -146,3 +148,77 @@ def test_packed_embedding_rows_equal_the_table():
     assert torch.equal(QuantEmbedding(head)(ids), head.dequantize()[ids])
     head8 = QuantLinear(quantize_int8(torch.randn(10, 64), 32))
     assert torch.equal(QuantEmbedding(head8)(ids), head8.dequantize()[ids])
+
+
+# ---------------------------------------------------------------- K-quant superblocks (repack.KQ)
+
+def test_k_factors_follow_row_operations():
+    """from_gguf keeps Q4_K's / Q6_K's factors; row permutations carry them, concatenation keeps them only
+    where every part has them in one format, and promotion drops them (the products stay exact)."""
+    rng = np.random.default_rng(3)
+    q4k, q6k = (from_gguf(random_blocks(k, 32, 512, rng), k, (32, 512)) for k in ("Q4_K", "Q6_K"))
+    for p, rep in ((q4k, 8), (q6k, 16)):
+        ks = p.kscale
+        assert ks.d.dtype == torch.float16 and ks.d.shape == (32, 2) and ks.sc.shape == (32, 512 // (256 // rep))
+        assert torch.equal(ks.d.float().repeat_interleave(rep, 1) * ks.sc.float(), p.scale)
+    assert q4k.kscale.sc.dtype == torch.uint8 and int(q4k.kscale.sc.max()) <= 63 and int(q4k.kscale.m.max()) <= 63
+    assert torch.equal(-(q4k.kscale.dmin.float().repeat_interleave(8, 1) * q4k.kscale.m.float()), q4k.min)
+    assert q6k.kscale.sc.dtype == torch.int8 and q6k.kscale.m is None
+    perm = torch.randperm(32, generator=torch.Generator().manual_seed(0))
+    moved = q4k.map_rows(lambda t: t[perm])
+    assert torch.equal(moved.kscale.sc, q4k.kscale.sc[perm]) and torch.equal(moved.kscale.dmin, q4k.kscale.dmin[perm])
+    both = cat_rows([q4k, moved])
+    assert both.kscale is not None and torch.equal(both.kscale.m, torch.cat([q4k.kscale.m, moved.kscale.m]))
+    q41 = from_gguf(random_blocks("Q4_1", 32, 512, rng), "Q4_1", (32, 512))
+    assert cat_rows([q4k, q41]).kscale is None and cat_rows([q4k, q6k]).kscale is None
+    assert promote(q4k, "int4", 32, True) is q4k and promote(q4k, "int8", 32, True).kscale is None
+
+
+@pytest.mark.parametrize("N,K", [(37, 256), (16, 512), (5, 768), (50, 1024)])
+def test_q4_k_superblocks_give_the_float32_layouts_bits(N, K):
+    """Q4_K in its superblocks (KQ: 4.625 bits per weight) equals, bit for bit, the int4:32 float32 layout
+    of the same weights: the same float32 scales made in-register, the same sums in the same order."""
+    from attnlab.kernels import repack
+    rng = np.random.default_rng(N)
+    p = from_gguf(random_blocks("Q4_K", N, K, rng), "Q4_K", (N, K))
+    if ops.load():  # the C++ repacking is byte for byte the torch reference
+        assert torch.equal(repack.pack_q4(p.qs, p.scale, p.min, 32, kscale=p.kscale)[0],
+                           repack.pack_q4(p.qs, p.scale, p.min, 32, kscale=p.kscale, reference=True)[0])
+    wp, fmt = repack.pack_q4(p.qs, p.scale, p.min, 32, kscale=p.kscale, reference=True)
+    assert fmt == repack.KQ and wp.shape == (-(-N // 16), K // 256, 2368)
+    assert all(torch.equal(a, b) for a, b in zip(repack.unpack_q4(wp, N, K, 32, fmt), (p.qs, p.scale, p.min)))
+    ks = repack.kscales(wp, N, K, "int4")
+    assert all(torch.equal(getattr(ks, n), getattr(p.kscale, n)) for n in ("sc", "d", "m", "dmin"))
+    with pytest.raises(ValueError, match="products"):  # factors that do not make these scales are refused
+        repack.pack_q4(p.qs, p.scale * 1.5, p.min, 32, kscale=p.kscale)
+    if not ops.load():
+        return
+    flat, _ = repack.pack_q4(p.qs, p.scale, p.min, 32, fmt=0)
+    g = torch.Generator().manual_seed(K)
+    for M in (1, 3, 9):
+        x = torch.randn(M, K, generator=g)
+        assert torch.equal(torch.ops.attnlab.q4x_mm(x, wp, N, 32, fmt), torch.ops.attnlab.q4x_mm(x, flat, N, 32, 0))
+
+
+def test_q4_k_layer_holds_superblocks_and_gives_back_its_rows():
+    """A Q4_K QuantLinear (where layers repack) keeps the factors: 148 bytes per 256 weights (the file's 144
+    plus the 6-bit scales as bytes), its row layout and factors rebuilt exactly, embed_rows = dequantize()."""
+    from attnlab.kernels import repack
+    N, K = 75, 512
+    p = from_gguf(random_blocks("Q4_K", N, K, np.random.default_rng(5)), "Q4_K", (N, K))
+    layer = QuantLinear(p)
+    ids = torch.tensor([[74, 0, 16, 16], [31, 15, 64, 3]])
+    assert torch.equal(layer.embed_rows(ids), p.dequantize()[ids])
+    if not layer.repacked:
+        pytest.skip("this machine keeps the row layout")
+    assert layer.layout == repack.KQ and "Q4_K superblocks" in repr(layer)
+    assert layer.nbytes == N * K * 148 // 256 and layer.nbytes * 6 < p.nbytes * 5  # was 24 bytes per 32 weights
+    back = layer.packed
+    assert torch.equal(back.qs, p.qs) and torch.equal(back.scale, p.scale) and torch.equal(back.min, p.min)
+    assert torch.equal(back.kscale.sc, p.kscale.sc) and torch.equal(back.kscale.dmin, p.kscale.dmin)
+    assert set(layer.state_dict()) == {"qs", "scale", "min"}  # checkpoints hold the products
+    x = torch.randn(2, K, generator=torch.Generator().manual_seed(0))
+    flat = QuantLinear(replace(p, kscale=None))
+    assert flat.layout == 0 and torch.equal(layer(x), flat(x))
+    op, args = layer.kernel(rows=(16, 48))
+    assert torch.equal(getattr(torch.ops.attnlab, op)(x, *args), layer(x)[:, 16:48])
