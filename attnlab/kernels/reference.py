@@ -7,6 +7,8 @@ importing each other.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 BLOCK = 32  # values per int8 scale, and weights per 16-byte block of 4-bit codes
@@ -64,3 +66,18 @@ def dequantize_lut4(qs: torch.Tensor, lut: torch.Tensor, lut_scale: torch.Tensor
     N = qs.shape[0]
     codes = unpack4(qs).view(N, -1, group).long()
     return (torch.gather(lut.float(), 2, codes) * lut_scale[..., None]).view(N, -1)
+
+
+@dataclass
+class KScales:
+    """A GGUF K-quant's scales as the file factorises them, per row: sub-block scales sc (Q4_K: uint8 0..63
+    per 32 weights, with mins m; Q6_K: int8 per 16) times float16 d (and dmin) per 256-weight superblock.
+    Packed.scale = d * sc and min = -(dmin * m) in float32 are the products; these factors let the repacked
+    layout keep the file's 4.5 / 6.56 bits per weight (`repack.KQ`) instead of a float32 per group."""
+    sc: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor | None = None
+    dmin: torch.Tensor | None = None
+
+    def map_rows(self, fn) -> "KScales":
+        return KScales(*(None if t is None else fn(t) for t in (self.sc, self.d, self.m, self.dmin)))

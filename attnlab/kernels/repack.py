@@ -9,14 +9,14 @@ Layout flags, one int per layer (decided here at pack time, passed to the kernel
 and mins as float16 where every value of the layer is exactly a float16 (a GGUF file's own scales), so
 nothing changes numerically; SYM (int4) stores no min where min == -8 * scale for the whole layer (Q4_0).
 A decode matvec reads every byte once, so bytes are its time: Q4_0 18 bytes per 32 weights (was 24).
-KQ (alone) keeps a GGUF K-quant's factorised scales (`formats.KScales`) per 256-input superblock instead of
+KQ (alone) keeps a GGUF K-quant's factorised scales (`reference.KScales`) per 256-input superblock instead of
 one float32 product per group: Q4_K in q4x 4.625 bits per weight (was 6), Q6_K in q8x 6.5625 (was 10).
 """
 from __future__ import annotations
 
 import torch
 
-from attnlab.kernels.reference import pack4, unpack4
+from attnlab.kernels.reference import KScales, pack4, unpack4
 
 ROWS = 16
 HALF, SYM, KQ = 1, 2, 4  # the layout flags (repacked.cpp)
@@ -89,8 +89,7 @@ def _check_kq(kscale, scale: torch.Tensor, min_: torch.Tensor | None, group: int
 
 
 def kscales(w: torch.Tensor, N: int, K: int, kind: str):
-    """The K-quant factors (`formats.KScales`) a KQ-packed weight holds: int4 (Q4_K) or int8 (Q6_K)."""
-    from attnlab.quant.formats import KScales
+    """The K-quant factors (`KScales`) a KQ-packed weight holds: int4 (Q4_K) or int8 (Q6_K)."""
     if kind == "int4":  # after 2048 code bytes: sc[8][16], m[8][16], d[16], dmin[16]
         b = w[:, :, 2048:]
         return KScales(_unbytes(b[:, :, :128], N), _unfloats(b[:, :, 256:288], N, True).half(),

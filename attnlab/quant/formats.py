@@ -18,22 +18,7 @@ import torch
 
 from attnlab.errors import AttnlabError
 from attnlab.kernels.reference import (  # noqa: F401  (the formats' shared rules)
-    BLOCK, dequantize_int4, dequantize_int8_blocks, int8_blocks, pack4, round_activations, unpack4)
-
-
-@dataclass
-class KScales:
-    """A GGUF K-quant's scales as the file factorises them, per row: sub-block scales sc (Q4_K: uint8 0..63
-    per 32 weights, with mins m; Q6_K: int8 per 16) times float16 d (and dmin) per 256-weight superblock.
-    Packed.scale = d * sc and min = -(dmin * m) in float32 are the products; these factors let the repacked
-    layout keep the file's 4.5 / 6.56 bits per weight (`repack.KQ`) instead of a float32 per group."""
-    sc: torch.Tensor
-    d: torch.Tensor
-    m: torch.Tensor | None = None
-    dmin: torch.Tensor | None = None
-
-    def map_rows(self, fn) -> "KScales":
-        return KScales(*(None if t is None else fn(t) for t in (self.sc, self.d, self.m, self.dmin)))
+    BLOCK, KScales, dequantize_int4, dequantize_int8_blocks, int8_blocks, pack4, round_activations, unpack4)
 
 
 @dataclass
