@@ -81,10 +81,10 @@ def _check_kq(kscale, scale: torch.Tensor, min_: torch.Tensor | None, group: int
     """KQ needs the K-quant factors of exactly these scales (and mins), groups of 32 (Q4_K) or 16 (Q6_K)."""
     if kscale is None or K % SUPER or group != (32 if kscale.m is not None else 16):
         raise ValueError(f"KQ layout asked without K-quant factors of groups of {group} on {K} inputs")
-    rep = SUPER // group
-    if not torch.equal(kscale.d.float().repeat_interleave(rep, 1) * kscale.sc.float(), scale.float()) or (
-            kscale.m is not None and not torch.equal(-(kscale.dmin.float().repeat_interleave(rep, 1) * kscale.m.float()),
-                                                     min_.float())):
+    def product(f, s):  # the loader's float32 product of each group's factors
+        return f.float().repeat_interleave(SUPER // group, 1) * s.float()
+    if not torch.equal(product(kscale.d, kscale.sc), scale.float()) or (
+            kscale.m is not None and not torch.equal(-product(kscale.dmin, kscale.m), min_.float())):
         raise ValueError("KQ layout asked with factors whose products are not the scales (and mins)")
 
 
@@ -164,12 +164,44 @@ def unpack_q4(w: torch.Tensor, N: int, K: int, group: int, fmt: int) -> tuple[to
     return _q4_uncodes(w[:, :, :off], N, K), scale, mn
 
 
+def _pack_q6k(q: torch.Tensor, ks, nb: int, reference: bool) -> torch.Tensor:
+    """Q6_K's superblocks: per 16 rows and 256 inputs, 8 x (codes q + 32 in 0..63: the low 4 bits as q4
+    chunks, 256 bytes, then bits 4-5 of chunk pair (2p, 2p + 1), 64 bytes each: lane r's byte t holds those
+    of inputs 8p + t, 16 + 8p + t, 8p + 4 + t, 20 + 8p + t in bits 0-1, 2-3, 4-5, 6-7), int8 sc[16][16]
+    (one per 16 inputs), float16 d[16]: 3360 bytes, the file's 6.5625 bits per weight."""
+    N, K = q.shape
+    S = K // SUPER
+    if _native(reference):
+        return torch.ops.attnlab.repack_q6k(q.contiguous(), ks.sc.contiguous(), ks.d.float().contiguous())
+    c = _blocks((q.to(torch.int16) + 32).to(torch.uint8), nb).view(nb, ROWS, S, 8, 2, 2, 2, 4)  # r S u half p jj t
+    lo, hi = c & 15, c >> 4
+    low = (lo[:, :, :, :, 0] | (lo[:, :, :, :, 1] << 4)).permute(0, 2, 3, 4, 5, 1, 6).reshape(nb, S, 8, 256)
+    high = (hi[:, :, :, :, 0, :, 0] | (hi[:, :, :, :, 1, :, 0] << 2) | (hi[:, :, :, :, 0, :, 1] << 4)
+            | (hi[:, :, :, :, 1, :, 1] << 6)).permute(0, 2, 3, 4, 1, 5).reshape(nb, S, 8, 128)  # nb S u p r t
+    codes = torch.cat([low, high], dim=3).reshape(nb, S, 8 * 384)
+    return torch.cat([codes, _bytes(ks.sc, nb, S), _floats(ks.d, nb, True)], dim=2)
+
+
+def _q6_fits(q: torch.Tensor, kscale, group: int, min_) -> bool:
+    """Whether int8 codes take the KQ layout: Q6_K's factors, no min, codes within -32..31."""
+    return (kscale is not None and kscale.m is None and group == 16 and min_ is None and q.shape[1] % SUPER == 0
+            and int(q.min()) >= -32 and int(q.max()) <= 31)
+
+
 def pack_q8(q: torch.Tensor, scale: torch.Tensor, group: int, min_: torch.Tensor | None = None,
-            fmt: int | None = None, reference: bool = False) -> tuple[torch.Tensor, int]:
+            fmt: int | None = None, reference: bool = False, kscale=None) -> tuple[torch.Tensor, int]:
     """int8 codes [N, K], scale (and min) [N, K/group] -> (uint8 [ceil(N/16), K/group, group*16 + 32 or 64
-    per float row], flags); fmt forces the flags (default `q8_layout`)."""
+    per float row], flags); fmt forces the flags (default `q8_layout`, or KQ with Q6_K's factors kscale:
+    uint8 [ceil(N/16), K/256, 3360])."""
     N, K = q.shape
     nb, G = -(-N // ROWS), K // group
+    if fmt is None and _q6_fits(q, kscale, group, min_):
+        fmt = KQ
+    if fmt == KQ:
+        _check_kq(kscale, scale, None, group, K)
+        if not _q6_fits(q, kscale, group, min_):
+            raise ValueError("KQ layout asked for int8 codes that are not Q6_K's (-32..31, groups of 16, no min)")
+        return _pack_q6k(q, kscale, nb, reference), KQ
     if fmt is None:
         fmt = q8_layout(scale, min_)
     elif fmt & SYM:
@@ -187,8 +219,18 @@ def pack_q8(q: torch.Tensor, scale: torch.Tensor, group: int, min_: torch.Tensor
 
 
 def unpack_q8(w: torch.Tensor, N: int, K: int, group: int, has_min: bool, fmt: int):
-    """pack_q8's inverse: (q [N, K] int8, scale [N, K/group] float32, min or None)."""
+    """pack_q8's inverse: (q [N, K] int8, scale [N, K/group] float32, min or None); KQ's factors: `kscales`."""
     nb, G = w.shape[0], K // group
+    if fmt == KQ:
+        S = K // SUPER
+        b = w[:, :, :3072].reshape(nb, S, 8, 384)
+        low, high = b[..., :256].reshape(nb, S, 8, 4, ROWS, 4), b[..., 256:].reshape(nb, S, 8, 2, ROWS, 4)  # j / p r t
+        lo = torch.stack([low & 15, low >> 4], dim=3)  # nb S u half j r t
+        hi = torch.stack([(high >> s) & 3 for s in (0, 2, 4, 6)], dim=3).view(nb, S, 8, 2, 2, 2, ROWS, 4)  # jj half p
+        c = lo.view(nb, S, 8, 2, 2, 2, ROWS, 4) | (hi.permute(0, 1, 2, 4, 5, 3, 6, 7) << 4)  # nb S u half p jj r t
+        q = (c.permute(0, 6, 1, 2, 3, 4, 5, 7).reshape(nb * ROWS, K)[:N].to(torch.int16) - 32).to(torch.int8)
+        ks = kscales(w, N, K, "int8")
+        return q, ks.d.float().repeat_interleave(SUPER // group, 1) * ks.sc.float(), None
     u = w[:, :, :group * 16].reshape(nb, G, group // 4, ROWS, 4).permute(0, 3, 1, 2, 4).reshape(nb * ROWS, K)[:N]
     q = (u.to(torch.int16) - 128).to(torch.int8)
     off, size, half = group * 16, 32 if fmt & HALF else 64, bool(fmt & HALF)

@@ -20,6 +20,12 @@
 //       codes as above (2048 bytes), uint8 sc[8][16] and m[8][16] (0..63), float16 d[16] and dmin[16]:
 //       s = sc * d and m = -(m * dmin) per sub-block, the float32 products the loader makes, so the sums
 //       are the bits of the float32 layout at 4.625 bits per weight instead of 6.
+//   q8 with KQ (GGUF Q6_K, codes -32..31 in groups of 16): per superblock of 256 inputs, per 32-input block,
+//       the codes c = q + 32 (0..63): their low 4 bits as q4 chunks (256 bytes), then their bits 4-5, one
+//       64-byte chunk per chunk pair (2p, 2p + 1): lane r's byte t holds those of inputs 8p + t, 16 + 8p + t,
+//       8p + 4 + t, 20 + 8p + t in bits 0-1, 2-3, 4-5, 6-7 (so each code is rebuilt by one shift and one
+//       mask); then int8 sc[16][16] (per 16 inputs) and float16 d[16]: s = sc * d, the file's 6.5625 bits.
+//       Unsigned codes for vpdpbusd: sum c x = sum q x + 32 sum x, the last term removed as q8's 128 sum x.
 // Activations are rounded to int8 per 32 (as every integer kernel here); the min terms use the sums of
 // the rounded values per group, as q4_mm does. Code paths by compile flags: AVX-512 (with VNNI: dpbusd; without:
 // maddubs/madd), AVX2 (two 8-row halves per block; AVX-VNNI's dpbusd when built with it).
@@ -47,6 +53,13 @@ struct V {  // 16 rows per step
   static I zero() { return _mm512_setzero_si512(); }
   static I add(I a, I b) { return _mm512_add_epi32(a, b); }
   static I sub1(I a, int32_t b) { return _mm512_sub_epi32(a, _mm512_set1_epi32(b)); }
+  static I or_(I a, I b) { return _mm512_or_si512(a, b); }
+  template <int k>  // bits 4 - k and 5 - k of each byte moved to bits 4-5, the rest cleared
+  static I top2(I w) {
+    if constexpr (k > 0) w = _mm512_slli_epi16(w, k);
+    if constexpr (k < 0) w = _mm512_srli_epi16(w, -k);
+    return _mm512_and_si512(w, _mm512_set1_epi8(0x30));
+  }
 #if defined(__AVX512VNNI__)
   static I dp7(I acc, I u, I s) { return _mm512_dpbusd_epi32(acc, u, s); }
   static I dp8(I acc, I u, I s) { return _mm512_dpbusd_epi32(acc, u, s); }
@@ -62,6 +75,7 @@ struct V {  // 16 rows per step
 #endif
   static F cvt(I a) { return _mm512_cvtepi32_ps(a); }
   static F loadu8(const uint8_t* p) { return cvt(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))); }
+  static F loadi8(const uint8_t* p) { return cvt(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))); }
   static F loadf(const float* p) { return _mm512_loadu_ps(p); }
   static F loadh(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static F set1(float v) { return _mm512_set1_ps(v); }
@@ -82,6 +96,13 @@ struct V {  // 8 rows per step: a 16-row block in two halves
   static I zero() { return _mm256_setzero_si256(); }
   static I add(I a, I b) { return _mm256_add_epi32(a, b); }
   static I sub1(I a, int32_t b) { return _mm256_sub_epi32(a, _mm256_set1_epi32(b)); }
+  static I or_(I a, I b) { return _mm256_or_si256(a, b); }
+  template <int k>
+  static I top2(I w) {
+    if constexpr (k > 0) w = _mm256_slli_epi16(w, k);
+    if constexpr (k < 0) w = _mm256_srli_epi16(w, -k);
+    return _mm256_and_si256(w, _mm256_set1_epi8(0x30));
+  }
 #if defined(__AVXVNNI__)
   static I dp7(I acc, I u, I s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
   static I dp8(I acc, I u, I s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
@@ -97,6 +118,7 @@ struct V {  // 8 rows per step: a 16-row block in two halves
 #endif
   static F cvt(I a) { return _mm256_cvtepi32_ps(a); }
   static F loadu8(const uint8_t* p) { return cvt(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))); }
+  static F loadi8(const uint8_t* p) { return cvt(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))); }
   static F loadf(const float* p) { return _mm256_loadu_ps(p); }
   static F loadh(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static F set1(float v) { return _mm256_set1_ps(v); }
@@ -249,6 +271,41 @@ torch::Tensor q4k(const torch::Tensor& x, const torch::Tensor& w, int64_t N) {
   });
 }
 
+// Q6_K superblocks (KQ): q8x<false> at group 16 without a min, the codes rebuilt from their two parts, each
+// sub-block's s = sc * d made as the loader makes it: integer sums are exact, so the same bits.
+torch::Tensor q6k(const torch::Tensor& x, const torch::Tensor& w, int64_t N) {
+  const int64_t K = x.size(1), G = K / 256, stride = 3360;
+  const Acts a(x.data_ptr<float>(), x.size(0), K, 16, false);
+  return run(x, w, N, G, stride, [&](int h, const uint8_t* p, int64_t m, float* o) {
+    const int8_t* xq = a.q + m * K;
+    const float* d = a.d + m * K / 32;
+    const int32_t* q16 = a.qs16 + m * K / 16;
+    typename V::F acc = V::zerof();
+    for (int64_t g = 0; g < G; ++g, p += stride) {
+      const typename V::F sd = scales<true>(p + 3328, h);
+      for (int64_t u = 0; u < 8; ++u) {
+        const int64_t b = g * 8 + u;  // the 32-input block
+        const uint8_t* c = p + u * 384 + h * V::R * 4;
+        const int8_t* xb = xq + b * 32;
+        typename V::I lo = V::zero(), hi = V::zero();  // inputs 0-15 and 16-31 of the block
+        for (int pr = 0; pr < 2; ++pr) {
+          const typename V::I w0 = V::load(c + 128 * pr), w1 = V::load(c + 128 * pr + 64), t = V::load(c + 256 + 64 * pr);
+          lo = V::dp7(lo, V::or_(V::lo4(w0), V::top2<4>(t)), V::bcast(xb + 8 * pr));
+          hi = V::dp7(hi, V::or_(V::hi4(w0), V::top2<2>(t)), V::bcast(xb + 16 + 8 * pr));
+          lo = V::dp7(lo, V::or_(V::lo4(w1), V::top2<0>(t)), V::bcast(xb + 8 * pr + 4));
+          hi = V::dp7(hi, V::or_(V::hi4(w1), V::top2<-2>(t)), V::bcast(xb + 20 + 8 * pr));
+        }
+        const typename V::F xd = V::set1(d[b]);
+        const typename V::F s0 = V::mul(V::loadi8(p + 3072 + 32 * u + h * V::R), sd);
+        const typename V::F s1 = V::mul(V::loadi8(p + 3072 + 32 * u + 16 + h * V::R), sd);
+        acc = V::fmadd(V::cvt(V::sub1(lo, 32 * q16[2 * b])), V::mul(s0, xd), acc);
+        acc = V::fmadd(V::cvt(V::sub1(hi, 32 * q16[2 * b + 1])), V::mul(s1, xd), acc);
+      }
+    }
+    V::store(o, V::fmadd(V::set1(1.f), acc, V::zerof()));
+  });
+}
+
 template <bool H>
 torch::Tensor q8x(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int64_t group, bool has_min) {
   const int64_t K = x.size(1);
@@ -294,23 +351,32 @@ torch::Tensor q4x_mm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t group,
   return with_layout(fmt, [&](auto half, auto sym) { return q4x<half.value, sym.value>(x, w, N, group); });
 }
 
-// x [M, K] fp32; w [ceil(N/16), K/group, group*16 + scale (+ min) bytes] uint8 (q8 layout) -> [M, N]
+// x [M, K] fp32; w [ceil(N/16), K/group, group*16 + scale (+ min) bytes] uint8 (q8 layout) -> [M, N];
+// with KQ [ceil(N/16), K/256, 3360]
 torch::Tensor q8x_mm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t group, bool has_min, int64_t fmt) {
   const int64_t K = x.size(1);
   TORCH_CHECK(group % 16 == 0 && group > 0 && K % group == 0 && K % 32 == 0,
               "q8x: group must be a multiple of 16 dividing K (a multiple of 32)");
   TORCH_CHECK(group <= 32 || group % 32 == 0, "q8x: a group above 32 must be a multiple of 32");
-  TORCH_CHECK(fmt == 0 || fmt == HALF, "q8x: layout flags must be 0 or HALF (1), got ", fmt);
   check_x(x, K);
+  if (fmt == KQ) {
+    TORCH_CHECK(group == 16 && !has_min && K % 256 == 0, "q8x: the KQ layout needs groups of 16, no min, K a multiple of 256");
+    return q6k(x, w, N);
+  }
+  TORCH_CHECK(fmt == 0 || fmt == HALF, "q8x: layout flags must be 0, HALF (1) or KQ (4), got ", fmt);
   return fmt == HALF ? q8x<true>(x, w, N, group, has_min) : q8x<false>(x, w, N, group, has_min);
 }
 
 // Rows ids [n] of a repacked int8 weight w (q8 layout, K inputs), dequantised -> [n, K] float32: a tied
 // head's embedding lookup, one token per decode step, reading 16 * K bytes instead of unpacking a block.
+// With KQ (Q6_K superblocks): (c - 32) * (d * sc), the loader's float32 scale times the code, dequantize()'s bits.
 torch::Tensor q8x_rows(torch::Tensor w, torch::Tensor ids, int64_t K, int64_t group, bool has_min, int64_t fmt) {
-  TORCH_CHECK(fmt == 0 || fmt == HALF, "q8x_rows: layout flags must be 0 or HALF (1), got ", fmt);
+  const bool kq = fmt == KQ;
+  TORCH_CHECK(fmt == 0 || fmt == HALF || kq, "q8x_rows: layout flags must be 0, HALF (1) or KQ (4), got ", fmt);
   TORCH_CHECK(group > 0 && group % 4 == 0 && K % group == 0, "q8x_rows: group must divide K in fours");
-  const int64_t G = K / group, sb = fmt == HALF ? 32 : 64, stride = group * 16 + sb * (has_min ? 2 : 1);
+  TORCH_CHECK(!kq || (group == 16 && !has_min && K % 256 == 0), "q8x_rows: KQ needs groups of 16, no min, K of 256s");
+  const int64_t G = kq ? K / 256 : K / group, sb = fmt == HALF ? 32 : 64;
+  const int64_t stride = kq ? 3360 : group * 16 + sb * (has_min ? 2 : 1);
   TORCH_CHECK(w.scalar_type() == torch::kByte && w.is_contiguous() && w.dim() == 3 && w.size(1) == G &&
               w.size(2) == stride, "q8x_rows: w must be contiguous uint8 [blocks, ", G, ", ", stride, "]");
   TORCH_CHECK(ids.scalar_type() == torch::kLong && ids.dim() == 1, "q8x_rows: ids must be int64 [n]");
@@ -326,7 +392,21 @@ torch::Tensor q8x_rows(torch::Tensor w, torch::Tensor ids, int64_t K, int64_t gr
   for (int64_t i = 0; i < n; ++i) {
     TORCH_CHECK(I[i] >= 0 && I[i] < rows, "q8x_rows: row ", I[i], " outside the weight's ", rows, " rows");
     const int64_t b = I[i] / 16, r = I[i] % 16;
-    for (int64_t g = 0; g < G; ++g) {
+    for (int64_t g = 0; kq && g < G; ++g) {
+      const uint8_t* p = W + (b * G + g) * stride;
+      const float d = static_cast<float>(reinterpret_cast<const at::Half*>(p + 3328)[r]);
+      for (int64_t u = 0; u < 8; ++u)
+        for (int k = 0; k < 2; ++k) {  // inputs 32u + 16k ..: low (k = 0) or high nibbles
+          const float s = d * static_cast<float>(static_cast<int8_t>(p[3072 + (2 * u + k) * 16 + r]));
+          for (int j = 0; j < 4; ++j)
+            for (int t = 0; t < 4; ++t) {
+              const int lo = p[u * 384 + 64 * j + 4 * r + t] >> (4 * k) & 15;
+              const int top = p[u * 384 + 256 + 64 * (j / 2) + 4 * r + t] >> (2 * (k + 2 * (j % 2))) & 3;
+              O[i * K + g * 256 + 32 * u + 16 * k + 4 * j + t] = static_cast<float>((lo | top << 4) - 32) * s;
+            }
+        }
+    }
+    for (int64_t g = 0; !kq && g < G; ++g) {
       const uint8_t* p = W + (b * G + g) * stride;
       const float s = value(p + group * 16, r), mn = has_min ? value(p + group * 16 + sb, r) : 0.f;
       float* o = O + i * K + g * group;
@@ -420,6 +500,39 @@ torch::Tensor repack_q4k(torch::Tensor qs, torch::Tensor sc, torch::Tensor m, to
   return out;
 }
 
+// Q6_K's codes q [N, K] (-32..31) and factors sc (int8 [N, K/16]), d (float32 [N, K/256] of float16 values)
+// -> the KQ superblocks of q8 (layout above).
+torch::Tensor repack_q6k(torch::Tensor q, torch::Tensor sc, torch::Tensor d) {
+  TORCH_CHECK(q.scalar_type() == torch::kChar && q.is_contiguous() && q.dim() == 2, "q must be contiguous int8 [N, K]");
+  const int64_t N = q.size(0), K = q.size(1), G = K / 256, NB = (N + 15) / 16, stride = 3360;
+  TORCH_CHECK(K % 256 == 0, "repack_q6k: K must be a multiple of 256");
+  TORCH_CHECK(sc.scalar_type() == torch::kChar && sc.is_contiguous() && sc.dim() == 2 && sc.size(0) == N &&
+              sc.size(1) == K / 16, "repack_q6k: sc must be contiguous int8 [", N, ", ", K / 16, "]");
+  check_floats(d, N, G, "d");
+  auto out = torch::zeros({NB, G, stride}, q.options().dtype(torch::kByte));
+  const int8_t *Q = q.data_ptr<int8_t>(), *SC = sc.data_ptr<int8_t>();
+  uint8_t* O = out.data_ptr<uint8_t>();
+  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t g = 0; g < G; ++g) {
+        uint8_t* p = O + (b * G + g) * stride;
+        for (int64_t r = 0; r < 16 && 16 * b + r < N; ++r) {
+          const int8_t* src = Q + (16 * b + r) * K + g * 256;
+          for (int64_t u = 0; u < 8; ++u)
+            for (int j = 0; j < 4; ++j)
+              for (int t = 0; t < 4; ++t) {
+                const int c0 = src[32 * u + 4 * j + t] + 32, c1 = src[32 * u + 16 + 4 * j + t] + 32;
+                p[u * 384 + 64 * j + 4 * r + t] = static_cast<uint8_t>((c0 & 15) | (c1 & 15) << 4);
+                p[u * 384 + 256 + 64 * (j / 2) + 4 * r + t] |= static_cast<uint8_t>(((c0 >> 4) | (c1 >> 4) << 2) << (4 * (j % 2)));
+              }
+          for (int k = 0; k < 16; ++k) p[3072 + 16 * k + r] = static_cast<uint8_t>(SC[(16 * b + r) * (K / 16) + 16 * g + k]);
+        }
+        put_floats(p + 3328, d.data_ptr<float>(), b, g, N, G, true);
+      }
+  });
+  return out;
+}
+
 // int8 codes q [N, K] -> the q8 blocks: lane r of chunk c <- q[r][4c..4c+3] + 128.
 torch::Tensor repack_q8(torch::Tensor q, torch::Tensor scale, const std::optional<torch::Tensor>& min, int64_t group,
                         int64_t fmt) {
@@ -454,6 +567,7 @@ TORCH_LIBRARY_FRAGMENT(attnlab, m) {
   m.def("repack_q4(Tensor qs, Tensor scale, Tensor min, int group, int fmt) -> Tensor");
   m.def("repack_q8(Tensor q, Tensor scale, Tensor? min, int group, int fmt) -> Tensor");
   m.def("repack_q4k(Tensor qs, Tensor sc, Tensor m, Tensor d, Tensor dmin) -> Tensor");
+  m.def("repack_q6k(Tensor q, Tensor sc, Tensor d) -> Tensor");
   m.def("q8x_rows(Tensor w, Tensor ids, int k, int group, bool has_min, int fmt) -> Tensor");
   m.def("q4x_mm(Tensor x, Tensor w, int n, int group, int fmt) -> Tensor");
   m.def("q8x_mm(Tensor x, Tensor w, int n, int group, bool has_min, int fmt) -> Tensor");
@@ -462,4 +576,5 @@ TORCH_LIBRARY_FRAGMENT(attnlab, m) {
 TORCH_LIBRARY_IMPL(attnlab, CPU, m) {
   m.impl("q4x_mm", &q4x_mm), m.impl("q8x_mm", &q8x_mm), m.impl("q8x_rows", &q8x_rows);
   m.impl("repack_q4", &repack_q4), m.impl("repack_q8", &repack_q8), m.impl("repack_q4k", &repack_q4k);
+  m.impl("repack_q6k", &repack_q6k);
 }

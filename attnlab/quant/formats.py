@@ -99,11 +99,10 @@ def cat_rows(parts: list[Packed]) -> Packed:
         first = parts[0]
     fields = {k: torch.cat([p.tensors()[k] for p in parts]) for k in first.tensors()}
     ks = [p.kscale for p in parts]
-    if any(k is None for k in ks):
-        kscale = None
-    else:
-        cat = lambda name: None if getattr(ks[0], name) is None else torch.cat([getattr(k, name) for k in ks])  # noqa: E731
-        kscale = KScales(*(cat(n) for n in ("sc", "d", "m", "dmin")))
+    kscale = None
+    if all(k is not None for k in ks):
+        kscale = KScales(*(None if getattr(ks[0], n) is None else torch.cat([getattr(k, n) for k in ks])
+                           for n in ("sc", "d", "m", "dmin")))
     return replace(first, shape=(sum(p.shape[0] for p in parts), first.shape[1]), kscale=kscale, **fields)
 
 

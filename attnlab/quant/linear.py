@@ -102,7 +102,7 @@ class QuantLinear(nn.Module):
                                                  kscale=packed.kscale)
             else:
                 wp, self.layout = repack.pack_q8(packed.q, packed.scale, packed.group,
-                                                 packed.min if self.has_min else None)
+                                                 packed.min if self.has_min else None, kscale=packed.kscale)
             self.register_buffer("wp", wp)
         else:
             for name, t in packed.tensors().items():
@@ -132,7 +132,8 @@ class QuantLinear(nn.Module):
                 qs, scale, mn = repack.unpack_q4(self.wp, N, K, self.group, self.layout)
                 return Packed("int4", (N, K), self.group, 4, qs=qs, scale=scale, min=mn, kscale=ks)
             q, scale, mn = repack.unpack_q8(self.wp, N, K, self.group, self.has_min, self.layout)
-            return Packed("int8", (N, K), self.group, 8, q=q, scale=scale, **({"min": mn} if self.has_min else {}))
+            return Packed("int8", (N, K), self.group, 8, q=q, scale=scale, kscale=ks,
+                          **({"min": mn} if self.has_min else {}))
         names = ("q", "qs", "scale", "min", "codebook")
         return Packed(self.kind, (N, K), self.group, self.bits,
                       **{n: getattr(self, n) for n in names if hasattr(self, n)})

@@ -105,6 +105,19 @@ def k_quants(g) -> int:
                 assert torch.equal(got, torch.ops.attnlab.q4x_mm(x, flat, N, 32, 0)), f"q4x_mm KQ {N}x{K} M{M}"
                 close(got, *_q4_ref(x, round_activations(x), p.qs, p.scale, p.min, 32), f"q4x_mm KQ {N}x{K} M{M}")
                 count += 1
+            p = from_gguf(random_blocks("Q6_K", N, K, rng), "Q6_K", (N, K))
+            wk, fmt = repack.pack_q8(p.q, p.scale, 16, kscale=p.kscale)
+            flat = repack.pack_q8(p.q, p.scale, 16, fmt=0)[0]
+            assert fmt == repack.KQ
+            w = p.dequantize()
+            for M in (1, 2, 5, 9):
+                x = torch.randn(M, K, generator=g)
+                got, xr = torch.ops.attnlab.q8x_mm(x, wk, N, 16, False, fmt), round_activations(x)
+                assert torch.equal(got, torch.ops.attnlab.q8x_mm(x, flat, N, 16, False, 0)), f"q8x_mm KQ {N}x{K} M{M}"
+                close(got, xr @ w.T, xr.abs() @ w.abs().T, f"q8x_mm KQ {N}x{K} M{M}")
+                count += 1
+            ids = torch.arange(N - 1, -1, -1)
+            assert torch.equal(torch.ops.attnlab.q8x_rows(wk, ids, K, 16, False, fmt), w[ids]), f"q8x_rows KQ {N}x{K}"
     return count
 
 

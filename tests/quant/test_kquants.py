@@ -222,3 +222,63 @@ def test_q4_k_layer_holds_superblocks_and_gives_back_its_rows():
     assert flat.layout == 0 and torch.equal(layer(x), flat(x))
     op, args = layer.kernel(rows=(16, 48))
     assert torch.equal(getattr(torch.ops.attnlab, op)(x, *args), layer(x)[:, 16:48])
+
+
+@pytest.mark.parametrize("N,K", [(37, 256), (16, 512), (5, 768), (50, 1024)])
+def test_q6_k_superblocks_give_the_int8_layouts_bits(N, K):
+    """Q6_K in its superblocks (KQ: the file's 6.5625 bits per weight) equals, bit for bit, the int8:16
+    float32 layout of the same weights (exact integer sums, the same float32 scales), and its rows are
+    dequantize()'s."""
+    from attnlab.kernels import repack
+    rng = np.random.default_rng(N)
+    p = from_gguf(random_blocks("Q6_K", N, K, rng), "Q6_K", (N, K))
+    if ops.load():
+        assert torch.equal(repack.pack_q8(p.q, p.scale, 16, kscale=p.kscale)[0],
+                           repack.pack_q8(p.q, p.scale, 16, kscale=p.kscale, reference=True)[0])
+    wp, fmt = repack.pack_q8(p.q, p.scale, 16, kscale=p.kscale, reference=True)
+    assert fmt == repack.KQ and wp.shape == (-(-N // 16), K // 256, 3360)
+    q, scale, mn = repack.unpack_q8(wp, N, K, 16, False, fmt)
+    assert torch.equal(q, p.q) and torch.equal(scale, p.scale) and mn is None
+    ks = repack.kscales(wp, N, K, "int8")
+    assert torch.equal(ks.sc, p.kscale.sc) and torch.equal(ks.d, p.kscale.d)
+    c = p.q[0, :32].to(torch.int16) + 32  # the high bits' byte layout, spelled out for row 0, pair 1, byte 2
+    assert wp[0, 0, 256 + 64 + 2].item() == sum(int(c[i] >> 4) << s for i, s in ((10, 0), (26, 2), (14, 4), (30, 6)))
+    with pytest.raises(ValueError, match="Q6_K"):  # codes outside -32..31 do not fit 6 bits
+        repack.pack_q8(p.q * 2, p.scale, 16, fmt=repack.KQ, kscale=p.kscale)
+    if not ops.load():
+        return
+    flat, _ = repack.pack_q8(p.q, p.scale, 16, fmt=0)
+    g = torch.Generator().manual_seed(K)
+    for M in (1, 3, 9):
+        x = torch.randn(M, K, generator=g)
+        assert torch.equal(torch.ops.attnlab.q8x_mm(x, wp, N, 16, False, fmt),
+                           torch.ops.attnlab.q8x_mm(x, flat, N, 16, False, 0))
+    ids = torch.tensor([N - 1, 0, N // 2, N - 1])
+    assert torch.equal(torch.ops.attnlab.q8x_rows(wp, ids, K, 16, False, fmt), p.dequantize()[ids])
+
+
+def test_q6_k_head_holds_superblocks_and_embeds():
+    """A tied Q6_K head (a Q4_K_M file's token_embd): 210 bytes per 256 weights held (was 320), the same
+    logits as the int8:16 layout, its embedding rows dequantize()'s bit for bit (in C++ and without)."""
+    from attnlab.kernels import repack
+    N, K = 75, 512
+    p = from_gguf(random_blocks("Q6_K", N, K, np.random.default_rng(6)), "Q6_K", (N, K))
+    layer = QuantLinear(p)
+    ids = torch.tensor([[74, 0, 16, 16], [31, 15, 64, 3]])
+    assert torch.equal(layer.embed_rows(ids), p.dequantize()[ids])
+    with ops.disabled():
+        assert torch.equal(layer.embed_rows(ids), p.dequantize()[ids])
+    if not layer.repacked:
+        pytest.skip("no C++ kernels on this machine")
+    assert layer.layout == repack.KQ and "Q6_K superblocks" in repr(layer)
+    assert layer.nbytes == N * K * 210 // 256
+    back = layer.packed
+    assert torch.equal(back.q, p.q) and torch.equal(back.scale, p.scale) and torch.equal(back.kscale.sc, p.kscale.sc)
+    assert set(layer.state_dict()) == {"q", "scale"}
+    x = torch.randn(2, K, generator=torch.Generator().manual_seed(0))
+    flat = QuantLinear(replace(p, kscale=None))
+    assert flat.layout == 0 and torch.equal(layer(x), flat(x))
+    op, args = layer.kernel(rows=(16, 48))
+    assert torch.equal(getattr(torch.ops.attnlab, op)(x, *args), layer(x)[:, 16:48])
+    with pytest.raises(RuntimeError, match="outside"):
+        layer.embed_rows(torch.tensor([80]))
