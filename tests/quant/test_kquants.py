@@ -125,6 +125,10 @@ def test_mixed_file_runs_in_its_own_formats_with_the_gguf_packages_logits(mixed_
     assert m.layers[1].attn.wqkv.packed.format == "int8:32+min" and m.layers[1].attn.wo.packed.format == "int4:32"
     assert m.lm_head.packed.format == "int8:16" and not any(p.dtype == torch.float32 and p.dim() == 2
                                                              for p in m.parameters())  # no float matrix
+    from attnlab.kernels import repack
+    if ops.load():  # the K-quants alone in a layer keep the file's factors: Q6_K's w2 and head, Q4_K's w2
+        assert m.layers[0].mlp.w2.layout == m.lm_head.layout == repack.KQ
+        assert m.layers[1].mlp.w2.layout == repack.KQ or not m.layers[1].mlp.w2.repacked
     cfg, tensors = read_gguf(mixed_file, packed_types=())  # every matrix dequantised by the gguf package
     ref = LM(build(cfg, tensors))
     ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
@@ -282,3 +286,26 @@ def test_q6_k_head_holds_superblocks_and_embeds():
     assert torch.equal(getattr(torch.ops.attnlab, op)(x, *args), layer(x)[:, 16:48])
     with pytest.raises(RuntimeError, match="outside"):
         layer.embed_rows(torch.tensor([80]))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_step_runs_the_superblocks(mixed_file, threads):
+    """The native decode step, its threads cutting every layer (Q4_K / Q6_K superblocks included) in
+    16-row slices, gives eager's logits on the K-quant mix."""
+    if not ops.load():
+        pytest.skip("no C++ kernels on this machine")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        eager, fast = LM.load(mixed_file, tokenizer=False), LM.load(mixed_file, tokenizer=False)
+        fast.compile_decode()
+        ids = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(1))
+        got = []
+        for lm in (eager, fast):
+            cache = lm.new_cache(capacity=32)
+            lm.prefill(ids[:, :4], cache)
+            got.append(torch.cat([lm.forward(ids[:, t:t + 1], cache) for t in range(4, 16)], 1))
+    finally:
+        torch.set_num_threads(before)
+    assert fast.compiled.calls == {"native": 12, "eager": 0}
+    assert ((got[1] - got[0]).norm() / got[0].norm()) < 1e-4
