@@ -15,9 +15,10 @@
 // (`QuantLinear.kernel(rows=...)`): one per thread, or, for a layer whose parts keep different formats
 // (a Q4_K q/k beside a Q6_K v), one per thread and part, so each part keeps its own kernel and every
 // thread gets a share of every part. Each thread runs its segments' kernels (on one thread:
-// at::parallel_for runs inline in a parallel region) and writes their rows; attention is cut along the cache (each thread one stretch of the slots, merged by
-// log-sum-exp, as flash-decoding does); the elementwise glue runs on one thread or is shared. Barriers
-// separate the phases: ~6 per layer, against a fork/join per kernel call before (~150 per step).
+// at::parallel_for runs inline in a parallel region) and writes their rows; attention is cut along the
+// cache (each thread one stretch of the slots, merged by log-sum-exp, as flash-decoding does); the
+// elementwise glue runs on one thread or is shared. Barriers separate the phases: ~6 per layer, against
+// a fork/join per kernel call before (~150 per step).
 //
 // The Python side (`attnlab/model/native.py`) decides which steps come here (batch 1, one token, no
 // padding, float32 activations, a float32 / float16 / int8 cache) and keeps the cache's bookkeeping

@@ -134,7 +134,8 @@ def build(cfg: ModelConfig, tensors: dict, dtype: torch.dtype | None = torch.flo
 
     Matrices that arrive quantized (`Packed`, from GGUF blocks) are permuted and concatenated as codes,
     never expanded to float. dtype None (with no quant) keeps them in their own formats (the file's: a
-    fused q/k/v or gate/up whose blocks differ is a QuantLinear of parts, each in its own format); a dtype expands them to it; quant (a QuantSpec or its text) makes every linear layer that format.
+    fused q/k/v or gate/up whose blocks differ is a QuantLinear of parts, each in its own format); a dtype
+    expands them to it; quant (a QuantSpec or its text) makes every linear layer that format.
     qk_interleaved: q/k rows already pair adjacent dimensions as the network rotates them (a llama GGUF).
     """
     from attnlab.quant import Packed, quantize_model
