@@ -258,7 +258,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--steps", type=int, default=16, help="decode steps per timed run")
     p.add_argument("--lengths", default="128,1024,4096")
-    p.add_argument("--prefill", type=int, default=512, help="prompt length for the prefill timing")
+    p.add_argument("--prefill", type=int, default=512, help="prompt length for the prefill timing (0: none)")
     p.add_argument("--variants", default=",".join(OURS), help=f"ours (eager) among {','.join(OURS)}")
     p.add_argument("--compile", nargs="?", const="fp32,int4:32", default="", metavar="LIST",
                    help="also the compiled decode step of these (default fp32,int4:32; not limited to --variants)")
@@ -329,12 +329,13 @@ def main(argv=None) -> int:
                 bound = bw * 1e9 / (v.bytes + v.kv_bytes(length))
                 rows.setdefault(v.name, {})[f"decode@{length}"] = {"tok_s": med[v.name], "pct_bound": 100 * med[v.name] / bound}
             print(f"threads {t} depth {length}: " + ", ".join(f"{k} {x:.1f}" for k, x in med.items()), file=sys.stderr)
-        ids = torch.randint(0, 49152, (1, args.prefill), generator=gen)
-        med = interleaved(allv, lambda v: v.prefill(ids), max(3, args.repeats // 2))
-        for v in allv:
-            rows[v.name][f"prefill{args.prefill}"] = {"tok_s": med[v.name]}
+        if args.prefill > 0:
+            ids = torch.randint(0, 49152, (1, args.prefill), generator=gen)
+            med = interleaved(allv, lambda v: v.prefill(ids), max(3, args.repeats // 2))
+            for v in allv:
+                rows[v.name][f"prefill{args.prefill}"] = {"tok_s": med[v.name]}
         results["threads"][t] = rows
-        cols = [f"decode@{n}" for n in lengths] + [f"prefill{args.prefill}"]
+        cols = [f"decode@{n}" for n in lengths] + ([f"prefill{args.prefill}"] if args.prefill > 0 else [])
         base_name = "fp32" if "fp32" in rows else next(iter(rows))
         base = rows[base_name]
         print(f"\n### {t} thread{'s' if t > 1 else ''}: tok/s (x our {base_name} eager; % of bandwidth bound)\n")

@@ -155,9 +155,22 @@ inline void scores(const float* Q, const T* K, int64_t sk, Scales ks, int64_t D,
 // O[g * D ...] = sum_t e^(S[g][t] - M[g]) V[t] (stretches combine by these). Blocks of kBlock rows go
 // through scores, softmax and P.V in turn (flash attention's online softmax): the scores stay in L1
 // and the key and value streams alternate.
+// Keys per scores call and 8-dimension chunks per P.V pass for G query heads: as many as keep the G x R and
+// G x J accumulators in registers (32 vector registers with AVX-512VL, 16 without).
+#if defined(__AVX512VL__)
+constexpr int kRegs = 32;
+#else
+constexpr int kRegs = 16;
+#endif
+template <int G>
+constexpr int kKeys = G * 4 + 2 <= kRegs ? 4 : 2;
+template <int G>
+constexpr int kChunks = G * 4 + G + 1 <= kRegs ? 4 : 2;
+
 template <int G, class T>
 void head(const float* Q, const T* K, const T* V, int64_t sk, int64_t sv, Scales ks, Scales vs, int64_t n, int64_t D,
           float scale, float* O, float* M, float* L) {
+  constexpr int R = kKeys<G>, J = kChunks<G>;
   alignas(32) float S[G][kBlock];
   for (int g = 0; g < G; ++g) M[g] = -INFINITY, L[g] = 0.f;
   std::fill(O, O + G * D, 0.f);
@@ -166,19 +179,19 @@ void head(const float* Q, const T* K, const T* V, int64_t sk, int64_t sv, Scales
     // scores, R keys at a time: G x R independent FMA chains (one chain per score would leave the loop
     // bound by the FMA latency), and each key row read once for the G queries
     int64_t t = 0;
-    for (; t + 4 <= nb; t += 4) {
+    for (; t + R <= nb; t += R) {
       // the next block's values, asked for beside these keys: they arrive during this block's arithmetic
       // (asked for during P.V, a block ahead, they came 1.1-1.3x slower from memory for a float16 cache)
-      for (int r = 0; r < 4; ++r) prefetch_row(V + (t0 + kBlock + t + r) * sv, D);
-      scores<G, 4>(Q, K + (t0 + t) * sk, sk, ks.from(t0 + t), D, scale, S[0] + t, kBlock);
+      for (int r = 0; r < R; ++r) prefetch_row(V + (t0 + kBlock + t + r) * sv, D);
+      scores<G, R>(Q, K + (t0 + t) * sk, sk, ks.from(t0 + t), D, scale, S[0] + t, kBlock);
     }
     for (; t < nb; ++t) scores<G, 1>(Q, K + (t0 + t) * sk, sk, ks.from(t0 + t), D, scale, S[0] + t, kBlock);
     for (int g = 0; g < G; ++g) softmax_block(S[g], nb, M + g, L + g, O + g * D, D);
-    // P.V, all D dimensions of the block (32 at a time: G x 4 accumulators), each row fetched once
-    for (int64_t d0 = 0; d0 < D; d0 += 32) {
+    // P.V, all D dimensions of the block (8 J at a time: G x J accumulators), each row fetched from memory once
+    for (int64_t d0 = 0; d0 < D; d0 += 8 * J) {
       const T* v = V + t0 * sv + d0;
       const Scales vsb = vs.from(t0, d0 / 32);
-      switch (std::min<int64_t>(4, (D - d0) / 8)) {
+      switch (std::min<int64_t>(J, (D - d0) / 8)) {
         case 4: pv<G, 4>(S[0], kBlock, v, sv, vsb, nb, O + d0, D); break;
         case 3: pv<G, 3>(S[0], kBlock, v, sv, vsb, nb, O + d0, D); break;
         case 2: pv<G, 2>(S[0], kBlock, v, sv, vsb, nb, O + d0, D); break;
@@ -192,11 +205,15 @@ void head(const float* Q, const T* K, const T* V, int64_t sk, int64_t sv, Scales
 template <class T>
 void heads(const float* Q, const T* K, const T* V, int64_t sk, int64_t sv, Scales ks, Scales vs, int64_t n, int64_t D,
            int64_t G, float scale, float* O, float* M, float* L) {
-  for (int64_t g = 0; g < G; g += 3) {  // query heads of the group in threes: accumulators stay in registers
-    const int64_t r = std::min<int64_t>(3, G - g);
+  // query heads of the group in fours (G = 4, 8: Llama-3's 32/8) or threes (SmolLM2's 9/3): each pass reads the
+  // stretch's keys and values once, so a 4-head group split 3 + 1 read them twice (1.5x the time at depth 4096)
+  const int64_t step = G % 4 == 0 ? 4 : 3;
+  for (int64_t g = 0; g < G; g += step) {
+    const int64_t r = std::min<int64_t>(step, G - g);
     const float* q = Q + g * D;
     float *o = O + g * D, *m = M + g, *l = L + g;
-    if (r == 3) head<3>(q, K, V, sk, sv, ks, vs, n, D, scale, o, m, l);
+    if (r == 4) head<4>(q, K, V, sk, sv, ks, vs, n, D, scale, o, m, l);
+    else if (r == 3) head<3>(q, K, V, sk, sv, ks, vs, n, D, scale, o, m, l);
     else if (r == 2) head<2>(q, K, V, sk, sv, ks, vs, n, D, scale, o, m, l);
     else head<1>(q, K, V, sk, sv, ks, vs, n, D, scale, o, m, l);
   }

@@ -189,6 +189,15 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int
 
 constexpr int64_t HALF = 1, SYM = 2, KQ = 4;  // layout flags (`repack.HALF`, `repack.SYM`, `repack.KQ`)
 
+// Ask for the group `kAhead` bytes past p (stride bytes) now: the matvec streams one block after another and
+// the hardware prefetchers do not cross 4 KiB pages, so without it each new page starts with misses. Measured on
+// an AMD EPYC (Zen 5, 1 thread, weights from DRAM): 2-8 KiB ahead +9-24% on q4x, +35% on the q8x head;
+// 1 KiB ahead none, 12-16 KiB no better than 8.
+constexpr int64_t kAhead = 8192;
+inline void prefetch(const uint8_t* p, int64_t stride) {
+  for (int64_t o = 0; o < stride; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + kAhead + o, _MM_HINT_T0);
+}
+
 // 16 per-row floats of half h at p: float16 (HALF) or float32.
 template <bool H>
 typename V::F scales(const uint8_t* p, int h) {
@@ -233,6 +242,7 @@ torch::Tensor q4x(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int
     const float* fs = a.fs + m * G;
     typename V::F acc = V::zerof(), accm = V::zerof();
     for (int64_t g = 0; g < G; ++g, p += stride) {
+      if (h == 0 && m == 0) prefetch(p, stride);
       const typename V::F s = scales<H>(p + per * 256, h);
       for (int64_t b = 0; b < per; ++b) {
         const typename V::I t = q4dot(p + b * 256 + h * V::R * 4, xq + (g * per + b) * 32);
@@ -318,6 +328,7 @@ torch::Tensor q8x(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int
     const int32_t* q16 = a.qs16 + m * K / 16;
     typename V::F acc = V::zerof(), accm = V::zerof();
     for (int64_t g = 0; g < G; ++g, p += stride) {
+      if (h == 0 && m == 0) prefetch(p, stride);
       const typename V::F s = scales<H>(p + group * 16, h);
       for (int64_t u = 0; u < group / sub; ++u) {  // sub-blocks of one activation scale and one weight scale
         const int64_t i = g * group + u * sub;  // first input

@@ -11,11 +11,14 @@
 // SiLU, residuals) is a few thousand numbers per layer: plain loops, cheaper than an op call each.
 //
 // Threads: one team for the whole step (an OpenMP parallel region per call, not one per kernel). Each
-// linear layer arrives cut into one slice of output rows per thread (`QuantLinear.kernel(rows=...)`), each
-// thread runs its slice's kernel (on one thread: at::parallel_for runs inline in a parallel region) and
-// writes its rows; attention is cut along the cache (each thread one stretch of the slots, merged by
-// log-sum-exp, as flash-decoding does); the elementwise glue runs on one thread or is shared. Barriers
-// separate the phases: ~6 per layer, against a fork/join per kernel call before (~150 per step).
+// linear layer arrives cut into segments of output rows, each given to one thread
+// (`QuantLinear.kernel(rows=...)`): one per thread, or, for a layer whose parts keep different formats
+// (a Q4_K q/k beside a Q6_K v), one per thread and part, so each part keeps its own kernel and every
+// thread gets a share of every part. Each thread runs its segments' kernels (on one thread:
+// at::parallel_for runs inline in a parallel region) and writes their rows; attention is cut along the
+// cache (each thread one stretch of the slots, merged by log-sum-exp, as flash-decoding does); the
+// elementwise glue runs on one thread or is shared. Barriers separate the phases: ~6 per layer, against
+// a fork/join per kernel call before (~150 per step).
 //
 // The Python side (`attnlab/model/native.py`) decides which steps come here (batch 1, one token, no
 // padding, float32 activations, a float32 / float16 / int8 cache) and keeps the cache's bookkeeping
@@ -40,10 +43,10 @@
 
 namespace {
 
-// y = x W^T (+ b) over output rows [row0, row0 + rows): a dispatcher op with its operands after x (a
-// quantized layer's `kernel(rows=...)`), or a float weight's rows through at::linear.
+// y = x W^T (+ b) over output rows [row0, row0 + rows), run by team thread `thread`: a dispatcher op with
+// its operands after x (a quantized layer's `kernel(rows=...)`), or a float weight's rows through at::linear.
 struct Linear {
-  int64_t row0 = 0, rows = 0;
+  int64_t row0 = 0, rows = 0, thread = 0;
   std::optional<c10::OperatorHandle> op;
   std::vector<c10::IValue> args;
   at::Tensor weight, bias;
@@ -86,7 +89,7 @@ struct DecodeStep : torch::CustomClassHolder {
   at::Tensor embed_w, embed_scale;  // float32 [V, dim], or int8 codes [V, dim] with scales [V, dim / group]
   int64_t embed_group = 0;
   std::vector<at::Tensor> norms;    // attn_norm, mlp_norm per layer, then the final norm
-  std::vector<std::vector<Linear>> linears;  // wqkv, wo, w13, w2 per layer, then the head: row slices, one per thread
+  std::vector<std::vector<Linear>> linears;  // wqkv, wo, w13, w2 per layer, then the head: segments in row order
   std::vector<at::Tensor> k, v, k_scale, v_scale, pos;  // the bound cache's per-layer buffers
   // Phase timings when profiling (`profile(true)`): seconds per thread and phase of its own work ("busy"), and
   // of the phase until its barrier released thread 0 ("wall"), summed over the calls since.
@@ -139,20 +142,22 @@ struct DecodeStep : torch::CustomClassHolder {
     norms.push_back(w);
   }
 
-  // One thread's slice of a linear layer: output rows [row0, row0 + rows) (row0 == 0 starts the next layer).
-  // op: an attnlab op name ("" = float weight rows tensors[0]); its operands after x are filled in the order
-  // of the op's schema from tensors, ints and floats; bias: the slice's rows.
+  // One segment of a linear layer: output rows [row0, row0 + rows), run by team thread `thread` (row0 == 0
+  // starts the next layer). op: an attnlab op name ("" = float weight rows tensors[0]); its operands after x
+  // are filled in the order of the op's schema from tensors, ints and floats; bias: the segment's rows.
   void add_linear(const std::string& op, std::vector<at::Tensor> tensors, std::vector<int64_t> ints,
-                  std::vector<double> floats, std::optional<at::Tensor> bias, int64_t row0, int64_t rows) {
-    TORCH_CHECK(row0 >= 0 && rows > 0, "rows of a slice: row0 >= 0, rows > 0");
+                  std::vector<double> floats, std::optional<at::Tensor> bias, int64_t row0, int64_t rows,
+                  int64_t thread) {
+    TORCH_CHECK(row0 >= 0 && rows > 0, "rows of a segment: row0 >= 0, rows > 0");
+    TORCH_CHECK(thread >= 0 && thread < threads, "thread ", thread, " of a team of ", threads);
     if (row0 == 0) linears.emplace_back();
-    TORCH_CHECK(!linears.empty() && static_cast<int64_t>(linears.back().size()) < threads &&
+    TORCH_CHECK(!linears.empty() &&
                 (linears.back().empty() ? row0 == 0 : row0 == linears.back().back().row0 + linears.back().back().rows),
-                "slices of a layer come in order, at most one per thread");
+                "segments of a layer come in row order, each starting where the last ended");
     Linear l;
-    l.row0 = row0, l.rows = rows;
+    l.row0 = row0, l.rows = rows, l.thread = thread;
     if (bias) {
-      TORCH_CHECK(bias->numel() == rows, "bias: the slice's rows");
+      TORCH_CHECK(bias->numel() == rows, "bias: the segment's rows");
       l.bias = bias->contiguous();
     }
     if (op.empty()) {
@@ -321,15 +326,16 @@ struct DecodeStep : torch::CustomClassHolder {
     });
   }
 
-  // Thread tid's slice of linear i: out[rows] = (or +=) x W[rows]^T (+ b[rows]).
+  // Thread tid's segments of linear i: out[rows] = (or +=) x W[rows]^T (+ b[rows]), each at its own rows.
   void linear(size_t i, int64_t tid, const at::Tensor& x, float* out, bool accumulate) const {
-    if (tid >= static_cast<int64_t>(linears[i].size())) return;
-    const Linear& part = linears[i][tid];
-    const at::Tensor y = part(x).contiguous();
-    const float* Y = y.data_ptr<float>();
-    float* O = out + part.row0;
-    if (accumulate) add(O, Y, part.rows);
-    else std::copy_n(Y, part.rows, O);
+    for (const Linear& seg : linears[i]) {
+      if (seg.thread != tid) continue;
+      const at::Tensor y = seg(x).contiguous();
+      const float* Y = y.data_ptr<float>();
+      float* O = out + seg.row0;
+      if (accumulate) add(O, Y, seg.rows);
+      else std::copy_n(Y, seg.rows, O);
+    }
   }
 
   // Thread tid's stretch of the cache slots [first, n): its attention output and log-sum-exp per query head.

@@ -133,8 +133,9 @@ def build(cfg: ModelConfig, tensors: dict, dtype: torch.dtype | None = torch.flo
     each entry leaves the dict as it is placed, so no matrix is held twice).
 
     Matrices that arrive quantized (`Packed`, from GGUF blocks) are permuted and concatenated as codes,
-    never expanded to float. dtype None (with no quant) keeps them in their own formats (the file's);
-    a dtype expands them to it; quant (a QuantSpec or its text) makes every linear layer that format.
+    never expanded to float. dtype None (with no quant) keeps them in their own formats (the file's: a
+    fused q/k/v or gate/up whose blocks differ is a QuantLinear of parts, each in its own format); a dtype
+    expands them to it; quant (a QuantSpec or its text) makes every linear layer that format.
     qk_interleaved: q/k rows already pair adjacent dimensions as the network rotates them (a llama GGUF).
     """
     from attnlab.quant import Packed, quantize_model
@@ -149,8 +150,8 @@ def build(cfg: ModelConfig, tensors: dict, dtype: torch.dtype | None = torch.flo
         return t.map_rows(fn) if isinstance(t, Packed) else fn(t)
 
     def cat(parts):
-        if all(isinstance(t, Packed) for t in parts):
-            return cat_rows(parts)
+        if all(isinstance(t, Packed) for t in parts):  # formats that differ stay apart natively (no promotion)
+            return parts if native and len({p.format for p in parts}) > 1 else cat_rows(parts)
         return torch.cat([t.dequantize() if isinstance(t, Packed) else t for t in parts])
 
     def take(name):
@@ -169,7 +170,7 @@ def build(cfg: ModelConfig, tensors: dict, dtype: torch.dtype | None = torch.flo
         """Put a matrix where the network takes it: native packed ones become their QuantLinear at once, so
         the row layout (and its repacking transient) is dropped per matrix, never held for the whole model;
         under a dtype each matrix is expanded as it comes."""
-        if native and isinstance(t, Packed):
+        if native and isinstance(t, (Packed, list)):  # a list: row blocks of different formats
             layers[name] = _quant_linear(t, bias)
         elif quant is None and not native:  # --dtype: expanded now, so the model is never held twice
             state[name + ".weight"] = (t.dequantize() if isinstance(t, Packed) else t).to(dtype)
@@ -260,7 +261,7 @@ def _keep_packed(model: Transformer, layers: dict) -> None:
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, leaf, layer)
         if name != "lm_head":
-            formats.append(_format(layer))
+            formats += [_format(part) for part in layer.parts or [layer]]
     if model.cfg.tie_embeddings and "lm_head" in layers:
         model.embed = QuantEmbedding(model.lm_head)
     kinds = sorted(set(formats))

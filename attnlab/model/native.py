@@ -12,7 +12,8 @@ is ready the moment the model is loaded (walking the modules once, milliseconds)
 (`QuantLinear.kernel()`: op name + packed operands, whatever layout the kernels chose; a float
 `nn.Linear` is a matmul). It holds the network's tensors, not its modules: swap a module after
 building the step and build it again (`LM.compile_decode()`). With torch's thread count above one,
-the step runs as one team of threads (each linear cut into a slice of rows per thread, see step.cpp);
+the step runs as one team of threads (each linear cut into a slice of rows per thread, or per thread and
+part for a layer whose parts keep different formats, see step.cpp);
 a changed thread count rebuilds it on the next call. A call covers batch 1, one token,
 no padding, a float32 / float16 / int8 cache, a sliding window over a cache that never evicted;
 anything else returns None and the engine's step runs the eager network instead (so do sparsity
@@ -46,13 +47,22 @@ def kernel_call(layer: nn.Module, rows: tuple[int, int] | None = None) -> tuple[
     return op, tuple(args), layer.bias
 
 
-def _slices(layer: nn.Module, threads: int) -> list[tuple[int, int]]:
-    """Output rows of a linear layer cut into at most `threads` near-equal slices on its kernel's row blocks."""
-    n = layer.out_features
-    align = getattr(layer, "row_align", 1)
-    blocks = -(-n // align)
-    cuts = [min(n, round(blocks * i / threads) * align) for i in range(threads + 1)]
-    return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+def _spans(layer: nn.Module) -> list[tuple[int, int, int]]:
+    """(r0, r1, row_align) of the row ranges one kernel call can serve (`QuantLinear.spans`: each part of a
+    layer whose parts keep different formats); a float layer is one range of single rows."""
+    return layer.spans if type(layer) is QuantLinear else [(0, getattr(layer, "out_features", 0), 1)]
+
+
+def _slices(layer: nn.Module, threads: int) -> list[tuple[int, int, int]]:
+    """(thread, r0, r1): each span of a linear layer cut into at most `threads` near-equal slices on its
+    kernel's row blocks, slice t to thread t (every thread a share of every part), in row order."""
+    out = []
+    for s0, s1, align in _spans(layer):
+        n = s1 - s0
+        blocks = -(-n // align)
+        cuts = [s0 + min(n, round(blocks * i / threads) * align) for i in range(threads + 1)]
+        out += [(t, a, b) for t, (a, b) in enumerate(zip(cuts, cuts[1:])) if b > a]
+    return out
 
 
 def unsupported(model: nn.Module) -> str | None:
@@ -76,9 +86,10 @@ def unsupported(model: nn.Module) -> str | None:
         if (type(b), type(b.attn), type(b.mlp)) != (Block, Attention, FeedForward):
             return "a modified block"
     for layer in _linears(model):
-        why = kernel_call(layer)
-        if isinstance(why, str):
-            return why
+        for r0, r1, _ in _spans(layer):
+            why = kernel_call(layer, (r0, r1))
+            if isinstance(why, str):
+                return why
     return None
 
 
@@ -100,7 +111,8 @@ class NativeStep:
         self._build(torch.get_num_threads())
 
     def _build(self, threads: int) -> None:
-        """The C++ step for a team of `threads`: each linear layer cut into one slice of rows per thread."""
+        """The C++ step for a team of `threads`: each linear layer cut into one slice of rows per thread
+        (per thread and part where its parts keep different formats)."""
         model, cfg = self.model, self.model.cfg
         self.team = bool(torch.classes.attnlab.DecodeStep.openmp())  # can the step run more than one thread
         if not self.team:
@@ -122,7 +134,7 @@ class NativeStep:
             self.step.add_norm(b.mlp_norm.weight.detach())
         self.step.add_norm(model.norm.weight.detach())
         for layer in _linears(model):
-            for r0, r1 in _slices(layer, threads):
+            for thread, r0, r1 in _slices(layer, threads):
                 op, args, bias = kernel_call(layer, (r0, r1))
                 tensors = [a for a in args if isinstance(a, torch.Tensor)]
                 ints = [int(a) for a in args if isinstance(a, int)]  # bools included
@@ -130,7 +142,7 @@ class NativeStep:
                 if len(tensors) + len(ints) + len(floats) != len(args):
                     raise ValueError(f"{op}: operands the native step cannot pass")
                 bias = None if bias is None else bias.detach()[r0:r1].float()
-                self.step.add_linear(op, tensors, ints, floats, bias, r0, r1 - r0)
+                self.step.add_linear(op, tensors, ints, floats, bias, r0, r1 - r0, thread)
         self._bound: tuple = ()
 
     def __call__(self, ids: torch.Tensor, step, kvs: list) -> torch.Tensor | None:

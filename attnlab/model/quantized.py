@@ -102,6 +102,8 @@ def _packed(path, name: str, info, tensors: dict, want: tuple[int, int]) -> Pack
     expect = {"int8": {"q": ((N, K), torch.int8), "scale": ((N, groups), None)},
               "int4": {"qs": ((N, K // 2), torch.uint8), "scale": ((N, groups), None), "min": ((N, groups), None)},
               "kmeans": {"qs": ((N, K // 2), torch.uint8), "codebook": ((N, groups, 16), None)}}[kind]
+    if kind == "int8" and f"{name}.min" in tensors:  # GGUF K-quants' min (Q5_K), or a promoted layer of parts
+        expect["min"] = ((N, groups), None)
     parts = {}
     for part, (shape, dt) in expect.items():
         t = tensors.pop(f"{name}.{part}", None)

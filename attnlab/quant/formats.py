@@ -82,6 +82,15 @@ def promote(p: Packed, kind: str, group: int, with_min: bool) -> Packed:
     return Packed("int8", p.shape, group, 8, q=q, scale=scale, min=mn)
 
 
+def common_format(parts: list[Packed]) -> tuple[str, int, bool]:
+    """(kind, group, with_min): the smallest format every one of parts fits exactly (`promote`)."""
+    if any(p.format != parts[0].format for p in parts) and any(p.kind == "kmeans" for p in parts):
+        raise AttnlabError("cannot concatenate k-means matrices of different formats")
+    kinds = {p.kind for p in parts}
+    kind = kinds.pop() if len(kinds) == 1 else "int8"  # int4 codes fit int8, never the reverse
+    return kind, min(p.group for p in parts), any(p.min is not None for p in parts)
+
+
 def cat_rows(parts: list[Packed]) -> Packed:
     """Rows of several matrices as one (the fused q/k/v and gate/up); mixed formats (a Q4_K_M file's Q4_K
     q beside a Q6_K v) meet in the smallest format all fit exactly (`promote`), never dequantised. The K-quant
@@ -90,12 +99,8 @@ def cat_rows(parts: list[Packed]) -> Packed:
     if any(p.shape[1] != first.shape[1] for p in parts):
         raise AttnlabError("cannot concatenate matrices of different widths")
     if any(p.format != first.format for p in parts):
-        if any(p.kind == "kmeans" for p in parts):
-            raise AttnlabError("cannot concatenate k-means matrices of different formats")
-        kind = "int4" if all(p.kind == "int4" for p in parts) else "int8"
-        group = min(p.group for p in parts)
-        with_min = any(p.min is not None for p in parts)
-        parts = [promote(p, kind, group, with_min) for p in parts]
+        fmt = common_format(parts)
+        parts = [promote(p, *fmt) for p in parts]
         first = parts[0]
     fields = {k: torch.cat([p.tensors()[k] for p in parts]) for k in first.tensors()}
     ks = [p.kscale for p in parts]

@@ -18,7 +18,7 @@ from torch import nn
 
 from attnlab.errors import AttnlabError
 from attnlab.kernels import ops, repack
-from attnlab.quant.formats import Packed, quantize_int4, quantize_int8, quantize_kmeans
+from attnlab.quant.formats import Packed, cat_rows, common_format, quantize_int4, quantize_int8, quantize_kmeans
 
 FUSED_MAX_ROWS = 8
 METHODS = ("int8", "int4", "kmeans")
@@ -84,12 +84,27 @@ class QuantSpec:
 
 
 class QuantLinear(nn.Module):
-    """y = x W^T (+ b) with W kept as a `Packed` matrix; x [..., K] -> [..., N] in x's dtype."""
+    """y = x W^T (+ b) with W kept as a `Packed` matrix; x [..., K] -> [..., N] in x's dtype.
+
+    packed may be a list of row blocks (the fused q/k/v, gate/up): consecutive ones of one format are
+    concatenated (`cat_rows`), and where formats still differ (a Q4_K_M file's Q4_K q, k beside a Q6_K v)
+    each keeps its own as a part, a QuantLinear in `parts` with its own buffers and kernel, rather than
+    all being promoted to the format that holds every one (int8 groups of 16 with a min: ~12 bits a
+    weight for 4.5-bit q and k). Such a layer presents the promoted format as its own (kind, group,
+    `packed`, `row_operands`, the state dict: rebuilt on demand, paid only by their users); its forward,
+    `nbytes` and the native step (`spans`, `kernel(rows)`) work per part."""
 
     max_rows = FUSED_MAX_ROWS  # longer inputs are multiplied by the dequantised matrix (faster for prefill)
 
-    def __init__(self, packed: Packed, bias: torch.Tensor | None = None, fused: bool = True):
+    def __init__(self, packed: Packed | list[Packed], bias: torch.Tensor | None = None, fused: bool = True):
         super().__init__()
+        self.parts = None
+        if isinstance(packed, list):
+            runs = _runs(packed)
+            if len(runs) > 1:
+                self._init_parts(runs, bias, fused)
+                return
+            packed = runs[0]
         self.kind, self.group, self.bits, self.fused = packed.kind, packed.group, packed.bits, fused
         if fused:
             ops.load()  # build now, never inside a torch.compile trace
@@ -113,6 +128,15 @@ class QuantLinear(nn.Module):
             self.register_buffer("lut_scale", scale, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
 
+    def _init_parts(self, runs: list[Packed], bias: torch.Tensor | None, fused: bool) -> None:
+        self.kind, self.group, has_min = common_format(runs)
+        self.bits, self.fused, self.repacked = 4 if self.kind == "int4" else 8, fused, False
+        self.has_min = self.kind == "int8" and has_min
+        self.out_features, self.in_features = sum(p.shape[0] for p in runs), runs[0].shape[1]
+        self.parts = nn.ModuleList(QuantLinear(p, fused=fused) for p in runs)
+        self.register_state_dict_post_hook(_drop_parts)  # saved in the promoted form (`_save_to_state_dict`)
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+
     def _repackable(self) -> bool:
         """The repacked kernels' shapes: int4 (groups of 32k), int8 with groups of 16 or 32k, K of 32k."""
         K, g = self.in_features, self.group
@@ -126,6 +150,8 @@ class QuantLinear(nn.Module):
     def packed(self) -> Packed:
         """The weight in the row layout (rebuilt from the 16-row blocks when repacked: a new copy)."""
         N, K = self.out_features, self.in_features
+        if self.parts is not None:
+            return cat_rows([p.packed for p in self.parts])
         if getattr(self, "repacked", False):
             ks = repack.kscales(self.wp, N, K, self.kind) if self.layout == repack.KQ else None
             if self.kind == "int4":
@@ -139,13 +165,15 @@ class QuantLinear(nn.Module):
                       **{n: getattr(self, n) for n in names if hasattr(self, n)})
 
     def dequantize(self) -> torch.Tensor:
+        if self.parts is not None:  # the promoted form's values exactly (`promote` rounds nothing)
+            return torch.cat([p.dequantize() for p in self.parts])
         return self.packed.dequantize()
 
     def row_operands(self) -> tuple:
         """The row layout's operands of the rows ops (`ops.bound_rows`): (q, scale, group) for int8,
-        (qs, scale, min, group) for int4. Repacked weights rebuild it once and keep it (a second copy,
-        paid only by Deja Vu's row-sparse MLP)."""
-        if not self.repacked:
+        (qs, scale, min, group) for int4. Repacked weights, and a layer of parts (in the promoted format),
+        rebuild it once and keep it (a second copy, paid only by Deja Vu's row-sparse MLP)."""
+        if not self.repacked and self.parts is None:
             return (self.q, self.scale, self.group) if self.kind == "int8" else (
                 self.qs, self.scale, self.min, self.group)
         if getattr(self, "_rows", None) is None:
@@ -158,6 +186,12 @@ class QuantLinear(nn.Module):
         read the rows from their blocks in C++ (`q8x_rows`: a decode step's lookup was ~0.2 ms of Python
         unpacking); int4 ones unpack only the 16-row blocks that hold the rows asked for."""
         flat = ids.reshape(-1)
+        if self.parts is not None:  # each id's row from the part that holds it
+            out = torch.empty(flat.numel(), self.in_features)
+            for (r0, r1, _), part in zip(self.spans, self.parts):
+                at = ((flat >= r0) & (flat < r1)).nonzero().view(-1)
+                out[at] = part.embed_rows(flat[at] - r0)
+            return out.view(*ids.shape, -1)
         if not self.repacked:
             return self.packed.map_rows(lambda t: t[flat]).dequantize().view(*ids.shape, -1)
         R, n, K, g = repack.ROWS, flat.numel(), self.in_features, self.group
@@ -174,24 +208,43 @@ class QuantLinear(nn.Module):
         return p.map_rows(lambda t: t[pick]).dequantize().view(*ids.shape, -1)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        """Saved in the row layout whatever the layout in memory (checkpoints do not depend on the CPU)."""
+        """Saved in the row layout whatever the layout in memory (checkpoints do not depend on the CPU);
+        a layer of parts in the promoted format (what `packed` gives: one format per saved layer, as
+        `attnlab.quant.store` writes them; it loads back as a single-format layer of the same values)."""
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        if getattr(self, "repacked", False):
-            destination.pop(prefix + "wp")
+        if self.parts is not None or getattr(self, "repacked", False):
+            destination.pop(prefix + "wp", None)
             for name, t in self.packed.tensors().items():
                 destination[prefix + name] = t
 
     @property
     def nbytes(self) -> int:
         """Bytes of the weight as held (repacked: the layout's scale bytes, rows unpadded)."""
+        if self.parts is not None:
+            return sum(p.nbytes for p in self.parts)
         if not self.repacked:
             return self.packed.nbytes
         return repack.nbytes(self.kind, self.out_features, self.in_features, self.group, self.has_min, self.layout)
 
     @property
     def row_align(self) -> int:
-        """Output rows come in blocks of this many: where `kernel(rows=...)` may cut the matrix."""
+        """Output rows come in blocks of this many: where `kernel(rows=...)` may cut the matrix (a layer
+        of parts: within each part, counted from its first row; see `spans`)."""
+        if self.parts is not None:
+            return max(p.row_align for p in self.parts)
         return repack.ROWS if self.repacked else 1
+
+    @property
+    def spans(self) -> list[tuple[int, int, int]]:
+        """(r0, r1, row_align) of the row ranges one `kernel(rows=...)` call can serve: the whole matrix,
+        or each part of a layer of parts."""
+        if self.parts is None:
+            return [(0, self.out_features, self.row_align)]
+        out, r0 = [], 0
+        for p in self.parts:
+            out.append((r0, r0 + p.out_features, p.row_align))
+            r0 += p.out_features
+        return out
 
     def kernel(self, rows: tuple[int, int] | None = None) -> tuple[str, tuple]:
         """(op name, operands): `getattr(torch.ops.attnlab, name)(x, *operands)` is x @ W^T for x [M, K]
@@ -199,8 +252,15 @@ class QuantLinear(nn.Module):
         a native step (or anyone else) calls the fused kernel without reading buffers itself.
 
         rows=(r0, r1): the operands of output rows r0..r1 only, as views (r0 and r1 multiples of
-        `row_align`, or r1 = N): how a caller splits one matvec across threads."""
+        `row_align`, or r1 = N): how a caller splits one matvec across threads. A layer of parts has a
+        kernel per part: rows must lie in one part (`spans`), on that part's row blocks."""
         N = self.out_features
+        if self.parts is not None:
+            for (s0, s1, _), part in zip(self.spans, self.parts):
+                if rows and s0 <= rows[0] < rows[1] <= s1:
+                    return part.kernel((rows[0] - s0, rows[1] - s0))
+            raise ValueError(f"rows {rows} of a layer of parts {[s[:2] for s in self.spans]}: "
+                             "a kernel call covers rows of one part")
         r0, r1 = rows or (0, N)
         a = self.row_align
         if not (0 <= r0 < r1 <= N and r0 % a == 0 and (r1 % a == 0 or r1 == N)):
@@ -219,6 +279,11 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).float()
+        if self.parts is not None:  # each part's own product (its kernel, or its dequantised rows)
+            y = torch.cat([p(x2) for p in self.parts], 1)
+            if self.bias is not None:
+                y = y + self.bias
+            return y.view(*shape[:-1], self.out_features).to(x.dtype)
         # repacked blocks: the integer kernel at any M (prefill too: faster than dequantise + float matmul)
         if self.fused and (x2.shape[0] <= self.max_rows or self.repacked) and ops.enabled():
             name, args = self.kernel()
@@ -230,11 +295,33 @@ class QuantLinear(nn.Module):
         return y.view(*shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
+        if self.parts is not None:
+            return f"{self.in_features} -> {self.out_features}, parts (promoted: {self.kind}:{self.group}" + (
+                "+min" if self.has_min else "") + f"), fused={self.fused}"
         g = f", group={self.group}" if self.group else ""
         r = "" if not self.repacked else ", repacked" + (", fp16 scales" if self.layout & repack.HALF else "") + (
             ", min -8*scale" if self.layout & repack.SYM else "") + (
             f", {'Q4_K' if self.kind == 'int4' else 'Q6_K'} superblocks" if self.layout == repack.KQ else "")
         return f"{self.in_features} -> {self.out_features}, {self.kind}{g}, bits={self.bits}, fused={self.fused}{r}"
+
+
+def _runs(packed: list[Packed]) -> list[Packed]:
+    """Row blocks -> one Packed per run of consecutive blocks of one format (`cat_rows`)."""
+    if any(p.shape[1] != packed[0].shape[1] for p in packed):
+        raise AttnlabError("cannot concatenate matrices of different widths")
+    runs: list[list[Packed]] = []
+    for p in packed:
+        if runs and runs[-1][-1].format == p.format:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    return [run[0] if len(run) == 1 else cat_rows(run) for run in runs]
+
+
+def _drop_parts(module, state, prefix, local_metadata) -> None:
+    """State-dict hook of a layer of parts: the parts' own entries go (the layer saved its promoted form)."""
+    for key in [k for k in state if k.startswith(prefix + "parts.")]:
+        del state[key]
 
 
 class QuantEmbedding(nn.Module):

@@ -42,9 +42,10 @@ def test_log_sum_exp_merges_stretches_of_the_cache(threads, n, cut):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("Hq,Hkv,D,n", [(9, 3, 64, 1), (9, 3, 64, 37), (32, 8, 128, 300), (4, 4, 64, 5),
-                                        (14, 2, 64, 129), (7, 1, 72, 17), (8, 2, 40, 1000)])
+                                        (14, 2, 64, 129), (7, 1, 72, 17), (8, 2, 40, 1000),
+                                        (16, 2, 64, 70)])
 def test_decode_attention_equals_sdpa(dtype, Hq, Hkv, D, n):
-    """Every grouping (1 to 7 query heads per KV head, in threes and a remainder), head sizes that are
+    """Every grouping (1 to 8 query heads per KV head, in fours, or in threes and a remainder), head sizes that are
     not multiples of 32, lengths with and without a tail of 4 or 8, and strided cache slices."""
     g = torch.Generator().manual_seed(n)
     q = torch.randn(2, Hq, 1, D, generator=g) * 2
@@ -56,7 +57,7 @@ def test_decode_attention_equals_sdpa(dtype, Hq, Hkv, D, n):
 
 
 @pytest.mark.parametrize("Hq,Hkv,D,n", [(9, 3, 64, 1), (9, 3, 64, 37), (32, 8, 128, 300), (14, 2, 64, 129),
-                                        (7, 1, 96, 17)])
+                                        (7, 1, 96, 17), (16, 4, 64, 33)])
 def test_decode_attention_int8_equals_sdpa_over_the_dequantised_cache(Hq, Hkv, D, n):
     """An int8 cache (codes + a scale per 32 dimensions, strided slices of larger buffers): the same
     result as SDPA over its dequantised keys and values, and close to the float cache it rounds."""

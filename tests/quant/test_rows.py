@@ -108,6 +108,22 @@ def test_kmeans_and_naive_layers_fall_back_to_dequantised_rows():
         torch.testing.assert_close(rows_combine(layer, a, idx), a @ d[idx], atol=1e-5, rtol=1e-5)
 
 
+def test_k_quant_layers_and_layers_of_parts_fall_back_to_dequantised_rows():
+    """int8 with a min or in groups of 16 (Q5_K, Q6_K; a layer of parts' promoted form) has no rows kernel."""
+    from attnlab.quant import Packed
+    from attnlab.quant.formats import quantize_int4, quantize_int8
+    g = torch.Generator().manual_seed(3)
+    x, a, idx = torch.randn(128, generator=g), torch.randn(5, generator=g), torch.tensor([0, 31, 7, 7, 20])
+    q6k = quantize_int8(torch.randn(32, 128, generator=g), 16)
+    q5k = Packed("int8", (32, 128), 32, 8, q=torch.randint(0, 32, (32, 128), dtype=torch.int8, generator=g),
+                 scale=torch.rand(32, 4, generator=g) * 0.01, min=-torch.rand(32, 4, generator=g) * 0.1)
+    parts = QuantLinear([quantize_int4(torch.randn(64, 128, generator=g)), q6k])
+    for layer in (QuantLinear(q6k), QuantLinear(q5k), parts):
+        d = layer.dequantize()
+        torch.testing.assert_close(rows_matvec(layer, x, idx), (d @ x)[idx])
+        torch.testing.assert_close(rows_combine(layer, a, idx), a @ d[idx])
+
+
 def test_bias_is_ignored():
     lin = nn.Linear(64, 10)
     x, idx = torch.randn(64), torch.tensor([3, 1])
