@@ -268,6 +268,7 @@ torch::Tensor q4k(const torch::Tensor& x, const torch::Tensor& w, int64_t N) {
     const float* fs = a.fs + m * K / 32;
     typename V::F acc = V::zerof(), accm = V::zerof();
     for (int64_t g = 0; g < G; ++g, p += stride) {
+      if (h == 0 && m == 0) prefetch(p, stride);
       const typename V::F sd = scales<true>(p + 2304, h), md = V::mul(scales<true>(p + 2336, h), V::set1(-1.f));
       for (int64_t u = 0; u < 8; ++u) {
         const int64_t b = g * 8 + u;  // the 32-input block
@@ -292,6 +293,7 @@ torch::Tensor q6k(const torch::Tensor& x, const torch::Tensor& w, int64_t N) {
     const int32_t* q16 = a.qs16 + m * K / 16;
     typename V::F acc = V::zerof();
     for (int64_t g = 0; g < G; ++g, p += stride) {
+      if (h == 0 && m == 0) prefetch(p, stride);
       const typename V::F sd = scales<true>(p + 3328, h);
       for (int64_t u = 0; u < 8; ++u) {
         const int64_t b = g * 8 + u;  // the 32-input block
