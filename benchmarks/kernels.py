@@ -22,6 +22,7 @@ microseconds per call, the speedup over the first variant, 2-thread over 1-threa
 the `gguf` package from random weights) stored two ways, interleaved: scales (and mins) as float32, the
 layout before fp16 scales, and as the layout the values allow (`repack.q4_layout`: float16, Q4_0 with no
 min). Shapes: SmolLM2-135M's and Llama-3.2-1B's. Printed: us per call, bytes per weight, GB/s, speedup.
+Q4_K and Q6_K (random blocks) run their superblock layout (`repack.KQ`, flag "kq") against the float32 one.
 `python benchmarks/kernels.py --layouts --threads 1 --repeats 9`
 """
 from __future__ import annotations
@@ -208,7 +209,23 @@ def compare_variants(args) -> None:
 # (name, N, K, GGUF type): SmolLM2-135M's and Llama-3.2-1B's matvecs (the 1B head: SmolLM's 49152 tokens, Q8_0)
 LAYOUT_SHAPES = [("w13", 2 * H, D, "Q4_1"), ("w2", D, H, "Q4_1"), ("w13", 2 * H, D, "Q4_0"),
                  ("1B wqkv", 3072, 2048, "Q4_0"), ("1B wo", 2048, 2048, "Q4_0"), ("1B w13", 16384, 2048, "Q4_0"),
-                 ("1B w2", 2048, 8192, "Q4_0"), ("1B w13", 16384, 2048, "Q4_1"), ("1B head", 49152, 2048, "Q8_0")]
+                 ("1B w2", 2048, 8192, "Q4_0"), ("1B w13", 16384, 2048, "Q4_1"), ("1B head", 49152, 2048, "Q8_0"),
+                 ("1B w2", 2048, 8192, "Q4_K"), ("1B w13/2", 8192, 2048, "Q4_K"), ("1B w2", 2048, 8192, "Q6_K"),
+                 ("1B w13/2", 8192, 2048, "Q6_K")]
+_K_HALVES = {"Q4_K": (0, 2), "Q6_K": (208,)}  # where K-quant blocks keep their float16 d (and dmin)
+
+
+def random_k_blocks(kind: str, N: int, K: int, seed: int):
+    """Random Q4_K / Q6_K blocks (`gguf.quants` cannot quantize to them): any code and scale bytes, small
+    float16 d: the kernels' time does not depend on the values."""
+    import numpy as np
+
+    from attnlab.quant.formats import _BLOCK_BYTES
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(N * K // 256, _BLOCK_BYTES[kind][1]), dtype=np.uint8)
+    for at in _K_HALVES[kind]:
+        raw[:, at:at + 2] = rng.normal(0, 0.003, size=raw.shape[0]).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return raw
 
 
 def layout_calls(N: int, K: int, kind: str, copies: int, g: torch.Generator) -> dict:
@@ -219,15 +236,18 @@ def layout_calls(N: int, K: int, kind: str, copies: int, g: torch.Generator) -> 
     from attnlab.quant.formats import from_gguf
     out = {}
     for _ in range(copies):
-        w = (torch.randn(N, K, generator=g) * 0.05).numpy()
-        p = from_gguf(gguf.quants.quantize(w, gguf.GGMLQuantizationType[kind]), kind, (N, K))
+        if kind in _K_HALVES:
+            p = from_gguf(random_k_blocks(kind, N, K, int(torch.randint(1 << 30, (1,), generator=g))), kind, (N, K))
+        else:
+            w = (torch.randn(N, K, generator=g) * 0.05).numpy()
+            p = from_gguf(gguf.quants.quantize(w, gguf.GGMLQuantizationType[kind]), kind, (N, K))
         x = torch.randn(1, K, generator=g)
         for fmt in (0, None):
             if p.kind == "int4":
-                wp, f = repack.pack_q4(p.qs, p.scale, p.min, p.group, fmt)
+                wp, f = repack.pack_q4(p.qs, p.scale, p.min, p.group, fmt, kscale=p.kscale)
                 op, args = torch.ops.attnlab.q4x_mm, (wp, N, p.group, f)
             else:
-                wp, f = repack.pack_q8(p.q, p.scale, p.group, None, fmt)
+                wp, f = repack.pack_q8(p.q, p.scale, p.group, None, fmt, kscale=p.kscale)
                 op, args = torch.ops.attnlab.q8x_mm, (wp, N, p.group, False, f)
             out.setdefault(f, []).append((lambda op=op, x=x, args=args: op(x, *args), wp.numel() * N / (wp.shape[0] * 16)))
     return out
@@ -266,7 +286,8 @@ def compare_layouts(args) -> None:
         med = {f: statistics.median(v) for f, v in times.items()}
         nb = {f: calls[f][0][1] for f in fmts}
         new = fmts[-1]
-        flags = ("h" if new & repack.HALF else "") + ("s" if new & repack.SYM else "") or "-"
+        flags = ("h" if new & repack.HALF else "") + ("s" if new & repack.SYM else "") + (
+            "kq" if new & repack.KQ else "") or "-"
         print(f"{name:9} {kind:5} {N:>6}x{K:<5} {med[0] * 1e6:9.1f} {med[new] * 1e6:9.1f} {flags:>7} "
               f"{nb[0] / (N * K):8.4f} {nb[new] / (N * K):8.4f} {nb[0] / med[0] / 1e9:9.1f} {nb[new] / med[new] / 1e9:9.1f} "
               f"{med[0] / med[new]:8.2f} {nb[0] / nb[new]:11.2f}", flush=True)
