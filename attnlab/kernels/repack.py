@@ -73,6 +73,7 @@ def _bytes(t: torch.Tensor, nb: int, S: int) -> torch.Tensor:
 
 
 def _unbytes(b: torch.Tensor, N: int) -> torch.Tensor:
+    """_bytes' inverse: [nb, S, n * 16] -> [N, S * n] uint8."""
     nb, S = b.shape[:2]
     return b.reshape(nb, S, -1, ROWS).permute(0, 3, 1, 2).reshape(nb * ROWS, -1)[:N]
 
@@ -81,6 +82,7 @@ def _check_kq(kscale, scale: torch.Tensor, min_: torch.Tensor | None, group: int
     """KQ needs the K-quant factors of exactly these scales (and mins), groups of 32 (Q4_K) or 16 (Q6_K)."""
     if kscale is None or K % SUPER or group != (32 if kscale.m is not None else 16):
         raise ValueError(f"KQ layout asked without K-quant factors of groups of {group} on {K} inputs")
+
     def product(f, s):  # the loader's float32 product of each group's factors
         return f.float().repeat_interleave(SUPER // group, 1) * s.float()
     if not torch.equal(product(kscale.d, kscale.sc), scale.float()) or (
