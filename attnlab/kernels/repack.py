@@ -197,11 +197,12 @@ def pack_q8(q: torch.Tensor, scale: torch.Tensor, group: int, min_: torch.Tensor
     uint8 [ceil(N/16), K/256, 3360])."""
     N, K = q.shape
     nb, G = -(-N // ROWS), K // group
-    if fmt is None and _q6_fits(q, kscale, group, min_):
+    fits = (fmt is None or fmt == KQ) and _q6_fits(q, kscale, group, min_)  # one pass over the codes
+    if fmt is None and fits:
         fmt = KQ
     if fmt == KQ:
         _check_kq(kscale, scale, None, group, K)
-        if not _q6_fits(q, kscale, group, min_):
+        if not fits:
             raise ValueError("KQ layout asked for int8 codes that are not Q6_K's (-32..31, groups of 16, no min)")
         return _pack_q6k(q, kscale, nb, reference), KQ
     if fmt is None:
