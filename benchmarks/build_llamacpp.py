@@ -98,6 +98,20 @@ def smoke(bin_dir: Path) -> str:
     return "ok"
 
 
+def batch_dies(bin_dir: Path) -> bool:
+    """The AMX probe that counts: a 32-token batch through the embedded model dies (a tile instruction the OS or
+    the compiled code gets wrong), while -ub 1 runs. False where the embedded model is not installed."""
+    try:
+        from attnlab.model.files import resolve
+        model = resolve("smollm2-135m")
+    except Exception:  # noqa: BLE001 - the probe is optional
+        return False
+    cmd = [str(bin_dir / "llama-bench"), "-m", str(model), "-t", "1", "-p", "32", "-n", "0", "-r", "1"]
+    if subprocess.run(cmd, capture_output=True, timeout=300).returncode == 0:
+        return False
+    return subprocess.run(cmd + ["-ub", "1"], capture_output=True, timeout=300).returncode == 0
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prefix", type=Path, default=llamacpp.BUILD_ROOT, help="install root (default build/llamacpp)")
@@ -117,6 +131,9 @@ def main(argv=None) -> None:
                 "ub1": spec["ub1"], "note": spec["note"], "cpu": llamacpp.cpu_model()}
         install(bins, args.prefix / name, meta)
         smoke(args.prefix / name / "bin")
+        if not spec["ub1"] and batch_dies(args.prefix / name / "bin"):
+            meta.update(ub1=True, note=spec["note"] + "; a 32-token batch dies, one token at a time runs: -ub 1")
+            (args.prefix / name / "build.json").write_text(json.dumps(meta, indent=1) + "\n")
         print(f"{name}: {args.prefix / name / 'bin'} ({spec['note']}{'; run with -ub 1' if spec['ub1'] else ''})")
 
 

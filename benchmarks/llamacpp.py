@@ -26,7 +26,12 @@ def plan_builds(flags: set[str], granted: bool) -> dict[str, dict]:
     AVX-512 VNNI / AMX path); when the CPU has AMX but the OS forbids tiles, batches above one token die with
     SIGILL, so it runs with `-ub 1` (recorded, not hidden). generic: the CPU's ISA flags, AMX off."""
     amx_cpu = "amx_tile" in flags
-    native = {"cmake": ["-DGGML_NATIVE=ON"], "ub1": amx_cpu and not granted,
+    # GCC 12 drops the stores that fill ggml's AMX tile configuration before `ldtilecfg` (dead-store elimination
+    # does not see the intrinsic read them; RTL dead-store elimination): the native build then dies with a general
+    # protection fault on its first batch. -fno-dse keeps them.
+    native = {"cmake": ["-DGGML_NATIVE=ON"] + (["-DCMAKE_C_FLAGS=-fno-dse", "-DCMAKE_CXX_FLAGS=-fno-dse"]
+                                               if amx_cpu and granted else []),
+              "ub1": amx_cpu and not granted,
               "note": ("AMX in the CPU but not granted by the OS: batches > 1 token need -ub 1"
                        if amx_cpu and not granted else "AMX " + ("granted" if amx_cpu else "absent"))}
     generic = {"cmake": ["-DGGML_NATIVE=OFF"] + [f"-D{opt}={'ON' if flag in flags else 'OFF'}"
