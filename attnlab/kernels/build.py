@@ -7,7 +7,7 @@ compute-bound on AVX2 CPUs, and inductor turns a codebook lookup into scalar gat
 multiply in integers, llama.cpp's way. The build needs a C++ compiler and AVX2; without them `load()`
 is False and every op of `attnlab.kernels.ops` takes its pure-torch fallback.
 
-One extension per ISA variant (`isa.LEVELS`: avx2, avxvnni, avx512, avx512vnni), each in its own build
+One extension per ISA variant (`isa.LEVELS`: avx2, avxvnni, avx512, avx512vnni, amx), each in its own build
 folder and .so, the same sources and op names: the compile flags pick the code paths (`#if
 defined(__AVX512VNNI__)`). A process loads one, the best its CPU runs (`isa.best`, `ATTNLAB_ISA`
 forces a lower one); `variant()` says which. Only the variant loaded is built, on first use.
@@ -27,7 +27,7 @@ from attnlab.kernels import isa
 _STATE: dict = {}
 SOURCES = ("kernels.cpp", "attend.cpp", "repacked.cpp", "step.cpp", "sparse_cols.cpp")  # quantized matmuls;
 # attention over the KV cache; matvecs over 16-row repacked weights; the native decode step; TEAL's column ops
-REPACK = ("avx512vnni",)  # variants whose QuantLinear repacks int4/int8 weights (ATTNLAB_REPACK=0/1 overrides)
+REPACK = ("avx512vnni", "amx")  # variants whose QuantLinear repacks int4/int8 weights (ATTNLAB_REPACK=0/1 overrides)
 FLAGS = ("-O3",)  # + the variant's ISA flags (isa.LEVELS)
 CACHE = Path(os.environ.get("ATTNLAB_CACHE", Path.home() / ".cache" / "attnlab")) / "kernels"
 
@@ -42,7 +42,7 @@ def load() -> bool:
 
 
 def variant() -> str | None:
-    """The ISA variant the process runs ('avx2', 'avxvnni', 'avx512', 'avx512vnni'), None without kernels."""
+    """The ISA variant the process runs ('avx2', 'avxvnni', 'avx512', 'avx512vnni', 'amx'), None without kernels."""
     return _STATE.get("isa") if load() else None
 
 

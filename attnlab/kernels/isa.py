@@ -4,8 +4,9 @@ Why: one extension built for the best ISA the machine has (AVX-512 VNNI's `vpdpb
 int8 pairs per instruction, four times AVX2's maddubs+madd), AVX2 + FMA + F16C the portable floor.
 The flags come from /proc/cpuinfo, which Linux fills only with what the kernel enabled in XCR0, so
 AVX-512 is listed only where the OS saves its registers. AMX needs one more step: the OS grants its
-tile data per process (`arch_prctl(ARCH_REQ_XCOMP_PERM)`); reported, no kernel uses it yet.
-`ATTNLAB_ISA=avx2|avxvnni|avx512|avx512vnni` forces a variant (an error if the CPU lacks it).
+tile data per process (`arch_prctl(ARCH_REQ_XCOMP_PERM)`), so the `amx` variant (avx512vnni plus tile
+multiplies for inputs of 16 rows and more: prefill) counts as supported only where that grant succeeds.
+`ATTNLAB_ISA=avx2|avxvnni|avx512|avx512vnni|amx` forces a variant (an error if the CPU lacks it).
 """
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ LEVELS = {
     "avx512vnni": (("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"),
                    ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
                     "-mavx512vnni")),
+    "amx": (("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "amx_tile",
+             "amx_int8"), ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+                           "-mavx512vnni", "-mamx-tile", "-mamx-int8")),
 }
 _CACHE: dict = {}
 
@@ -71,7 +75,7 @@ def amx_granted() -> bool:
 def supported() -> list[str]:
     """The variants this machine runs, best last."""
     have = cpu_flags()
-    return [name for name, (need, _) in LEVELS.items() if set(need) <= have]
+    return [name for name, (need, _) in LEVELS.items() if set(need) <= have and (name != "amx" or amx_granted())]
 
 
 def best() -> str | None:
@@ -83,6 +87,8 @@ def best() -> str | None:
             raise AttnlabError(f"ATTNLAB_ISA={forced!r} is not one of {', '.join(LEVELS)}")
         if forced not in ok:
             missing = sorted(set(LEVELS[forced][0]) - cpu_flags())
+            if not missing:  # amx: in the CPU, refused by the OS
+                raise AttnlabError(f"ATTNLAB_ISA={forced}: the OS does not grant this process AMX tiles")
             raise AttnlabError(f"ATTNLAB_ISA={forced}: this CPU lacks {' '.join(missing)}")
         return forced
     return ok[-1] if ok else None

@@ -36,6 +36,11 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
+#if defined(__AMX_INT8__) && defined(__AVX512F__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define ATTNLAB_TILES 1
+#endif
 
 #include "kernels_simd.h"
 
@@ -163,10 +168,147 @@ void check_x(const torch::Tensor& x, int64_t K) {
               "x must be contiguous float32 [M, K]");
 }
 
+#if ATTNLAB_TILES
+// ---- AMX tiles, for inputs of 16 activation rows and more (prefill). A tile multiply (`tdpbsud`) takes 16
+// activation rows x 32 inputs (int8) times 32 inputs x 16 weight rows (uint8, four inputs per 32-bit lane: the
+// chunk order of the repacked layouts, so Q8 blocks load as they lie and Q4 codes need only their nibbles split)
+// into 16 x 16 int32 sums: one instruction for what takes the vector path 16 x 8 `vpdpbusd`. The sums are the same
+// integers, and the float work after them (scale, order of the fused multiply-adds) is the vector path's per row,
+// so the outputs are its bits. Tiles need the OS's grant per process (Linux >= 5.16) and a configuration per thread.
+namespace amx {
+constexpr int64_t kRows = 16;  // activation rows per tile; a remainder below 16 rows takes the vector path
+
+inline bool granted() {  // arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), asked once per process
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
+struct alignas(64) Config {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Tiles 0-1: sums (16 x 16 int32); 2-3: activations (16 rows x 32 int8); 4-5: weights (8 x 64 bytes).
+inline void configure() {
+  Config c;
+  std::memset(&c, 0, sizeof c);
+  c.palette = 1;
+  for (int t = 0; t < 2; ++t) {
+    c.rows[t] = 16, c.colsb[t] = 64;
+    c.rows[2 + t] = 16, c.colsb[2 + t] = 32;
+    c.rows[4 + t] = 8, c.colsb[4 + t] = 64;
+  }
+  // GCC 12 deletes the stores above without this (it does not see ldtilecfg read them): llama.cpp's AMX build
+  // loads a configuration of garbage and dies on it
+  asm volatile("" : : "r"(&c) : "memory");
+  _tile_loadconfig(&c);
+}
+
+// A 16-row block's weights as tiles, made once per block and read by every 16 activation rows: wt[u] the
+// weight tile of 32-input block u (512 bytes), sc[u] its 16 rows' float32 scales, mn[v] the min vector of
+// min term v (per group, or per block for Q4_K; the scale for Q4_0's -8 * scale). Per-thread buffers.
+struct Block {
+  uint8_t* wt;
+  float *sc, *mn;
+  explicit Block(int64_t U) {
+    thread_local std::vector<uint8_t> buf;
+    if (static_cast<int64_t>(buf.size()) < U * 640) buf.resize(U * 640);
+    wt = buf.data(), sc = reinterpret_cast<float*>(buf.data() + U * 512), mn = sc + 16 * U;
+  }
+};
+
+// One 32-input block of Q4 codes (4 chunks of 64 bytes: low nibbles inputs 4j.., high ones 16 + 4j..) as a
+// weight tile: rows 0-3 the low nibbles of chunks 0-3, rows 4-7 the high ones.
+inline void unpack_q4(const uint8_t* c, uint8_t* t) {
+  const __m512i m = _mm512_set1_epi8(15);
+  for (int j = 0; j < 4; ++j) {
+    const __m512i w = _mm512_loadu_si512(c + 64 * j);
+    _mm512_storeu_si512(t + 64 * j, _mm512_and_si512(w, m));
+    _mm512_storeu_si512(t + 256 + 64 * j, _mm512_and_si512(_mm512_srli_epi16(w, 4), m));
+  }
+}
+
+// o[16 r + n] for activation rows m0 + r: the sum over 32-input blocks u of
+// float(dot_u[r][n] - c) * (sc[u][n] * d[m0 + r][u]), c = 128 x the block's activation sum with Corr (weights
+// stored + 128), one fused multiply-add per block in order u. Two tile sets alternate so that one multiply
+// runs while the other's sums are scaled; the 16 accumulators stay in registers (loops over r unrolled: as
+// a loop, GCC kept them on the stack, 1.3x slower).
+template <bool Corr>
+inline void tile_sums(const Acts& a, int64_t K, int64_t m0, const Block& w, float* o) {
+  const int64_t U = K / 32;
+  const int8_t* xa = a.q + m0 * K;
+  alignas(64) int32_t c[2][256];
+  __m512 acc[16];  // in registers: every loop over r is unrolled
+#pragma GCC unroll 16
+  for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+  auto add = [&](const int32_t* sums, int64_t u) __attribute__((always_inline)) {
+    const __m512 s = _mm512_loadu_ps(w.sc + 16 * u);
+    const float* d = a.d + m0 * U + u;
+    const int32_t* q16 = a.qs16 + m0 * 2 * U + 2 * u;
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r) {
+      __m512i t = _mm512_load_si512(sums + 16 * r);
+      if constexpr (Corr) t = _mm512_sub_epi32(t, _mm512_set1_epi32(128 * (q16[r * 2 * U] + q16[r * 2 * U + 1])));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(s, _mm512_set1_ps(d[r * U])), acc[r]);
+    }
+  };
+  // GCC's tile intrinsics paste their tile numbers into the instruction text: literals only
+#define ATTNLAB_ISSUE(C, A, B, u)                                                         \
+  do {                                                                                    \
+    _tile_zero(C);                                                                        \
+    _tile_loadd(A, xa + (u) * 32, K);                                                     \
+    _tile_loadd(B, w.wt + (u) * 512, 64);                                                 \
+    _tile_dpbsud(C, A, B);                                                                \
+  } while (0)
+  // block u's sums are stored while u + 1 multiplies and scaled after the next store: a load right behind a
+  // tile store waits for it to reach the cache (scaling at once measured 15% slower)
+  ATTNLAB_ISSUE(0, 2, 4, 0);
+  for (int64_t u = 0; u < U; u += 2) {
+    if (u + 1 < U) ATTNLAB_ISSUE(1, 3, 5, u + 1);
+    _tile_stored(0, c[0], 64);
+    if (u > 0) add(c[1], u - 1);
+    if (u + 1 < U) {
+      if (u + 2 < U) ATTNLAB_ISSUE(0, 2, 4, u + 2);
+      _tile_stored(1, c[1], 64);
+      add(c[0], u);
+    }
+  }
+  add(c[(U - 1) % 2], U - 1);
+#undef ATTNLAB_ISSUE
+#pragma GCC unroll 16
+  for (int r = 0; r < 16; ++r) _mm512_store_ps(o + 16 * r, acc[r]);
+}
+
+// o[16 r ..] = fmadd(1, o[16 r ..], accm_r), the vector path's last step, with accm_r = sum over min terms v
+// in order of fmadd(mn[v], k * fs[m0 + r][v]): its sums, the 16 rows' chains side by side (one row at a time,
+// the chain's latency cost as much as the tiles).
+inline void add_mins(const Block& w, const float* fs, int64_t V, float k, int64_t m0, float* o) {
+  __m512 accm[16];
+#pragma GCC unroll 16
+  for (int r = 0; r < 16; ++r) accm[r] = _mm512_setzero_ps();
+  const float* f = fs + m0 * V;
+  for (int64_t v = 0; v < V; ++v) {
+    const __m512 mv = _mm512_loadu_ps(w.mn + 16 * v);
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r) accm[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(k * f[r * V + v]), accm[r]);
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < 16; ++r)
+    _mm512_store_ps(o + 16 * r, _mm512_fmadd_ps(_mm512_set1_ps(1.f), _mm512_load_ps(o + 16 * r), accm[r]));
+}
+}  // namespace amx
+#endif
+
+struct NoTiles {};
+
 // out [M, N] from blocks of `stride` bytes per (16-row block, group): blk(h, p, m, o) writes the R
-// rows of half h of the block at p times activation row m into o[0..R).
-template <class Blk>
-torch::Tensor run(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int64_t G, int64_t stride, Blk blk) {
+// rows of half h of the block at p times activation row m into o[0..R). With AMX granted and M >= 16,
+// tiles(p, m0, o) writes activation rows m0..m0+15 times the block at p into o[16 x 16] instead (m0 = 0 first
+// for each block: the call that may unpack it), the vector path taking the rows past the last whole tile.
+template <class Blk, class Tiles = NoTiles>
+torch::Tensor run(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int64_t G, int64_t stride, Blk blk,
+                  Tiles tiles = {}) {
   const int64_t M = x.size(0), NB = (N + 15) / 16;
   TORCH_CHECK(w.scalar_type() == torch::kByte && w.is_contiguous() && w.numel() == NB * G * stride,
               "repacked weight must be contiguous uint8 [", NB, ", ", G, ", ", stride, "]");
@@ -175,13 +317,29 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int
   const uint8_t* W = w.data_ptr<uint8_t>();
   auto part = [&](int64_t b0, int64_t b1) {
     alignas(64) float tmp[16];
+    int64_t mt = 0;  // rows done in tiles
+#if ATTNLAB_TILES
+    alignas(64) float tile[256];
+    if constexpr (!std::is_same_v<Tiles, NoTiles>)
+      if (M >= amx::kRows && amx::granted()) mt = M / amx::kRows * amx::kRows, amx::configure();
+#endif
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n = std::min<int64_t>(16, N - 16 * b);
-      for (int64_t m = 0; m < M; ++m) {
+#if ATTNLAB_TILES
+      if constexpr (!std::is_same_v<Tiles, NoTiles>)
+        for (int64_t m0 = 0; m0 < mt; m0 += amx::kRows) {
+          tiles(W + b * G * stride, m0, tile);
+          for (int r = 0; r < 16; ++r) std::memcpy(O + (m0 + r) * N + 16 * b, tile + 16 * r, n * sizeof(float));
+        }
+#endif
+      for (int64_t m = mt; m < M; ++m) {
         for (int h = 0; h < 16 / V::R; ++h) blk(h, W + b * G * stride, m, tmp + h * V::R);
         std::memcpy(O + m * N + 16 * b, tmp, n * sizeof(float));
       }
     }
+#if ATTNLAB_TILES
+    if (mt) _tile_release();
+#endif
   };
   if (at::get_num_threads() == 1) part(0, NB); else at::parallel_for(0, NB, 1, part);
   return out;
@@ -236,7 +394,7 @@ torch::Tensor q4x(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int
   constexpr int64_t sb = H ? 32 : 64;  // bytes of 16 scales
   const int64_t G = K / group, per = group / 32, stride = per * 256 + sb * (S ? 1 : 2);
   const Acts a(x.data_ptr<float>(), x.size(0), K, group, true);
-  return run(x, w, N, G, stride, [&](int h, const uint8_t* p, int64_t m, float* o) {
+  auto blk = [&](int h, const uint8_t* p, int64_t m, float* o) {
     const int8_t* xq = a.q + m * K;
     const float* d = a.d + m * K / 32;
     const float* fs = a.fs + m * G;
@@ -253,7 +411,24 @@ torch::Tensor q4x(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int
       else accm = V::fmadd(scales<H>(p + per * 256 + sb, h), V::set1(fs[g]), accm);
     }
     V::store(o, V::fmadd(V::set1(1.f), acc, accm));
-  });
+  };
+#if ATTNLAB_TILES
+  auto tiles = [&](const uint8_t* p, int64_t m0, float* o) {
+    const amx::Block blk(K / 32);
+    if (m0 == 0)
+      for (int64_t u = 0; u < K / 32; ++u) {
+        amx::unpack_q4(p + u / per * stride + u % per * 256, blk.wt + u * 512);
+        V::store(blk.sc + 16 * u, scales<H>(p + u / per * stride + per * 256, 0));
+        if (u % per == 0)  // m * sum(x); with SYM, s * (-8 sum(x))
+          V::store(blk.mn + 16 * (u / per), scales<H>(p + u / per * stride + per * 256 + (S ? 0 : sb), 0));
+      }
+    amx::tile_sums<false>(a, K, m0, blk, o);
+    amx::add_mins(blk, a.fs, G, S ? -8.f : 1.f, m0, o);
+  };
+  return run(x, w, N, G, stride, blk, tiles);
+#else
+  return run(x, w, N, G, stride, blk);
+#endif
 }
 
 // Q4_K superblocks (KQ): q4x<false, false> at group 32, each sub-block's s and m made from the factors in
@@ -262,7 +437,7 @@ torch::Tensor q4x(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int
 torch::Tensor q4k(const torch::Tensor& x, const torch::Tensor& w, int64_t N) {
   const int64_t K = x.size(1), G = K / 256, stride = 2368;
   const Acts a(x.data_ptr<float>(), x.size(0), K, 32, true);
-  return run(x, w, N, G, stride, [&](int h, const uint8_t* p, int64_t m, float* o) {
+  auto blk = [&](int h, const uint8_t* p, int64_t m, float* o) {
     const int8_t* xq = a.q + m * K;
     const float* d = a.d + m * K / 32;
     const float* fs = a.fs + m * K / 32;
@@ -279,7 +454,24 @@ torch::Tensor q4k(const torch::Tensor& x, const torch::Tensor& w, int64_t N) {
       }
     }
     V::store(o, V::fmadd(V::set1(1.f), acc, accm));
-  });
+  };
+#if ATTNLAB_TILES
+  auto tiles = [&](const uint8_t* p, int64_t m0, float* o) {
+    const amx::Block blk(K / 32);
+    if (m0 == 0)
+      for (int64_t u = 0; u < K / 32; ++u) {
+        const uint8_t* f = p + u / 8 * stride;
+        amx::unpack_q4(f + u % 8 * 256, blk.wt + u * 512);
+        V::store(blk.sc + 16 * u, V::mul(V::loadu8(f + 2048 + u % 8 * 16), scales<true>(f + 2304, 0)));
+        V::store(blk.mn + 16 * u, V::mul(V::loadu8(f + 2176 + u % 8 * 16), V::mul(scales<true>(f + 2336, 0), V::set1(-1.f))));
+      }
+    amx::tile_sums<false>(a, K, m0, blk, o);
+    amx::add_mins(blk, a.fs, K / 32, 1.f, m0, o);
+  };
+  return run(x, w, N, G, stride, blk, tiles);
+#else
+  return run(x, w, N, G, stride, blk);
+#endif
 }
 
 // Q6_K superblocks (KQ): q8x<false> at group 16 without a min, the codes rebuilt from their two parts, each
@@ -324,7 +516,7 @@ torch::Tensor q8x(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int
   constexpr int64_t sb = H ? 32 : 64;
   const int64_t G = K / group, stride = group * 16 + sb * (has_min ? 2 : 1), sub = std::min<int64_t>(group, 32);
   const Acts a(x.data_ptr<float>(), x.size(0), K, group, has_min);
-  return run(x, w, N, G, stride, [&](int h, const uint8_t* p, int64_t m, float* o) {
+  auto blk = [&](int h, const uint8_t* p, int64_t m, float* o) {
     const int8_t* xq = a.q + m * K;
     const float* d = a.d + m * K / 32;
     const int32_t* q16 = a.qs16 + m * K / 16;
@@ -346,7 +538,25 @@ torch::Tensor q8x(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int
       if (has_min) accm = V::fmadd(scales<H>(p + group * 16 + sb, h), V::set1(a.fs[m * G + g]), accm);
     }
     V::store(o, V::fmadd(V::set1(1.f), acc, accm));
-  });
+  };
+#if ATTNLAB_TILES
+  // groups of 32 and up (sub-blocks of 32 lie as weight tiles); groups of 16 stay on the vector path
+  auto tiles = [&](const uint8_t* p, int64_t m0, float* o) {
+    const int64_t per = group / 32;
+    const amx::Block blk(K / 32);
+    if (m0 == 0)
+      for (int64_t u = 0; u < K / 32; ++u) {
+        std::memcpy(blk.wt + u * 512, p + u / per * stride + u % per * 512, 512);
+        V::store(blk.sc + 16 * u, scales<H>(p + u / per * stride + group * 16, 0));
+      }
+    if (m0 == 0 && has_min)
+      for (int64_t g = 0; g < G; ++g) V::store(blk.mn + 16 * g, scales<H>(p + g * stride + group * 16 + sb, 0));
+    amx::tile_sums<true>(a, K, m0, blk, o);
+    amx::add_mins(blk, a.fs, has_min ? G : 0, 1.f, m0, o);
+  };
+  if (sub == 32) return run(x, w, N, G, stride, blk, tiles);
+#endif
+  return run(x, w, N, G, stride, blk);
 }
 
 }  // namespace

@@ -1,7 +1,9 @@
 """Run in a process of its own by test_isa.py (`python -m tests.quant.isa_check VARIANT`, with
 ATTNLAB_ISA=VARIANT): every matrix kernel of that variant against the reference arithmetic on
 ragged shapes, the repacked ones in every layout (float32 / float16 scales, int4 with a stored min or
-min = -8 * scale, GGUF K-quant superblocks), and a float16 scale 1 ulp off must fail the same check. The
+min = -8 * scale, GGUF K-quant superblocks), and a float16 scale 1 ulp off must fail the same check.
+Inputs of 33 rows take the amx variant's tile multiplies for two tiles of 16 and its vector path for the
+last row: each row must come out with the bits of that row alone (the vector path's sums and order). The
 reference arithmetic: the activations rounded to int8 per 32 (`round_activations`) times the weights, min
 terms included (a min over x itself would pass as closeness but loses 4-5x the KL, see kernels_simd.h).
 Prints 'ok VARIANT' on success."""
@@ -29,6 +31,12 @@ def _q4_ref(x, xr, qs, scale, mn, group):
     return xr @ codes.T + xr @ mins.T, xr.abs() @ codes.abs().T + xr.abs() @ mins.abs().T
 
 
+def rows_alone(f, x, what):
+    """f(x) for a batch of rows gives each row's f(row) bits (tiles and vector path agree exactly)."""
+    if x.shape[0] > 16:
+        assert torch.equal(f(x), torch.cat([f(x[i:i + 1]) for i in range(x.shape[0])])), f"{what}: rows differ"
+
+
 def main(variant: str) -> None:
     assert build.load(), "kernels did not build"
     assert build.variant() == variant, (build.variant(), variant)
@@ -36,7 +44,7 @@ def main(variant: str) -> None:
     count = 0
     for N in (1, 17, 40):
         for K in (32, 64, 576):
-            for M in (1, 2, 5, 9):
+            for M in (1, 2, 5, 9, 33):
                 x = torch.randn(M, K, generator=g)
                 xr = round_activations(x)
                 w = torch.randn(N, K, generator=g) * 0.1
@@ -54,6 +62,7 @@ def main(variant: str) -> None:
                         wp, got = repack.pack_q4(p.qs, scale, mn, group)
                         assert got == fmt, (what, got)  # the values decide the layout
                         close(torch.ops.attnlab.q4x_mm(x, wp, N, group, fmt), ref, bound, what)
+                        rows_alone(lambda v: torch.ops.attnlab.q4x_mm(v, wp, N, group, fmt), x, what)
                         count += 1
                         if fmt & repack.HALF and N * M >= 32:  # scales 1 float16 ulp off (a wrong conversion)
                             # must fail (with >= 32 outputs: one output may sum to ~0, leaving no error to see)
@@ -78,11 +87,13 @@ def main(variant: str) -> None:
                         wp, fmt = repack.pack_q8(q8.q, scale, group)
                         assert fmt == (repack.HALF if half else 0), (what, fmt)
                         close(torch.ops.attnlab.q8x_mm(x, wp, N, group, False, fmt), ref, bound, f"q8x_mm {what}")
+                        rows_alone(lambda v: torch.ops.attnlab.q8x_mm(v, wp, N, group, False, fmt), x, what)
                         mins = mh.repeat_interleave(group, dim=1)
                         wp, fmt = repack.pack_q8(q8.q, scale, group, mh)
                         assert fmt == (repack.HALF if half else 0), (what, fmt)
                         close(torch.ops.attnlab.q8x_mm(x, wp, N, group, True, fmt), ref + xr @ mins.T,
                               bound + xr.abs() @ mins.abs().T, f"q8x_mm+min {what}")
+                        rows_alone(lambda v: torch.ops.attnlab.q8x_mm(v, wp, N, group, True, fmt), x, what)
                         count += 2
     count += k_quants(g)
     print(f"ok {variant} ({count} checks)")
@@ -99,11 +110,12 @@ def k_quants(g) -> int:
             wk, fmt = repack.pack_q4(p.qs, p.scale, p.min, 32, kscale=p.kscale)
             flat = repack.pack_q4(p.qs, p.scale, p.min, 32, fmt=0)[0]
             assert fmt == repack.KQ
-            for M in (1, 2, 5, 9):
+            for M in (1, 2, 5, 9, 33):
                 x = torch.randn(M, K, generator=g)
                 got = torch.ops.attnlab.q4x_mm(x, wk, N, 32, fmt)
                 assert torch.equal(got, torch.ops.attnlab.q4x_mm(x, flat, N, 32, 0)), f"q4x_mm KQ {N}x{K} M{M}"
                 close(got, *_q4_ref(x, round_activations(x), p.qs, p.scale, p.min, 32), f"q4x_mm KQ {N}x{K} M{M}")
+                rows_alone(lambda v: torch.ops.attnlab.q4x_mm(v, wk, N, 32, fmt), x, f"q4x_mm KQ {N}x{K}")
                 count += 1
             p = from_gguf(random_blocks("Q6_K", N, K, rng), "Q6_K", (N, K))
             wk, fmt = repack.pack_q8(p.q, p.scale, 16, kscale=p.kscale)
