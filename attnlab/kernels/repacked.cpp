@@ -348,12 +348,17 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int
 constexpr int64_t HALF = 1, SYM = 2, KQ = 4;  // layout flags (`repack.HALF`, `repack.SYM`, `repack.KQ`)
 
 // Ask for the group `kAhead` bytes past p (stride bytes) now: the matvec streams one block after another and
-// the hardware prefetchers do not cross 4 KiB pages, so without it each new page starts with misses. Measured on
-// an AMD EPYC (Zen 5, 1 thread, weights from DRAM): 2-8 KiB ahead +9-24% on q4x, +35% on the q8x head;
-// 1 KiB ahead none, 12-16 KiB no better than 8.
+// the hardware prefetchers do not cross 4 KiB pages, so without it each new page starts with misses. Where to
+// depends on the CPU (decode tok/s, weights from DRAM): on an AMD EPYC (Zen 5) into L1, +9-24% on q4x and +35%
+// on the q8x head at 1 thread (1 KiB ahead none, 12-16 KiB no better than 8); on an Intel Xeon (Sapphire Rapids,
+// a VM) into L1 it cost 20% at 1 thread, and into L2 was best: SmolLM2 Q4_1 at 2 threads 260 tok/s against
+// 196 with 1 KiB into L1 and 209 with 8 KiB into L1 (medians of 3-4 interleaved processes).
 constexpr int64_t kAhead = 8192;
 inline void prefetch(const uint8_t* p, int64_t stride) {
-  for (int64_t o = 0; o < stride; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + kAhead + o, _MM_HINT_T0);
+  static const bool to_l2 = __builtin_cpu_is("intel");
+  const char* q = reinterpret_cast<const char*>(p) + kAhead;
+  if (to_l2) for (int64_t o = 0; o < stride; o += 64) _mm_prefetch(q + o, _MM_HINT_T1);
+  else for (int64_t o = 0; o < stride; o += 64) _mm_prefetch(q + o, _MM_HINT_T0);
 }
 
 // 16 per-row floats of half h at p: float16 (HALF) or float32.
