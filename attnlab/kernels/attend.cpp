@@ -28,6 +28,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "attend.h"
 #include "kernels_simd.h"
 
 using namespace attnlab_simd;
@@ -353,6 +354,29 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_kv(torch::Tensor x) {
 }
 
 }  // namespace
+
+void attnlab_attend::stretch(const float* q, const Cache& c, int64_t Hkv, int64_t G, int64_t D, int64_t s0, int64_t s1,
+                             float scale, float* out, float* lse) {
+  std::vector<float> ml(2 * G);
+  auto run_as = [&](auto tag) {
+    using T = decltype(tag);
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const T* K = static_cast<const T*>(c.k) + h * c.head + s0 * c.row;
+      const T* V = static_cast<const T*>(c.v) + h * c.head + s0 * c.row;
+      const Scales ks = kInt8<T> ? Scales{c.ks + h * c.shead, c.srow}.from(s0) : Scales{};
+      const Scales vs = kInt8<T> ? Scales{c.vs + h * c.shead, c.srow}.from(s0) : Scales{};
+      float* o = out + h * G * D;
+      heads(q + h * G * D, K, V, c.row, c.row, ks, vs, s1 - s0, D, G, scale, o, ml.data(), ml.data() + G);
+      for (int64_t g = 0; g < G; ++g) {  // as attend() with one stretch
+        scale_row(o + g * D, D, 1.f / ml[G + g]);
+        lse[h * G + g] = ml[g] + std::log(ml[G + g]);
+      }
+    }
+  };
+  if (c.dtype == 0) run_as(float{});
+  else if (c.dtype == 1) run_as(at::Half{});
+  else run_as(int8_t{});
+}
 
 TORCH_LIBRARY_FRAGMENT(attnlab, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, float scale, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");

@@ -39,6 +39,7 @@
 #include <tuple>
 #include <vector>
 
+#include "attend.h"
 #include "kernels_simd.h"
 
 namespace {
@@ -98,8 +99,8 @@ struct DecodeStep : torch::CustomClassHolder {
   bool profiling = false;
   std::vector<double> busy, wall;
   int64_t profiled = 0;
-  // attend.cpp's ops, called boxed: by schema, whatever C++ signature their kernels have
-  c10::OperatorHandle attend = c10::Dispatcher::singleton().findSchemaOrThrow("attnlab::decode_attention_lse", "");
+  // attend.cpp's int8 rounding, called boxed: by schema, whatever C++ signature its kernel has (attention itself
+  // by pointers: attend.h)
   c10::OperatorHandle quantize_kv = c10::Dispatcher::singleton().findSchemaOrThrow("attnlab::quantize_kv", "");
 
   DecodeStep(int64_t dim, int64_t n_heads, int64_t n_kv, int64_t head_dim, int64_t hidden, double eps, int64_t threads)
@@ -202,11 +203,15 @@ struct DecodeStep : torch::CustomClassHolder {
     for (size_t i = 0; i < L; ++i) {
       for (const auto& t : {k_[i], v_[i]})
         TORCH_CHECK(t.dim() == 4 && t.size(0) == 1 && t.size(1) == n_kv && t.size(3) == head_dim &&
-                    t.scalar_type() == dt && t.is_contiguous(), "cache buffers: contiguous [1, Hkv, C, D]");
+                    t.scalar_type() == dt && t.is_contiguous() && t.sizes() == k_[i].sizes(),
+                    "cache buffers: contiguous [1, Hkv, C, D], k and v alike");
       TORCH_CHECK(p[i].scalar_type() == at::kLong && p[i].is_contiguous() && p[i].size(2) == k_[i].size(2),
                   "pos: int64 [1, Hkv, C]");
       if (dt == at::kChar)
-        TORCH_CHECK(ks[i].is_contiguous() && vs[i].is_contiguous() && ks[i].size(2) == k_[i].size(2), "scales");
+        TORCH_CHECK(ks[i].is_contiguous() && vs[i].is_contiguous() && ks[i].dim() == 4 && ks[i].size(1) == n_kv &&
+                    ks[i].size(2) == k_[i].size(2) && ks[i].size(3) == head_dim / 32 && vs[i].sizes() == ks[i].sizes() &&
+                    ks[i].scalar_type() == at::kFloat && vs[i].scalar_type() == at::kFloat,
+                    "scales: contiguous float32 [1, Hkv, C, D/32], k and v alike");
     }
     k = std::move(k_), v = std::move(v_), k_scale = std::move(ks), v_scale = std::move(vs), pos = std::move(p);
   }
@@ -346,14 +351,14 @@ struct DecodeStep : torch::CustomClassHolder {
       std::fill_n(lse, n_heads, -INFINITY);
       return;
     }
-    auto q = b.qkv.narrow(0, 0, n_heads * head_dim).view({1, n_heads, 1, head_dim});
+    const at::Tensor &K = k[l], &V = v[l];
     const bool int8 = !k_scale.empty();
-    auto span = [&](const at::Tensor& t) { return t.narrow(2, s0, s1 - s0); };
-    torch::jit::Stack stack{q, span(k[l]), span(v[l]), scale, int8 ? c10::IValue(span(k_scale[l])) : c10::IValue(),
-                            int8 ? c10::IValue(span(v_scale[l])) : c10::IValue()};
-    attend.callBoxed(stack);
-    std::copy_n(stack[0].toTensor().data_ptr<float>(), n_heads * head_dim, b.part[tid].data_ptr<float>());
-    std::copy_n(stack[1].toTensor().data_ptr<float>(), n_heads, lse);
+    const int dtype = K.scalar_type() == at::kFloat ? 0 : K.scalar_type() == at::kHalf ? 1 : 2;
+    const attnlab_attend::Cache c{K.data_ptr(), V.data_ptr(), int8 ? k_scale[l].data_ptr<float>() : nullptr,
+                                  int8 ? v_scale[l].data_ptr<float>() : nullptr, K.stride(2), K.stride(1),
+                                  int8 ? k_scale[l].stride(2) : 0, int8 ? k_scale[l].stride(1) : 0, dtype};
+    attnlab_attend::stretch(b.qkv.data_ptr<float>(), c, n_kv, n_heads / n_kv, head_dim, s0, s1,
+                            static_cast<float>(scale), b.part[tid].data_ptr<float>(), lse);
   }
 
   // The stretches' outputs merged per query head, weighted by e^(lse_t - max lse) (every thread, into its own o).
