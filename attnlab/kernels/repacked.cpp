@@ -32,6 +32,9 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include <cstring>
 #include <type_traits>
@@ -304,10 +307,12 @@ inline void add_mins(const Block& w, const float* fs, int64_t V, float k, int64_
 struct NoTiles {};
 
 // out [M, N] from blocks of `stride` bytes per (16-row block, group): blk(h, p, m, o) writes the R
-// rows of half h of the block at p times activation row m into o[0..R). With AMX granted and M >= 16,
+// rows of half h of the block at p times activation row m into o[0..R); blk(std::integral_constant<int, NS>, ..)
+// does NS consecutive blocks in one pass (block s into o[16 s ..]): NS weight streams read side by side.
+// With AMX granted and M >= 16,
 // tiles(p, m0, o) writes activation rows m0..m0+15 times the block at p into o[16 x 16] instead (m0 = 0 first
 // for each block: the call that may unpack it), the vector path taking the rows past the last whole tile.
-template <class Blk, class Tiles = NoTiles>
+template <int NS = 1, class Blk, class Tiles = NoTiles>
 torch::Tensor run(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int64_t G, int64_t stride, Blk blk,
                   Tiles tiles = {}) {
   const int64_t M = x.size(0), NB = (N + 15) / 16;
@@ -317,30 +322,41 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int
   float* O = out.data_ptr<float>();
   const uint8_t* W = w.data_ptr<uint8_t>();
   auto part = [&](int64_t b0, int64_t b1) {
-    alignas(64) float tmp[16];
+    alignas(64) float tmp[16 * NS];
     int64_t mt = 0;  // rows done in tiles
 #if ATTNLAB_TILES
     alignas(64) float tile[256];
     if constexpr (!std::is_same_v<Tiles, NoTiles>)
       if (M >= amx::kRows && amx::granted()) mt = M / amx::kRows * amx::kRows, amx::configure();
-#endif
-    for (int64_t b = b0; b < b1; ++b) {
+    for (int64_t b = b0; b < b1 && mt; ++b) {
       const int64_t n = std::min<int64_t>(16, N - 16 * b);
-#if ATTNLAB_TILES
       if constexpr (!std::is_same_v<Tiles, NoTiles>)
         for (int64_t m0 = 0; m0 < mt; m0 += amx::kRows) {
           tiles(W + b * G * stride, m0, tile);
           for (int r = 0; r < 16; ++r) std::memcpy(O + (m0 + r) * N + 16 * b, tile + 16 * r, n * sizeof(float));
         }
-#endif
-      for (int64_t m = mt; m < M; ++m) {
-        for (int h = 0; h < 16 / V::R; ++h) blk(h, W + b * G * stride, m, tmp + h * V::R);
-        std::memcpy(O + m * N + 16 * b, tmp, n * sizeof(float));
-      }
     }
-#if ATTNLAB_TILES
     if (mt) _tile_release();
 #endif
+    // NS blocks at a time where NS remain, when this thread is the only one reading weights (not a native step's
+    // team, not a parallel_for): alone, 4 streams gained 13-14% (1B Q4_0, SmolLM2, 1 thread); beside a second
+    // reader, 4 each lost 11% (SmolLM2, 2 threads), so a team's threads read one stream each
+#ifdef _OPENMP
+    const bool alone = omp_in_parallel() ? omp_get_num_threads() == 1 : at::get_num_threads() == 1;
+#else
+    const bool alone = at::get_num_threads() == 1;
+#endif
+    for (int64_t b = b0; b < b1 && mt < M;) {
+      const int64_t ns = alone && b + NS <= b1 ? NS : 1;
+      for (int64_t m = mt; m < M; ++m) {
+        for (int h = 0; h < 16 / V::R; ++h)
+          if (ns == NS) blk(std::integral_constant<int, NS>{}, h, W + b * G * stride, m, tmp + h * V::R);
+          else blk(std::integral_constant<int, 1>{}, h, W + b * G * stride, m, tmp + h * V::R);
+        for (int64_t s = 0; s < ns; ++s)
+          std::memcpy(O + m * N + 16 * (b + s), tmp + 16 * s, std::min<int64_t>(16, N - 16 * (b + s)) * sizeof(float));
+      }
+      b += ns;
+    }
   };
   if (at::get_num_threads() == 1) part(0, NB); else at::parallel_for(0, NB, 1, part);
   return out;
@@ -394,29 +410,43 @@ inline typename V::I q4dot(const uint8_t* c, const int8_t* xb) {
   return V::add(V::add(i0, i1), V::add(i2, i3));
 }
 
+// Weight streams a matvec reads side by side (blocks in one pass, see run): on a Xeon (AMX, a VM) one core read
+// 11.7 GB/s from one stream, 14.5 from four (interleaved 256-byte pieces; eight: 15.0, and no faster a matvec),
+// and llama.cpp's Q4_0 matvec reads four 16-row tiles at once. AVX-512 only: the AVX2 path has half the registers
+// for the accumulators.
+constexpr int kStreams = V::R == 16 ? 4 : 1;
+
 template <bool H, bool S>
 torch::Tensor q4x(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int64_t group) {
   const int64_t K = x.size(1);
   constexpr int64_t sb = H ? 32 : 64;  // bytes of 16 scales
   const int64_t G = K / group, per = group / 32, stride = per * 256 + sb * (S ? 1 : 2);
   const Acts a(x.data_ptr<float>(), x.size(0), K, group, true);
-  auto blk = [&](int h, const uint8_t* p, int64_t m, float* o) {
+  auto blk = [&](auto ns, int h, const uint8_t* p0, int64_t m, float* o) {
+    constexpr int NS = decltype(ns)::value;
     const int8_t* xq = a.q + m * K;
     const float* d = a.d + m * K / 32;
     const float* fs = a.fs + m * G;
-    typename V::F acc = V::zerof(), accm = V::zerof();
-    for (int64_t g = 0; g < G; ++g, p += stride) {
-      if (h == 0 && m == 0) prefetch(p, stride);
-      const typename V::F s = scales<H>(p + per * 256, h);
-      for (int64_t b = 0; b < per; ++b) {
-        const typename V::I t = q4dot(p + b * 256 + h * V::R * 4, xq + (g * per + b) * 32);
-        acc = V::fmadd(V::cvt(t), V::mul(s, V::set1(d[g * per + b])), acc);
+    typename V::F acc[NS], accm[NS];
+#pragma GCC unroll 4
+    for (int s = 0; s < NS; ++s) acc[s] = V::zerof(), accm[s] = V::zerof();
+    for (int64_t g = 0; g < G; ++g) {
+#pragma GCC unroll 4
+      for (int s = 0; s < NS; ++s) {
+        const uint8_t* p = p0 + (s * G + g) * stride;
+        if (h == 0 && m == 0) prefetch(p, stride);
+        const typename V::F sc = scales<H>(p + per * 256, h);
+        for (int64_t b = 0; b < per; ++b) {
+          const typename V::I t = q4dot(p + b * 256 + h * V::R * 4, xq + (g * per + b) * 32);
+          acc[s] = V::fmadd(V::cvt(t), V::mul(sc, V::set1(d[g * per + b])), acc[s]);
+        }
+        // m * sum(x): with SYM, s * (-8 sum(x)), the same float (scaling by 8 is exact)
+        if constexpr (S) accm[s] = V::fmadd(sc, V::set1(-8.f * fs[g]), accm[s]);
+        else accm[s] = V::fmadd(scales<H>(p + per * 256 + sb, h), V::set1(fs[g]), accm[s]);
       }
-      // m * sum(x): with SYM, s * (-8 sum(x)), the same float (scaling by 8 is exact)
-      if constexpr (S) accm = V::fmadd(s, V::set1(-8.f * fs[g]), accm);
-      else accm = V::fmadd(scales<H>(p + per * 256 + sb, h), V::set1(fs[g]), accm);
     }
-    V::store(o, V::fmadd(V::set1(1.f), acc, accm));
+#pragma GCC unroll 4
+    for (int s = 0; s < NS; ++s) V::store(o + 16 * s, V::fmadd(V::set1(1.f), acc[s], accm[s]));
   };
 #if ATTNLAB_TILES
   auto tiles = [&](const uint8_t* p, int64_t m0, float* o) {
@@ -431,9 +461,9 @@ torch::Tensor q4x(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int
     amx::tile_sums<false>(a, K, m0, blk, o);
     amx::add_mins(blk, a.fs, G, S ? -8.f : 1.f, m0, o);
   };
-  return run(x, w, N, G, stride, blk, tiles);
+  return run<kStreams>(x, w, N, G, stride, blk, tiles);
 #else
-  return run(x, w, N, G, stride, blk);
+  return run<kStreams>(x, w, N, G, stride, blk);
 #endif
 }
 
@@ -443,7 +473,7 @@ torch::Tensor q4x(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int
 torch::Tensor q4k(const torch::Tensor& x, const torch::Tensor& w, int64_t N) {
   const int64_t K = x.size(1), G = K / 256, stride = 2368;
   const Acts a(x.data_ptr<float>(), x.size(0), K, 32, true);
-  auto blk = [&](int h, const uint8_t* p, int64_t m, float* o) {
+  auto blk = [&](auto, int h, const uint8_t* p, int64_t m, float* o) {
     const int8_t* xq = a.q + m * K;
     const float* d = a.d + m * K / 32;
     const float* fs = a.fs + m * K / 32;
@@ -485,7 +515,7 @@ torch::Tensor q4k(const torch::Tensor& x, const torch::Tensor& w, int64_t N) {
 torch::Tensor q6k(const torch::Tensor& x, const torch::Tensor& w, int64_t N) {
   const int64_t K = x.size(1), G = K / 256, stride = 3360;
   const Acts a(x.data_ptr<float>(), x.size(0), K, 16, false);
-  return run(x, w, N, G, stride, [&](int h, const uint8_t* p, int64_t m, float* o) {
+  return run(x, w, N, G, stride, [&](auto, int h, const uint8_t* p, int64_t m, float* o) {
     const int8_t* xq = a.q + m * K;
     const float* d = a.d + m * K / 32;
     const int32_t* q16 = a.qs16 + m * K / 16;
@@ -522,28 +552,36 @@ torch::Tensor q8x(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int
   constexpr int64_t sb = H ? 32 : 64;
   const int64_t G = K / group, stride = group * 16 + sb * (has_min ? 2 : 1), sub = std::min<int64_t>(group, 32);
   const Acts a(x.data_ptr<float>(), x.size(0), K, group, has_min);
-  auto blk = [&](int h, const uint8_t* p, int64_t m, float* o) {
+  auto blk = [&](auto ns, int h, const uint8_t* p0, int64_t m, float* o) {
+    constexpr int NS = decltype(ns)::value;
     const int8_t* xq = a.q + m * K;
     const float* d = a.d + m * K / 32;
     const int32_t* q16 = a.qs16 + m * K / 16;
-    typename V::F acc = V::zerof(), accm = V::zerof();
-    for (int64_t g = 0; g < G; ++g, p += stride) {
-      if (h == 0 && m == 0) prefetch(p, stride);
-      const typename V::F s = scales<H>(p + group * 16, h);
-      for (int64_t u = 0; u < group / sub; ++u) {  // sub-blocks of one activation scale and one weight scale
-        const int64_t i = g * group + u * sub;  // first input
-        const uint8_t* c = p + u * sub * 16 + h * V::R * 4;
-        typename V::I i0 = V::zero(), i1 = V::zero();
-        for (int64_t j = 0; j < sub / 4; j += 2) {
-          i0 = V::dp8(i0, V::load(c + 64 * j), V::bcast(xq + i + 4 * j));
-          i1 = V::dp8(i1, V::load(c + 64 * j + 64), V::bcast(xq + i + 4 * j + 4));
+    typename V::F acc[NS], accm[NS];
+#pragma GCC unroll 4
+    for (int s = 0; s < NS; ++s) acc[s] = V::zerof(), accm[s] = V::zerof();
+    for (int64_t g = 0; g < G; ++g) {
+#pragma GCC unroll 4
+      for (int s = 0; s < NS; ++s) {
+        const uint8_t* p = p0 + (s * G + g) * stride;
+        if (h == 0 && m == 0) prefetch(p, stride);
+        const typename V::F sc = scales<H>(p + group * 16, h);
+        for (int64_t u = 0; u < group / sub; ++u) {  // sub-blocks of one activation scale and one weight scale
+          const int64_t i = g * group + u * sub;  // first input
+          const uint8_t* c = p + u * sub * 16 + h * V::R * 4;
+          typename V::I i0 = V::zero(), i1 = V::zero();
+          for (int64_t j = 0; j < sub / 4; j += 2) {
+            i0 = V::dp8(i0, V::load(c + 64 * j), V::bcast(xq + i + 4 * j));
+            i1 = V::dp8(i1, V::load(c + 64 * j + 64), V::bcast(xq + i + 4 * j + 4));
+          }
+          const int32_t corr = 128 * (sub == 32 ? q16[i / 16] + q16[i / 16 + 1] : q16[i / 16]);
+          acc[s] = V::fmadd(V::cvt(V::sub1(V::add(i0, i1), corr)), V::mul(sc, V::set1(d[i / 32])), acc[s]);
         }
-        const int32_t corr = 128 * (sub == 32 ? q16[i / 16] + q16[i / 16 + 1] : q16[i / 16]);
-        acc = V::fmadd(V::cvt(V::sub1(V::add(i0, i1), corr)), V::mul(s, V::set1(d[i / 32])), acc);
+        if (has_min) accm[s] = V::fmadd(scales<H>(p + group * 16 + sb, h), V::set1(a.fs[m * G + g]), accm[s]);
       }
-      if (has_min) accm = V::fmadd(scales<H>(p + group * 16 + sb, h), V::set1(a.fs[m * G + g]), accm);
     }
-    V::store(o, V::fmadd(V::set1(1.f), acc, accm));
+#pragma GCC unroll 4
+    for (int s = 0; s < NS; ++s) V::store(o + 16 * s, V::fmadd(V::set1(1.f), acc[s], accm[s]));
   };
 #if ATTNLAB_TILES
   // groups of 32 and up (sub-blocks of 32 lie as weight tiles); groups of 16 stay on the vector path
@@ -560,9 +598,9 @@ torch::Tensor q8x(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int
     amx::tile_sums<true>(a, K, m0, blk, o);
     amx::add_mins(blk, a.fs, has_min ? G : 0, 1.f, m0, o);
   };
-  if (sub == 32) return run(x, w, N, G, stride, blk, tiles);
+  if (sub == 32) return run<kStreams>(x, w, N, G, stride, blk, tiles);
 #endif
-  return run(x, w, N, G, stride, blk);
+  return run<kStreams>(x, w, N, G, stride, blk);
 }
 
 }  // namespace
