@@ -416,6 +416,25 @@ inline typename V::I q4dot(const uint8_t* c, const int8_t* xb) {
 // for the accumulators.
 constexpr int kStreams = V::R == 16 ? 4 : 1;
 
+// The frame of a matvec over NS blocks side by side: per group g, per block s, body(g, p, acc[s], accm[s]) with p
+// block s's group g (asked for kAhead ahead with `first`), then o[16 s ..] = fmadd(1, acc[s], accm[s]).
+template <int NS, class Body>
+inline void over_blocks(const uint8_t* p0, int64_t G, int64_t stride, bool first, float* o, Body body) {
+  typename V::F acc[NS], accm[NS];
+#pragma GCC unroll 4
+  for (int s = 0; s < NS; ++s) acc[s] = V::zerof(), accm[s] = V::zerof();
+  for (int64_t g = 0; g < G; ++g) {
+#pragma GCC unroll 4
+    for (int s = 0; s < NS; ++s) {
+      const uint8_t* p = p0 + (s * G + g) * stride;
+      if (first) prefetch(p, stride);
+      body(g, p, acc[s], accm[s]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int s = 0; s < NS; ++s) V::store(o + 16 * s, V::fmadd(V::set1(1.f), acc[s], accm[s]));
+}
+
 template <bool H, bool S>
 torch::Tensor q4x(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int64_t group) {
   const int64_t K = x.size(1);
@@ -423,30 +442,20 @@ torch::Tensor q4x(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int
   const int64_t G = K / group, per = group / 32, stride = per * 256 + sb * (S ? 1 : 2);
   const Acts a(x.data_ptr<float>(), x.size(0), K, group, true);
   auto blk = [&](auto ns, int h, const uint8_t* p0, int64_t m, float* o) {
-    constexpr int NS = decltype(ns)::value;
     const int8_t* xq = a.q + m * K;
     const float* d = a.d + m * K / 32;
     const float* fs = a.fs + m * G;
-    typename V::F acc[NS], accm[NS];
-#pragma GCC unroll 4
-    for (int s = 0; s < NS; ++s) acc[s] = V::zerof(), accm[s] = V::zerof();
-    for (int64_t g = 0; g < G; ++g) {
-#pragma GCC unroll 4
-      for (int s = 0; s < NS; ++s) {
-        const uint8_t* p = p0 + (s * G + g) * stride;
-        if (h == 0 && m == 0) prefetch(p, stride);
-        const typename V::F sc = scales<H>(p + per * 256, h);
-        for (int64_t b = 0; b < per; ++b) {
-          const typename V::I t = q4dot(p + b * 256 + h * V::R * 4, xq + (g * per + b) * 32);
-          acc[s] = V::fmadd(V::cvt(t), V::mul(sc, V::set1(d[g * per + b])), acc[s]);
-        }
-        // m * sum(x): with SYM, s * (-8 sum(x)), the same float (scaling by 8 is exact)
-        if constexpr (S) accm[s] = V::fmadd(sc, V::set1(-8.f * fs[g]), accm[s]);
-        else accm[s] = V::fmadd(scales<H>(p + per * 256 + sb, h), V::set1(fs[g]), accm[s]);
+    constexpr int NS = decltype(ns)::value;
+    over_blocks<NS>(p0, G, stride, h == 0 && m == 0, o, [&](int64_t g, const uint8_t* p, auto& acc, auto& accm) {
+      const typename V::F sc = scales<H>(p + per * 256, h);
+      for (int64_t b = 0; b < per; ++b) {
+        const typename V::I t = q4dot(p + b * 256 + h * V::R * 4, xq + (g * per + b) * 32);
+        acc = V::fmadd(V::cvt(t), V::mul(sc, V::set1(d[g * per + b])), acc);
       }
-    }
-#pragma GCC unroll 4
-    for (int s = 0; s < NS; ++s) V::store(o + 16 * s, V::fmadd(V::set1(1.f), acc[s], accm[s]));
+      // m * sum(x): with SYM, s * (-8 sum(x)), the same float (scaling by 8 is exact)
+      if constexpr (S) accm = V::fmadd(sc, V::set1(-8.f * fs[g]), accm);
+      else accm = V::fmadd(scales<H>(p + per * 256 + sb, h), V::set1(fs[g]), accm);
+    });
   };
 #if ATTNLAB_TILES
   auto tiles = [&](const uint8_t* p, int64_t m0, float* o) {
@@ -553,35 +562,25 @@ torch::Tensor q8x(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int
   const int64_t G = K / group, stride = group * 16 + sb * (has_min ? 2 : 1), sub = std::min<int64_t>(group, 32);
   const Acts a(x.data_ptr<float>(), x.size(0), K, group, has_min);
   auto blk = [&](auto ns, int h, const uint8_t* p0, int64_t m, float* o) {
-    constexpr int NS = decltype(ns)::value;
     const int8_t* xq = a.q + m * K;
     const float* d = a.d + m * K / 32;
     const int32_t* q16 = a.qs16 + m * K / 16;
-    typename V::F acc[NS], accm[NS];
-#pragma GCC unroll 4
-    for (int s = 0; s < NS; ++s) acc[s] = V::zerof(), accm[s] = V::zerof();
-    for (int64_t g = 0; g < G; ++g) {
-#pragma GCC unroll 4
-      for (int s = 0; s < NS; ++s) {
-        const uint8_t* p = p0 + (s * G + g) * stride;
-        if (h == 0 && m == 0) prefetch(p, stride);
-        const typename V::F sc = scales<H>(p + group * 16, h);
-        for (int64_t u = 0; u < group / sub; ++u) {  // sub-blocks of one activation scale and one weight scale
-          const int64_t i = g * group + u * sub;  // first input
-          const uint8_t* c = p + u * sub * 16 + h * V::R * 4;
-          typename V::I i0 = V::zero(), i1 = V::zero();
-          for (int64_t j = 0; j < sub / 4; j += 2) {
-            i0 = V::dp8(i0, V::load(c + 64 * j), V::bcast(xq + i + 4 * j));
-            i1 = V::dp8(i1, V::load(c + 64 * j + 64), V::bcast(xq + i + 4 * j + 4));
-          }
-          const int32_t corr = 128 * (sub == 32 ? q16[i / 16] + q16[i / 16 + 1] : q16[i / 16]);
-          acc[s] = V::fmadd(V::cvt(V::sub1(V::add(i0, i1), corr)), V::mul(sc, V::set1(d[i / 32])), acc[s]);
+    constexpr int NS = decltype(ns)::value;
+    over_blocks<NS>(p0, G, stride, h == 0 && m == 0, o, [&](int64_t g, const uint8_t* p, auto& acc, auto& accm) {
+      const typename V::F sc = scales<H>(p + group * 16, h);
+      for (int64_t u = 0; u < group / sub; ++u) {  // sub-blocks of one activation scale and one weight scale
+        const int64_t i = g * group + u * sub;  // first input
+        const uint8_t* c = p + u * sub * 16 + h * V::R * 4;
+        typename V::I i0 = V::zero(), i1 = V::zero();
+        for (int64_t j = 0; j < sub / 4; j += 2) {
+          i0 = V::dp8(i0, V::load(c + 64 * j), V::bcast(xq + i + 4 * j));
+          i1 = V::dp8(i1, V::load(c + 64 * j + 64), V::bcast(xq + i + 4 * j + 4));
         }
-        if (has_min) accm[s] = V::fmadd(scales<H>(p + group * 16 + sb, h), V::set1(a.fs[m * G + g]), accm[s]);
+        const int32_t corr = 128 * (sub == 32 ? q16[i / 16] + q16[i / 16 + 1] : q16[i / 16]);
+        acc = V::fmadd(V::cvt(V::sub1(V::add(i0, i1), corr)), V::mul(sc, V::set1(d[i / 32])), acc);
       }
-    }
-#pragma GCC unroll 4
-    for (int s = 0; s < NS; ++s) V::store(o + 16 * s, V::fmadd(V::set1(1.f), acc[s], accm[s]));
+      if (has_min) accm = V::fmadd(scales<H>(p + group * 16 + sb, h), V::set1(a.fs[m * G + g]), accm);
+    });
   };
 #if ATTNLAB_TILES
   // groups of 32 and up (sub-blocks of 32 lie as weight tiles); groups of 16 stay on the vector path
