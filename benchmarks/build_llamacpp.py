@@ -134,7 +134,7 @@ def main(argv=None) -> None:
         if not spec["ub1"] and batch_dies(args.prefix / name / "bin"):
             meta.update(ub1=True, note=spec["note"] + "; a 32-token batch dies, one token at a time runs: -ub 1")
             (args.prefix / name / "build.json").write_text(json.dumps(meta, indent=1) + "\n")
-        print(f"{name}: {args.prefix / name / 'bin'} ({spec['note']}{'; run with -ub 1' if spec['ub1'] else ''})")
+        print(f"{name}: {args.prefix / name / 'bin'} ({meta['note']}{'; run with -ub 1' if meta['ub1'] else ''})")
 
 
 if __name__ == "__main__":
