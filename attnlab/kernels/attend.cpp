@@ -357,7 +357,8 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_kv(torch::Tensor x) {
 
 void attnlab_attend::stretch(const float* q, const Cache& c, int64_t Hkv, int64_t G, int64_t D, int64_t s0, int64_t s1,
                              float scale, float* out, float* lse) {
-  std::vector<float> ml(2 * G);
+  thread_local std::vector<float> ml;  // maxima [G], sums [G]: per thread, not an allocation per layer and step
+  ml.resize(2 * G);
   auto run_as = [&](auto tag) {
     using T = decltype(tag);
     for (int64_t h = 0; h < Hkv; ++h) {

@@ -308,10 +308,10 @@ struct NoTiles {};
 
 // out [M, N] from blocks of `stride` bytes per (16-row block, group): blk(h, p, m, o) writes the R
 // rows of half h of the block at p times activation row m into o[0..R); blk(std::integral_constant<int, NS>, ..)
-// does NS consecutive blocks in one pass (block s into o[16 s ..]): NS weight streams read side by side.
-// With AMX granted and M >= 16,
-// tiles(p, m0, o) writes activation rows m0..m0+15 times the block at p into o[16 x 16] instead (m0 = 0 first
-// for each block: the call that may unpack it), the vector path taking the rows past the last whole tile.
+// does NS consecutive blocks in one pass (block s into o[16 s ..]): NS weight streams read side by side. With AMX
+// granted and M >= 16, tiles(p, m0, o) writes activation rows m0..m0+15 times the block at p into o[16 x 16]
+// instead (m0 = 0 first for each block: the call that may unpack it), the vector path taking the rows past the
+// last whole tile.
 template <int NS = 1, class Blk, class Tiles = NoTiles>
 torch::Tensor run(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int64_t G, int64_t stride, Blk blk,
                   Tiles tiles = {}) {
