@@ -36,6 +36,8 @@
 #include <omp.h>
 #endif
 
+#include <sys/mman.h>
+
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -306,6 +308,12 @@ inline void add_mins(const Block& w, const float* fs, int64_t V, float k, int64_
 
 struct NoTiles {};
 
+// A thread's share of blocks from which run reads NS streams even beside a second reader: on the 1B-shaped
+// Q4_0 file at 2 threads, four streams each 25.1 -> 29.7 tok/s (medians of 3 alternating processes); on
+// SmolLM2, whose shares are 18-48 blocks and whose weights the host's cache partly holds, no change beyond
+// noise (one earlier run: -11% with four streams in every share).
+constexpr int64_t kTeamStreams = 32;
+
 // out [M, N] from blocks of `stride` bytes per (16-row block, group): blk(h, p, m, o) writes the R
 // rows of half h of the block at p times activation row m into o[0..R); blk(std::integral_constant<int, NS>, ..)
 // does NS consecutive blocks in one pass (block s into o[16 s ..]): NS weight streams read side by side. With AMX
@@ -339,15 +347,14 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int
     if (mt) _tile_release();
 #endif
     // NS blocks at a time where NS remain, when this thread is the only one reading weights (not a native step's
-    // team, not a parallel_for): alone, 4 streams gained 13-14% (1B Q4_0, SmolLM2, 1 thread); beside a second
-    // reader, 4 each lost 11% (SmolLM2, 2 threads), so a team's threads read one stream each
+    // team, not a parallel_for) or its share is kTeamStreams blocks or more
 #ifdef _OPENMP
     const bool alone = omp_in_parallel() ? omp_get_num_threads() == 1 : at::get_num_threads() == 1;
 #else
     const bool alone = at::get_num_threads() == 1;
 #endif
     for (int64_t b = b0; b < b1 && mt < M;) {
-      const int64_t ns = alone && b + NS <= b1 ? NS : 1;
+      const int64_t ns = (alone || b1 - b0 >= kTeamStreams) && b + NS <= b1 ? NS : 1;
       for (int64_t m = mt; m < M; ++m) {
         for (int h = 0; h < 16 / V::R; ++h)
           if (ns == NS) blk(std::integral_constant<int, NS>{}, h, W + b * G * stride, m, tmp + h * V::R);
@@ -369,11 +376,14 @@ constexpr int64_t HALF = 1, SYM = 2, KQ = 4;  // layout flags (`repack.HALF`, `r
 // depends on the CPU (decode tok/s, weights from DRAM): on an AMD EPYC (Zen 5) into L1, +9-24% on q4x and +35%
 // on the q8x head at 1 thread (1 KiB ahead none, 12-16 KiB no better than 8); on an Intel Xeon (with AMX,
 // a VM) into L1 it cost 20% at 1 thread, and into L2 was best: SmolLM2 Q4_1 at 2 threads 260 tok/s against
-// 196 with 1 KiB into L1 and 209 with 8 KiB into L1 (medians of 3-4 interleaved processes).
+// 196 with 1 KiB into L1 and 209 with 8 KiB into L1 (medians of 3-4 interleaved processes). kAhead is the
+// distance in all: NS streams read side by side ask kAhead / NS ahead each (1B Q4_0 on huge pages, four streams,
+// 2 threads: 33.9 tok/s at 2 KiB each against 29.3 at 8 KiB; 1 thread 19.8 against 17.5).
 constexpr int64_t kAhead = 8192;
+template <int NS = 1>
 inline void prefetch(const uint8_t* p, int64_t stride) {
   static const bool to_l2 = __builtin_cpu_is("intel");
-  const char* q = reinterpret_cast<const char*>(p) + kAhead;
+  const char* q = reinterpret_cast<const char*>(p) + kAhead / NS;
   if (to_l2) for (int64_t o = 0; o < stride; o += 64) _mm_prefetch(q + o, _MM_HINT_T1);
   else for (int64_t o = 0; o < stride; o += 64) _mm_prefetch(q + o, _MM_HINT_T0);
 }
@@ -427,7 +437,7 @@ inline void over_blocks(const uint8_t* p0, int64_t G, int64_t stride, bool first
 #pragma GCC unroll 4
     for (int s = 0; s < NS; ++s) {
       const uint8_t* p = p0 + (s * G + g) * stride;
-      if (first) prefetch(p, stride);
+      if (first) prefetch<NS>(p, stride);
       body(g, p, acc[s], accm[s]);
     }
   }
@@ -703,6 +713,20 @@ void check_floats(const torch::Tensor& t, int64_t N, int64_t G, const char* what
               what, " must be contiguous float32 [", N, ", ", G, "]");
 }
 
+
+// Zeroed uint8 [NB, G, stride] for repacked weights, in its own mapping marked for transparent huge pages
+// (where the OS leaves them to madvise): a matvec streams the whole of it every step, and with 4 KiB pages
+// every page is a TLB miss. 1B Q4_0 (Xeon VM, THP "madvise"): 16.8 -> 17.6 tok/s at 1 thread, 29.7 -> 32.3 at
+// 2 (medians of 4 alternating processes). Under 2 MiB it would not fill one huge page.
+torch::Tensor weight_buffer(int64_t NB, int64_t G, int64_t stride) {
+  const size_t n = static_cast<size_t>(NB * G * stride);
+  if (n < (2u << 20)) return torch::zeros({NB, G, stride}, torch::kByte);
+  void* p = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  TORCH_CHECK(p != MAP_FAILED, "mmap of ", n, " bytes for repacked weights failed");
+  madvise(p, n, MADV_HUGEPAGE);
+  return torch::from_blob(p, {NB, G, stride}, [n](void* q) { munmap(q, n); }, torch::kByte);
+}
+
 // pack4's codes qs [N, K/2] (byte i of a 32-block: code i low, code i + 16 high) -> the q4 blocks: the two
 // layouts share that nibble order, so each 4-byte run of a row moves whole (lane r of chunk j <- bytes 4j..4j+3).
 torch::Tensor repack_q4(torch::Tensor qs, torch::Tensor scale, torch::Tensor min, int64_t group, int64_t fmt) {
@@ -714,7 +738,7 @@ torch::Tensor repack_q4(torch::Tensor qs, torch::Tensor scale, torch::Tensor min
   const int64_t stride = per * 256 + sb * (fmt & SYM ? 1 : 2);
   check_floats(scale, N, G, "scale");
   if (!(fmt & SYM)) check_floats(min, N, G, "min");
-  auto out = torch::zeros({NB, G, stride}, qs.options());
+  auto out = weight_buffer(NB, G, stride);
   const uint8_t* Q = qs.data_ptr<uint8_t>();
   uint8_t* O = out.data_ptr<uint8_t>();
   at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
@@ -744,7 +768,7 @@ torch::Tensor repack_q4k(torch::Tensor qs, torch::Tensor sc, torch::Tensor m, to
                 t->size(1) == K / 32, "repack_q4k: sc and m must be contiguous uint8 [", N, ", ", K / 32, "]");
   check_floats(d, N, G, "d");
   check_floats(dmin, N, G, "dmin");
-  auto out = torch::zeros({NB, G, stride}, qs.options());
+  auto out = weight_buffer(NB, G, stride);
   const uint8_t *Q = qs.data_ptr<uint8_t>(), *SC = sc.data_ptr<uint8_t>(), *MN = m.data_ptr<uint8_t>();
   uint8_t* O = out.data_ptr<uint8_t>();
   at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
@@ -775,7 +799,7 @@ torch::Tensor repack_q6k(torch::Tensor q, torch::Tensor sc, torch::Tensor d) {
   TORCH_CHECK(sc.scalar_type() == torch::kChar && sc.is_contiguous() && sc.dim() == 2 && sc.size(0) == N &&
               sc.size(1) == K / 16, "repack_q6k: sc must be contiguous int8 [", N, ", ", K / 16, "]");
   check_floats(d, N, G, "d");
-  auto out = torch::zeros({NB, G, stride}, q.options().dtype(torch::kByte));
+  auto out = weight_buffer(NB, G, stride);
   const int8_t *Q = q.data_ptr<int8_t>(), *SC = sc.data_ptr<int8_t>();
   uint8_t* O = out.data_ptr<uint8_t>();
   at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
@@ -809,7 +833,7 @@ torch::Tensor repack_q8(torch::Tensor q, torch::Tensor scale, const std::optiona
   const int64_t G = K / group, NB = (N + 15) / 16, sb = fmt & HALF ? 32 : 64, stride = group * 16 + sb * (min ? 2 : 1);
   check_floats(scale, N, G, "scale");
   if (min) check_floats(*min, N, G, "min");
-  auto out = torch::zeros({NB, G, stride}, q.options().dtype(torch::kByte));
+  auto out = weight_buffer(NB, G, stride);
   const uint8_t* Q = reinterpret_cast<const uint8_t*>(q.data_ptr<int8_t>());
   uint8_t* O = out.data_ptr<uint8_t>();
   at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {

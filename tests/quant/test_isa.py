@@ -176,15 +176,16 @@ def test_int8_with_min_and_group_16(group, has_min):
 
 
 def test_repacked_kernels_split_rows_across_threads_without_changing_the_sums():
-    """Threads own whole 16-row blocks: any thread count gives the same bits."""
+    """Threads own whole 16-row blocks: any thread count gives the same bits. 1100 rows: at 2 threads each share
+    is 34-35 blocks, read as four streams (`kTeamStreams`) and a ragged tail."""
     if not ops.load():
         pytest.skip("no C++ kernels on this machine")
     g = torch.Generator().manual_seed(2)
-    w = torch.randn(200, 576, generator=g)
+    w = torch.randn(1100, 576, generator=g)
     layers = [QuantLinear(QuantSpec.parse(s).quantize(w)) for s in ("int4:32", "int8:32")]
-    layers.append(QuantLinear(Packed("int8", (200, 576), 16, 8, q=torch.randint(-32, 32, (200, 576), dtype=torch.int8,
-                                                                             generator=g),
-                                     scale=torch.rand(200, 36, generator=g), min=torch.randn(200, 36, generator=g))))
+    layers.append(QuantLinear(Packed("int8", (1100, 576), 16, 8, q=torch.randint(-32, 32, (1100, 576), dtype=torch.int8,
+                                                                              generator=g),
+                                     scale=torch.rand(1100, 36, generator=g), min=torch.randn(1100, 36, generator=g))))
     x = torch.randn(3, 576, generator=g)
     before = torch.get_num_threads()
     try:
