@@ -313,6 +313,7 @@ struct NoTiles {};
 // SmolLM2, whose shares are 18-48 blocks and whose weights the host's cache partly holds, no change beyond
 // noise (one earlier run: -11% with four streams in every share).
 constexpr int64_t kTeamStreams = 32;
+constexpr int64_t kStreamOut = 2 << 20;  // bytes of output from which run's tiles store around the caches
 
 // out [M, N] from blocks of `stride` bytes per (16-row block, group): blk(h, p, m, o) writes the R
 // rows of half h of the block at p times activation row m into o[0..R); blk(std::integral_constant<int, NS>, ..)
@@ -329,6 +330,13 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int
   auto out = torch::empty({M, N}, x.options());
   float* O = out.data_ptr<float>();
   const uint8_t* W = w.data_ptr<uint8_t>();
+#if ATTNLAB_TILES
+  // An output past a core's L2 (2 MiB) goes around the caches: written a 64-byte piece per row and block, it was
+  // read for ownership line by line, and the tiles waited on it. SmolLM2's w13 alone (512 x 3072 x 576):
+  // 106 -> 212 G multiply-adds/s; a 512-token prefill 741 -> 879 tok/s at 1 thread, 1306 -> 1413 at 2 (medians
+  // of 3 alternating processes, Xeon with AMX).
+  const bool stream_out = M * N * 4 >= kStreamOut && N % 16 == 0;
+#endif
   auto part = [&](int64_t b0, int64_t b1) {
     alignas(64) float tmp[16 * NS];
     int64_t mt = 0;  // rows done in tiles
@@ -341,10 +349,14 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int
       if constexpr (!std::is_same_v<Tiles, NoTiles>)
         for (int64_t m0 = 0; m0 < mt; m0 += amx::kRows) {
           tiles(W + b * G * stride, m0, tile);
-          for (int r = 0; r < 16; ++r) std::memcpy(O + (m0 + r) * N + 16 * b, tile + 16 * r, n * sizeof(float));
+          if (stream_out)
+            for (int r = 0; r < 16; ++r) _mm512_stream_ps(O + (m0 + r) * N + 16 * b, _mm512_load_ps(tile + 16 * r));
+          else
+            for (int r = 0; r < 16; ++r) std::memcpy(O + (m0 + r) * N + 16 * b, tile + 16 * r, n * sizeof(float));
         }
     }
     if (mt) _tile_release();
+    if (stream_out) _mm_sfence();  // the streamed rows reach memory before another thread reads them
 #endif
     // NS blocks at a time where NS remain, when this thread is the only one reading weights (not a native step's
     // team, not a parallel_for) or its share is kTeamStreams blocks or more

@@ -95,8 +95,26 @@ def main(variant: str) -> None:
                               bound + xr.abs() @ mins.abs().T, f"q8x_mm+min {what}")
                         rows_alone(lambda v: torch.ops.attnlab.q8x_mm(v, wp, N, group, True, fmt), x, what)
                         count += 2
-    count += k_quants(g)
+    count += k_quants(g) + big_outputs(g)
     print(f"ok {variant} ({count} checks)")
+
+
+def big_outputs(g) -> int:
+    """An output of 2 MiB or more, which the amx variant's tiles store around the caches (`kStreamOut`): the
+    same values and each row's bits alone, q4 and q8."""
+    M, N, K = 33, 16000, 64
+    x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g) * 0.1
+    xr = round_activations(x)
+    p = quantize_int4(w, 32)
+    wp, fmt = repack.pack_q4(p.qs, p.scale, p.min, 32)
+    close(torch.ops.attnlab.q4x_mm(x, wp, N, 32, fmt), *_q4_ref(x, xr, p.qs, p.scale, p.min, 32), "q4x_mm 2 MiB out")
+    rows_alone(lambda v: torch.ops.attnlab.q4x_mm(v, wp, N, 32, fmt), x, "q4x_mm 2 MiB out")
+    q8 = quantize_int8(w, 32)
+    wp, fmt = repack.pack_q8(q8.q, q8.scale, 32)
+    wq = (q8.q.float().view(N, -1, 32) * q8.scale[..., None]).view(N, K)
+    close(torch.ops.attnlab.q8x_mm(x, wp, N, 32, False, fmt), xr @ wq.T, xr.abs() @ wq.abs().T, "q8x_mm 2 MiB out")
+    rows_alone(lambda v: torch.ops.attnlab.q8x_mm(v, wp, N, 32, False, fmt), x, "q8x_mm 2 MiB out")
+    return 2
 
 
 def k_quants(g) -> int:
