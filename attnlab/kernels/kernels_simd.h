@@ -232,4 +232,32 @@ inline __m256 silu_mul(__m256 g, __m256 u) {
   return _mm256_mul_ps(_mm256_mul_ps(g, sig), u);
 }
 
+// out[i] = x[i] / rms(x) * w[i] over n values: the sum of squares in double (4 lanes of 8 values each).
+inline void rms_norm(const float* x, const float* w, float* out, int64_t n, double eps) {
+  __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    const __m256d a = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), b = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+    s0 = _mm256_fmadd_pd(a, a, s0), s1 = _mm256_fmadd_pd(b, b, s1);
+  }
+  alignas(32) double lanes[4];
+  _mm256_store_pd(lanes, _mm256_add_pd(s0, s1));
+  double ss = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+  for (; i < n; ++i) ss += static_cast<double>(x[i]) * x[i];
+  const float r = static_cast<float>(1.0 / std::sqrt(ss / n + eps));
+  const __m256 rv = _mm256_set1_ps(r);
+  for (i = 0; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), rv), _mm256_loadu_ps(w + i)));
+  for (; i < n; ++i) out[i] = x[i] * r * w[i];
+}
+
+// a[i] = silu(g[i]) * g[H + i] for i in [i0, i1): gate at g, up H values later; 8 at a time where 8 remain.
+inline void silu_mul_row(const float* g, float* a, int64_t i0, int64_t i1, int64_t H) {
+  int64_t i = i0;
+  for (; i + 8 <= i1; i += 8)
+    _mm256_storeu_ps(a + i, silu_mul(_mm256_loadu_ps(g + i), _mm256_loadu_ps(g + H + i)));
+  for (; i < i1; ++i) a[i] = g[i] / (1.f + std::exp(-g[i])) * g[H + i];
+}
+
 }  // namespace attnlab_simd

@@ -74,6 +74,30 @@ def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return int8_blocks(x)
 
 
+# ---------------------------------------------------------------- a forward pass's elementwise glue
+
+def _glue(*ts: torch.Tensor) -> bool:
+    """Whether the C++ glue serves these tensors: float32 on the CPU, outside autograd (the ops have no
+    backward: training keeps torch's)."""
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in ts)
+    return not grad and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in ts) and enabled()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., D] / rms(x) * weight [D] (float32; the sum of squares in double in C++)."""
+    if _glue(x, weight):
+        return torch.ops.attnlab.rms_norm(x, weight, eps)
+    return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def silu_mul(h: torch.Tensor) -> torch.Tensor:
+    """h [..., 2 hidden] (gate, then up) -> silu(gate) * up [..., hidden]."""
+    if _glue(h):
+        return torch.ops.attnlab.silu_mul(h)
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 # ---------------------------------------------------------------- quantized matmuls
 
 def q8_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:

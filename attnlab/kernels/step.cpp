@@ -65,12 +65,7 @@ struct Linear {
   }
 };
 
-void rms_norm(const float* x, const float* w, float* out, int64_t n, double eps) {
-  double ss = 0;
-  for (int64_t i = 0; i < n; ++i) ss += static_cast<double>(x[i]) * x[i];
-  const float r = static_cast<float>(1.0 / std::sqrt(ss / n + eps));
-  for (int64_t i = 0; i < n; ++i) out[i] = x[i] * r * w[i];
-}
+using attnlab_simd::rms_norm;
 
 // Rotate `heads` heads of size D in place by (cos, sin) pairs [D/2, 2] (pairs of adjacent dimensions).
 void rope(float* x, const float* rot, int64_t heads, int64_t D) {
@@ -318,10 +313,7 @@ struct DecodeStep : torch::CustomClassHolder {
       });
       phase(5, [&] {  // SiLU(gate) x up, 8 at a time, in slices of 8 per thread
         const int64_t i0 = hidden / 8 * tid / threads * 8, i1 = tid + 1 == threads ? hidden : hidden / 8 * (tid + 1) / threads * 8;
-        int64_t i = i0;
-        for (; i + 8 <= i1; i += 8)
-          _mm256_storeu_ps(A + i, attnlab_simd::silu_mul(_mm256_loadu_ps(GU + i), _mm256_loadu_ps(GU + hidden + i)));
-        for (; i < i1; ++i) A[i] = GU[i] / (1.f + std::exp(-GU[i])) * GU[hidden + i];
+        attnlab_simd::silu_mul_row(GU, A, i0, i1, hidden);
       });
       phase(6, [&] { linear(4 * l + 3, tid, b.act.view({1, hidden}), X, true); });
     }

@@ -70,7 +70,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+            return ops.rms_norm(x, self.weight, self.eps)
         xf = x.float()  # low precision: normalise in fp32 as the reference does
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
@@ -213,8 +213,7 @@ class FeedForward(nn.Module):
 
     def activation(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up: [..., hidden], what the down projection mixes (Deja Vu's neurons)."""
-        gate, up = self.w13(x).split(self.hidden, dim=-1)
-        return F.silu(gate) * up
+        return ops.silu_mul(self.w13(x))
 
 
 class Block(nn.Module):
