@@ -25,9 +25,9 @@ import torch
 from attnlab.kernels import isa
 
 _STATE: dict = {}
-SOURCES = ("kernels.cpp", "attend.cpp", "repacked.cpp", "step.cpp", "sparse_cols.cpp", "glue.cpp")  # quantized matmuls;
-# attention over the KV cache; matvecs over 16-row repacked weights; the native decode step; TEAL's column ops;
-# a forward pass's elementwise glue
+SOURCES = ("kernels.cpp", "attend.cpp", "repacked.cpp", "step.cpp", "sparse_cols.cpp", "glue.cpp", "causal.cpp")
+# quantized matmuls; attention over the KV cache; matvecs over 16-row repacked weights; the native decode step;
+# TEAL's column ops; a forward pass's elementwise glue; a prompt's causal attention (AVX-512 variants)
 REPACK = ("avx512vnni", "amx")  # variants whose QuantLinear repacks int4/int8 weights (ATTNLAB_REPACK=0/1 overrides)
 FLAGS = ("-O3",)  # + the variant's ISA flags (isa.LEVELS)
 CACHE = Path(os.environ.get("ATTNLAB_CACHE", Path.home() / ".cache" / "attnlab")) / "kernels"
@@ -45,6 +45,11 @@ def load() -> bool:
 def variant() -> str | None:
     """The ISA variant the process runs ('avx2', 'avxvnni', 'avx512', 'avx512vnni', 'amx'), None without kernels."""
     return _STATE.get("isa") if load() else None
+
+
+def wide() -> bool:
+    """Whether the loaded variant has AVX-512 (the ops written for 16 lanes only: causal_attention)."""
+    return _STATE.get("isa") is not None and "avx512f" in isa.LEVELS[_STATE["isa"]][0]
 
 
 def repacks() -> bool:
@@ -116,6 +121,7 @@ def _register_fakes() -> None:
         torch.library.register_fake(f"attnlab::{name}_rows_axpy")(fake_axpy)
     torch.library.register_fake("attnlab::rms_norm")(lambda x, w, eps: torch.empty_like(x))
     torch.library.register_fake("attnlab::silu_mul")(lambda h: h.new_empty(*h.shape[:-1], h.shape[-1] // 2))
+    torch.library.register_fake("attnlab::causal_attention")(lambda q, k, v, scale: torch.empty_like(q))
     torch.library.register_fake("attnlab::decode_attention")(lambda q, k, v, scale, *scales: torch.empty_like(q))
     torch.library.register_fake("attnlab::quantize_kv")(
         lambda x: (torch.empty_like(x, dtype=torch.int8), x.new_empty(*x.shape[:-1], x.shape[-1] // 32)))

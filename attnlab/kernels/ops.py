@@ -67,6 +67,21 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), scale=scale, enable_gqa=True)
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """A prompt's chunk over itself and what precedes it: q [B, Hq, T, D] float32, k, v [B, Hkv, L, D] (L >= T,
+    float32 or float16), query i seeing keys 0 .. L - T + i (plain causal when L == T), scale 1/sqrt(D).
+    Returns [B, Hq, T, D] float32. C++ (float32 arithmetic, AVX-512, head dim 32/64/128) outside autograd."""
+    T, L, D = q.shape[2], k.shape[2], q.shape[3]
+    if (_glue(q) and k.dtype == v.dtype and k.dtype in (torch.float32, torch.float16) and D in (32, 64, 128)
+            and build.wide() and all(t.stride(-1) == 1 for t in (q, k, v))):
+        return torch.ops.attnlab.causal_attention(q, k, v, 1 / math.sqrt(D))
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    if L == T:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    mask = torch.ones(T, L, dtype=torch.bool, device=q.device).tril(L - T)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
 def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys or values [..., D] -> int8 codes [..., D] and float32 scales [..., D/32] (`int8_blocks`)."""
     if enabled():

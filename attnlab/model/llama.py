@@ -99,13 +99,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, need_probs: 
         k, v = dequantize_int8_blocks(*k, q.dtype), dequantize_int8_blocks(*v, q.dtype)
     Hkv, L = k.shape[1], k.shape[2]
     G = Hq // Hkv
-    if k.dtype != q.dtype:  # a float16 cache under float32 activations, off the fused path
-        k, v = k.to(q.dtype), v.to(q.dtype)
     if mask == "causal" and window is not None and L > window:
         i = torch.arange(L - T, L)[:, None]
         mask = ((torch.arange(L) <= i) & (torch.arange(L) > i - window))[None, None]
     if mask == "causal" and not need_probs:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=True), None
+        return ops.causal_attention(q, k, v), None
+    if k.dtype != q.dtype:  # a float16 cache under float32 activations, off the fused path
+        k, v = k.to(q.dtype), v.to(q.dtype)
     if isinstance(mask, str):
         mask = torch.ones(T, L, dtype=torch.bool).tril(L - T)[None, None]
     qg = q.reshape(B, Hkv, G * T, D)

@@ -209,3 +209,43 @@ def test_kv_dtype_is_validated_and_sizes_the_cache():
     full = lm.new_cache(capacity=64).nbytes()
     lm.kv_dtype = torch.int8
     assert lm.new_cache(capacity=64).nbytes() * 32 == full * 9
+
+
+def _causal_reference(q, k, v):
+    """float64 softmax attention, query i over keys 0 .. L - T + i (bottom-right causal)."""
+    T, L, G = q.shape[2], k.shape[2], q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(G, 1), v.double().repeat_interleave(G, 1)
+    s = q.double() @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    s = s.masked_fill(~torch.ones(T, L, dtype=torch.bool).tril(L - T), float("-inf"))
+    return (s.softmax(-1) @ v).float()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("B,Hq,Hkv,T,extra,D", [(1, 9, 3, 100, 0, 64), (2, 4, 4, 33, 7, 32), (1, 8, 2, 16, 0, 128),
+                                                 (1, 3, 1, 1, 5, 64), (1, 6, 3, 47, 20, 64)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_causal_attention_equals_the_masked_reference(dtype, B, Hq, Hkv, T, extra, D, threads):
+    """The prefill kernel (causal.cpp) on ragged query blocks, grouped heads, a cache longer than the chunk,
+    float16 keys and values, strided views as the model passes them."""
+    from attnlab.kernels import build
+    if not build.wide():
+        pytest.skip("causal_attention is AVX-512 only")
+    g = torch.Generator().manual_seed(T + D)
+    L = T + extra
+    qkv = torch.randn(B, T, Hq + 2 * Hkv, D, generator=g).transpose(1, 2)  # as the model's views: strided
+    q = qkv[:, :Hq].contiguous()
+    kbuf = torch.randn(B, Hkv, L + 9, D, generator=g).to(dtype)  # a cache's buffer, sliced
+    k, v = kbuf[:, :, :L], torch.randn(B, L, Hkv, D, generator=g).to(dtype).transpose(1, 2)
+    k[:, :, :, 3] += 30  # large logits: the softmax's max must be subtracted
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = ops.causal_attention(q, k, v)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got, _causal_reference(q, k, v), rtol=2e-5, atol=2e-5)
+    if extra == 0:
+        torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k.float(), v.float(), is_causal=True,
+                                                                       enable_gqa=True), rtol=2e-5, atol=2e-5)
+    with ops.disabled():  # the fallback keeps the same contract
+        torch.testing.assert_close(ops.causal_attention(q, k, v), _causal_reference(q, k, v), rtol=2e-5, atol=2e-5)
