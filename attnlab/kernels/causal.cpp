@@ -1,11 +1,10 @@
 // Causal attention of a prompt over itself (prefill), float32 arithmetic, AVX-512.
 //
 // Why: in a 512-token prefill of SmolLM2 on one thread (Xeon, AMX), torch's CPU flash attention took 5.2-5.6 ms
-// a layer, ~27% of the prefill, for 151 M multiply-adds (head dim 64, 9 query heads): ~30 G/s, a third of
-// what one core's two FMA units give. Rounding q and k to bfloat16 for its AMX path halves the time but moved
-// perplexity by 3.6% (KL 0.008 nats a token, three times the Q4_1 weights' own), so the arithmetic stays float32.
-// Here: 4.3-4.7 ms against torch's 5.2-5.4 for that shape (float16 keys and values, 1 thread, medians of 9), a
-// 512-token prefill 906 -> 956 tok/s (medians of 3 alternating processes); no float16 -> float32 copies.
+// a layer, ~27% of the prefill, for 151 M multiply-adds (head dim 64, 9 query heads). Its bfloat16 path (q, k,
+// v rounded) takes 2.1 ms but costs KL 1.3e-4 nats a token and +0.5% perplexity (SmolLM2's float32 weights,
+// 2048 tokens of the test plays), 5% of what Q4_1 weights cost. Here, float32 (AVX-512): 4.3-4.7 ms; with AMX
+// (below): 1.9-2.3 ms at KL 2.4e-7 (float32 path: 1.3e-7, both against torch's float32).
 //
 // Per item (query head, 16 query rows): the scores of the 16 rows against every key they may see, 16 keys at a
 // time from keys packed transposed once per KV head ([key block][D][16], so one 512-bit load feeds 16 rows'
@@ -22,8 +21,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
+
+#include "kernels_simd.h"
 
 namespace {
 
@@ -169,6 +171,179 @@ void causal(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&
 }
 #endif
 
+#if defined(__AMX_BF16__) && defined(__AVX512F__)
+// With AMX: the same item, its two products on bfloat16 tiles (tdpbf16ps, float32 sums), each operand split
+// into a high and a low bfloat16 (x = hi + lo, lo = x - hi exactly) and three products summed (hi hi + hi lo +
+// lo hi; the lo lo term, 2^-16 of the product, dropped). A float16 key or value is exactly hi + lo (11 bits of
+// significand), a float32 query or probability to 16 bits, so the scores carry ~1e-5 relative error, not
+// bfloat16's 4e-3 (whose cost is above).
+namespace tiles {
+
+// 16 floats -> 16 high and 16 low bfloat16
+inline void split16(__m512 x, uint16_t* hi, uint16_t* lo) {
+  auto round = [](__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    return _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+                                                                  _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)))), 16);
+  };
+  const __m512i h = round(x);
+  const __m512i l = round(_mm512_sub_ps(x, _mm512_castsi512_ps(_mm512_slli_epi32(h, 16))));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi), _mm512_cvtepi32_epi16(h));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo), _mm512_cvtepi32_epi16(l));
+}
+
+struct alignas(64) Config {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+inline void configure() {  // eight tiles of 16 rows x 64 bytes: 0-3 sums, 4-5 A (hi, lo), 6-7 B (hi, lo)
+  Config c;
+  std::memset(&c, 0, sizeof c);
+  c.palette = 1;
+  for (int t = 0; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
+  asm volatile("" : : "r"(&c) : "memory");  // GCC 12 drops the stores otherwise (see repacked.cpp)
+  _tile_loadconfig(&c);
+}
+
+// C += A_hi B_hi + A_hi B_lo + A_lo B_hi, tile numbers literal (GCC pastes them into the instruction)
+#define ATTNLAB_DP3(C)         \
+  do {                         \
+    _tile_dpbf16ps(C, 4, 6);   \
+    _tile_dpbf16ps(C, 4, 7);   \
+    _tile_dpbf16ps(C, 5, 6);   \
+  } while (0)
+
+template <class T>
+void causal(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale, torch::Tensor& out) {
+  const int64_t B = q.size(0), Hq = q.size(1), T_ = q.size(2), D = q.size(3), Hkv = k.size(1), L = k.size(2);
+  const int64_t G = Hq / Hkv, nq = (T_ + kRows - 1) / kRows, NC = (L + 31) / 32, DC = D / 32, DJ = D / 16;
+  const T *K = k.data_ptr<T>(), *Vp = v.data_ptr<T>();
+  const float* Qp = q.data_ptr<float>();
+  float* Op = out.data_ptr<float>();
+  // keys as B tiles per (16-key block, 32 dims): [pair p][key t][2] = K[t][32 c + 2p ..]; values per (32-key
+  // chunk, 16 dims): [pair p][dim n][2] = V[2p ..][16 j + n]; high and low halves, zeros past L
+  const int64_t kblk = 2 * NC * DC * 512, vblk = NC * DJ * 512;  // uint16 per KV head
+  auto packed = torch::zeros({B * Hkv, 2 * (kblk + vblk)}, q.options().dtype(torch::kShort));
+  uint16_t* P0 = reinterpret_cast<uint16_t*>(packed.data_ptr<int16_t>());
+  const int64_t per = 2 * (kblk + vblk);
+  at::parallel_for(0, B * Hkv * NC, 4, [&](int64_t i0, int64_t i1) {
+    alignas(64) uint16_t hi[2][16], lo[2][16];
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t bh = i / NC, kc = i % NC, b = bh / Hkv, h = bh % Hkv;
+      uint16_t *Kh = P0 + bh * per, *Kl = Kh + kblk, *Vh = Kl + kblk, *Vl = Vh + vblk;
+      for (int64_t t = 32 * kc; t < std::min(L, 32 * kc + 32); t += 2) {  // a pair of keys (the second may be past L)
+        const bool two = t + 1 < L;
+        for (int e = 0; e < 2; ++e) {
+          if (e && !two) break;
+          const T* kr = K + b * k.stride(0) + h * k.stride(1) + (t + e) * k.stride(2);
+          for (int64_t d = 0; d < D; d += 16) {  // 8 dimension pairs of key t + e, each a 32-bit word of its tile row
+            split16(load16(kr + d), hi[0], lo[0]);
+            const int64_t o = (((t + e) / 16 * DC + d / 32) * 16 + d % 32 / 2) * 32 + (t + e) % 16 * 2;
+            for (int pp = 0; pp < 8; ++pp) {
+              std::memcpy(Kh + o + pp * 32, hi[0] + 2 * pp, 4);
+              std::memcpy(Kl + o + pp * 32, lo[0] + 2 * pp, 4);
+            }
+          }
+        }
+        const T* v0 = Vp + b * v.stride(0) + h * v.stride(1) + t * v.stride(2);
+        for (int64_t d = 0; d < D; d += 16) {  // tile row t / 2 of dims d..d+15: (V[t][n], V[t + 1][n]) pairs
+          split16(load16(v0 + d), hi[0], lo[0]);
+          if (two) split16(load16(v0 + v.stride(2) + d), hi[1], lo[1]);
+          else std::memset(hi[1], 0, 32), std::memset(lo[1], 0, 32);
+          const int64_t o = ((kc * DJ + d / 16) * 16 + t % 32 / 2) * 32;
+          auto pair = [](const uint16_t* a, const uint16_t* c) {
+            const __m512i x = _mm512_cvtepu16_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(a)));
+            const __m512i y = _mm512_cvtepu16_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(c)));
+            return _mm512_or_si512(x, _mm512_slli_epi32(y, 16));
+          };
+          _mm512_storeu_si512(Vh + o, pair(hi[0], hi[1]));
+          _mm512_storeu_si512(Vl + o, pair(lo[0], lo[1]));
+        }
+      }
+    }
+  });
+  const int64_t items = B * Hq * nq;
+  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+    const int64_t ls = NC * 32 + 16;  // keys per row of S and P, and room for a row's last 16 past its end
+    std::vector<float> S(kRows * ls), tmp(kRows * 64);
+    std::vector<uint16_t> qh(kRows * D), ql(kRows * D), ph(kRows * ls), pl(kRows * ls);
+    configure();
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / (Hq * nq), h = i / nq % Hq, j = i % nq;
+      const int64_t qb = j % 2 ? nq - 1 - j / 2 : j / 2;  // 0, n-1, 1, n-2, ... (see the float32 path)
+      const int64_t t0 = qb * kRows, mq = std::min<int64_t>(kRows, T_ - t0), hk = h / G;
+      const uint16_t *Kh = P0 + (b * Hkv + hk) * per, *Kl = Kh + kblk, *Vh = Kl + kblk, *Vl = Vh + vblk;
+      const float* Q = Qp + b * q.stride(0) + h * q.stride(1) + t0 * q.stride(2);
+      int64_t n[kRows];
+      for (int r = 0; r < kRows; ++r) n[r] = r < mq ? L - T_ + t0 + r + 1 : 0;
+      const int64_t nc = (n[mq - 1] + 31) / 32;
+      for (int r = 0; r < kRows; ++r)
+        for (int64_t d = 0; d < D; d += 16)
+          split16(r < mq ? _mm512_loadu_ps(Q + r * q.stride(2) + d) : _mm512_setzero_ps(), qh.data() + r * D + d,
+                  ql.data() + r * D + d);
+      for (int64_t kb = 0; kb < 2 * nc; ++kb) {  // scores, 16 keys at a time
+        _tile_zero(0);
+        for (int64_t c = 0; c < DC; ++c) {
+          _tile_loadd(4, qh.data() + 32 * c, D * 2);
+          _tile_loadd(5, ql.data() + 32 * c, D * 2);
+          _tile_loadd(6, Kh + (kb * DC + c) * 512, 64);
+          _tile_loadd(7, Kl + (kb * DC + c) * 512, 64);
+          ATTNLAB_DP3(0);
+        }
+        _tile_stored(0, S.data() + 16 * kb, ls * 4);
+      }
+      float inv[kRows] = {};
+      const __m512 sc = _mm512_set1_ps(static_cast<float>(scale));
+      for (int r = 0; r < kRows; ++r) {  // exact softmax of row r over its n[r] keys, split; zeros after them
+        float* s = S.data() + r * ls;
+        int64_t t = 0;
+        if (r < mq) {
+          __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+          for (; t + 16 <= n[r]; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + t));
+          const __mmask16 tail = static_cast<__mmask16>((1u << (n[r] - t)) - 1);
+          mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, s + t));
+          const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+          __m512 sum = _mm512_setzero_ps();
+          for (t = 0; t + 16 <= n[r]; t += 16) {
+            const __m512 e = exp_neg(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), m), sc));
+            split16(e, ph.data() + r * ls + t, pl.data() + r * ls + t), sum = _mm512_add_ps(sum, e);
+          }
+          const __m512 e = _mm512_maskz_mov_ps(tail, exp_neg(_mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + t), m), sc)));
+          split16(e, ph.data() + r * ls + t, pl.data() + r * ls + t), sum = _mm512_add_ps(sum, e);
+          t += 16;
+          inv[r] = 1.f / _mm512_reduce_add_ps(sum);
+        }
+        for (; t < nc * 32; t += 16) split16(_mm512_setzero_ps(), ph.data() + r * ls + t, pl.data() + r * ls + t);
+      }
+      float* O = Op + b * out.stride(0) + h * out.stride(1) + t0 * out.stride(2);
+      for (int64_t d0 = 0; d0 < D; d0 += 64) {  // values: 64 dimensions (four sum tiles) at a time
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        for (int64_t kc = 0; kc < nc; ++kc) {
+          _tile_loadd(4, ph.data() + 32 * kc, ls * 2);
+          _tile_loadd(5, pl.data() + 32 * kc, ls * 2);
+          const int64_t o = (kc * DJ + d0 / 16) * 512;
+          _tile_loadd(6, Vh + o, 64); _tile_loadd(7, Vl + o, 64); ATTNLAB_DP3(0);
+          _tile_loadd(6, Vh + o + 512, 64); _tile_loadd(7, Vl + o + 512, 64); ATTNLAB_DP3(1);
+          _tile_loadd(6, Vh + o + 1024, 64); _tile_loadd(7, Vl + o + 1024, 64); ATTNLAB_DP3(2);
+          _tile_loadd(6, Vh + o + 1536, 64); _tile_loadd(7, Vl + o + 1536, 64); ATTNLAB_DP3(3);
+        }
+        _tile_stored(0, tmp.data(), 256); _tile_stored(1, tmp.data() + 16, 256);
+        _tile_stored(2, tmp.data() + 32, 256); _tile_stored(3, tmp.data() + 48, 256);
+        for (int r = 0; r < mq; ++r)
+          for (int jj = 0; jj < 4; ++jj)
+            _mm512_storeu_ps(O + r * out.stride(2) + d0 + 16 * jj,
+                             _mm512_mul_ps(_mm512_loadu_ps(tmp.data() + r * 64 + 16 * jj), _mm512_set1_ps(inv[r])));
+      }
+    }
+    _tile_release();
+  });
+}
+#undef ATTNLAB_DP3
+
+}  // namespace tiles
+#endif
+
 torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale) {
 #ifdef __AVX512F__
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.scalar_type() == torch::kFloat,
@@ -181,6 +356,12 @@ torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, c
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "causal_attention: innermost dimension contiguous");
   auto out = torch::empty({B, T_, Hq, D}, q.options()).transpose(1, 2);
   const bool half = k.scalar_type() == torch::kHalf;
+#if defined(__AMX_BF16__)
+  if (D % 64 == 0 && attnlab_simd::amx_granted()) {
+    half ? tiles::causal<at::Half>(q, k, v, scale, out) : tiles::causal<float>(q, k, v, scale, out);
+    return out;
+  }
+#endif
   switch (D) {
     case 32: half ? causal<2, at::Half>(q, k, v, scale, out) : causal<2, float>(q, k, v, scale, out); break;
     case 64: half ? causal<4, at::Half>(q, k, v, scale, out) : causal<4, float>(q, k, v, scale, out); break;

@@ -26,8 +26,8 @@ LEVELS = {
                    ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
                     "-mavx512vnni")),
     "amx": (("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "amx_tile",
-             "amx_int8"), ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
-                           "-mavx512vnni", "-mamx-tile", "-mamx-int8")),
+             "amx_int8", "amx_bf16"), ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
+                                       "-mavx512dq", "-mavx512vnni", "-mamx-tile", "-mamx-int8", "-mamx-bf16")),
 }
 _CACHE: dict = {}
 

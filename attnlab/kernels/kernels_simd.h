@@ -6,8 +6,19 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#ifdef __AMX_TILE__
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace attnlab_simd {
+
+#ifdef __AMX_TILE__
+inline bool amx_granted() {  // arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), asked once per process
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+#endif
 
 template <class Op>  // op(a, b) = _mm_add_ps or _mm_max_ps over the 8 lanes of v
 inline float reduce(__m256 v, Op op) {

@@ -184,10 +184,7 @@ void check_x(const torch::Tensor& x, int64_t K) {
 namespace amx {
 constexpr int64_t kRows = 16;  // activation rows per tile; a remainder below 16 rows takes the vector path
 
-inline bool granted() {  // arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), asked once per process
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return ok;
-}
+using attnlab_simd::amx_granted;
 
 struct alignas(64) Config {
   uint8_t palette, start_row, reserved[14];
@@ -343,7 +340,7 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int
 #if ATTNLAB_TILES
     alignas(64) float tile[256];
     if constexpr (!std::is_same_v<Tiles, NoTiles>)
-      if (M >= amx::kRows && amx::granted()) mt = M / amx::kRows * amx::kRows, amx::configure();
+      if (M >= amx::kRows && amx::amx_granted()) mt = M / amx::kRows * amx::kRows, amx::configure();
     for (int64_t b = b0; b < b1 && mt; ++b) {
       const int64_t n = std::min<int64_t>(16, N - 16 * b);
       if constexpr (!std::is_same_v<Tiles, NoTiles>)

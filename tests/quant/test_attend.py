@@ -227,7 +227,7 @@ def _causal_reference(q, k, v):
 def test_causal_attention_equals_the_masked_reference(dtype, B, Hq, Hkv, T, extra, D, threads):
     """The prefill kernel (causal.cpp) on ragged query blocks, grouped heads, a cache longer than the chunk,
     float16 keys and values, strided views as the model passes them."""
-    from attnlab.kernels import build
+    from attnlab.kernels import build, isa
     if not build.wide():
         pytest.skip("causal_attention is AVX-512 only")
     g = torch.Generator().manual_seed(T + D)
@@ -243,9 +243,11 @@ def test_causal_attention_equals_the_masked_reference(dtype, B, Hq, Hkv, T, extr
         got = ops.causal_attention(q, k, v)
     finally:
         torch.set_num_threads(before)
-    torch.testing.assert_close(got, _causal_reference(q, k, v), rtol=2e-5, atol=2e-5)
+    # AMX tiles (head dim a multiple of 64): three bfloat16 products of split operands, ~1e-5 of a score
+    tol = 1e-4 if D % 64 == 0 and isa.amx_granted() and build.variant() == "amx" else 2e-5
+    torch.testing.assert_close(got, _causal_reference(q, k, v), rtol=tol, atol=tol)
     if extra == 0:
         torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k.float(), v.float(), is_causal=True,
-                                                                       enable_gqa=True), rtol=2e-5, atol=2e-5)
+                                                                       enable_gqa=True), rtol=tol, atol=tol)
     with ops.disabled():  # the fallback keeps the same contract
         torch.testing.assert_close(ops.causal_attention(q, k, v), _causal_reference(q, k, v), rtol=2e-5, atol=2e-5)
