@@ -35,23 +35,39 @@ inline __m512 load16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// e^x for x <= 0: attnlab_simd::exp_neg's polynomial, 16 lanes, 2^n by scalef.
+// e^x for x <= 0: attnlab_simd::exp_neg, 16 lanes, 2^n by scalef.
 inline __m512 exp_neg(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
   const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  __m512 p = _mm512_set1_ps(attnlab_simd::kExp2[0]);
+  for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(attnlab_simd::kExp2[i]));
   return _mm512_scalef_ps(p, n);
 }
 
 constexpr int kRows = 16;  // query rows per item
+
+// The exact softmax of one row's n scores s times k, handed 16 at a time to put(t, e) (then zeros from n up to
+// `upto`, a multiple of 16); returns 1 / the sum. s may be written by put (each piece is read first).
+template <class Put>
+inline float softmax_row(const float* s, int64_t n, int64_t upto, float k, Put put) {
+  __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t t = 0;
+  for (; t + 16 <= n; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + t));
+  const __mmask16 tail = static_cast<__mmask16>((1u << (n - t)) - 1);
+  mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, s + t));
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx)), kv = _mm512_set1_ps(k);
+  __m512 sum = _mm512_setzero_ps();
+  for (t = 0; t + 16 <= n; t += 16) {
+    const __m512 e = exp_neg(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), m), kv));
+    put(t, e), sum = _mm512_add_ps(sum, e);
+  }
+  const __m512 e = _mm512_maskz_mov_ps(tail, exp_neg(_mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + t), m), kv)));
+  put(t, e), sum = _mm512_add_ps(sum, e);
+  for (t += 16; t < upto; t += 16) put(t, _mm512_setzero_ps());
+  return 1.f / _mm512_reduce_add_ps(sum);
+}
 
 // S[r][16 kb ..] = scale * q_r . key 16 kb + t for the 16 rows of Q ([16][D], contiguous), key blocks kb < nb.
 inline void scores(const float* Q, const float* Kt, int64_t D, int64_t nb, float scale, float* S, int64_t ls) {
@@ -142,23 +158,9 @@ void causal(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&
       scores(qbuf.data(), Kt + (b * Hkv + hk) * NB * D * 16, D, nb, static_cast<float>(scale), S, ls);
       for (int64_t r = mq; r < kRows; ++r) std::fill(S + r * ls, S + r * ls + nb * 16, 0.f);
       float inv[kRows] = {};
-      for (int r = 0; r < mq; ++r) {  // exact softmax of row r over its n[r] keys; zeros after them
+      for (int r = 0; r < mq; ++r) {  // row r over its n[r] keys, in place; zeros after them
         float* s = S + r * ls;
-        __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-        int64_t t = 0;
-        for (; t + 16 <= n[r]; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + t));
-        const __mmask16 tail = static_cast<__mmask16>((1u << (n[r] - t)) - 1);
-        mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, s + t));
-        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-        __m512 sum = _mm512_setzero_ps();
-        for (t = 0; t + 16 <= n[r]; t += 16) {
-          const __m512 e = exp_neg(_mm512_sub_ps(_mm512_loadu_ps(s + t), m));
-          _mm512_storeu_ps(s + t, e), sum = _mm512_add_ps(sum, e);
-        }
-        const __m512 e = _mm512_maskz_mov_ps(tail, exp_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + t), m)));
-        _mm512_storeu_ps(s + t, e), sum = _mm512_add_ps(sum, e);
-        for (t += 16; t < nb * 16; t += 16) _mm512_storeu_ps(s + t, _mm512_setzero_ps());
-        inv[r] = 1.f / _mm512_reduce_add_ps(sum);
+        inv[r] = softmax_row(s, n[r], nb * 16, 1.f, [&](int64_t t, __m512 e) { _mm512_storeu_ps(s + t, e); });
       }
       const float* V = Vf + (b * Hkv + hk) * L * D;
       float* O = Op + b * out.stride(0) + h * out.stride(1) + t0 * out.stride(2);
@@ -294,27 +296,11 @@ void causal(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&
         _tile_stored(0, S.data() + 16 * kb, ls * 4);
       }
       float inv[kRows] = {};
-      const __m512 sc = _mm512_set1_ps(static_cast<float>(scale));
-      for (int r = 0; r < kRows; ++r) {  // exact softmax of row r over its n[r] keys, split; zeros after them
-        float* s = S.data() + r * ls;
-        int64_t t = 0;
-        if (r < mq) {
-          __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-          for (; t + 16 <= n[r]; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + t));
-          const __mmask16 tail = static_cast<__mmask16>((1u << (n[r] - t)) - 1);
-          mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, s + t));
-          const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-          __m512 sum = _mm512_setzero_ps();
-          for (t = 0; t + 16 <= n[r]; t += 16) {
-            const __m512 e = exp_neg(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), m), sc));
-            split16(e, ph.data() + r * ls + t, pl.data() + r * ls + t), sum = _mm512_add_ps(sum, e);
-          }
-          const __m512 e = _mm512_maskz_mov_ps(tail, exp_neg(_mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + t), m), sc)));
-          split16(e, ph.data() + r * ls + t, pl.data() + r * ls + t), sum = _mm512_add_ps(sum, e);
-          t += 16;
-          inv[r] = 1.f / _mm512_reduce_add_ps(sum);
-        }
-        for (; t < nc * 32; t += 16) split16(_mm512_setzero_ps(), ph.data() + r * ls + t, pl.data() + r * ls + t);
+      for (int r = 0; r < kRows; ++r) {  // row r over its n[r] keys, split into ph, pl; zeros after them
+        uint16_t *hi = ph.data() + r * ls, *lo = pl.data() + r * ls;
+        auto put = [&](int64_t t, __m512 e) { split16(e, hi + t, lo + t); };
+        if (r < mq) inv[r] = softmax_row(S.data() + r * ls, n[r], nc * 32, static_cast<float>(scale), put);
+        else for (int64_t t = 0; t < nc * 32; t += 16) put(t, _mm512_setzero_ps());
       }
       float* O = Op + b * out.stride(0) + h * out.stride(1) + t0 * out.stride(2);
       for (int64_t d0 = 0; d0 < D; d0 += 64) {  // values: 64 dimensions (four sum tiles) at a time

@@ -218,18 +218,15 @@ inline float dot_f32(const float* w, const float* x, int64_t K) {  // K a multip
 
 // e^x for x <= 0 (softmax after the max is subtracted; SiLU on -|x|): 2^(x log2 e) = 2^n * 2^f, |f| <= 1/2,
 // 2^f by a degree-6 polynomial (relative error ~2e-7); below -87 the result flushes to 0.
+constexpr float kExp2[7] = {1.535336188319500e-4f, 1.339887440266574e-3f, 9.618437357674640e-3f,
+                            5.550332471162809e-2f, 2.402264791363012e-1f, 6.931472028550421e-1f, 1.f};
 inline __m256 exp_neg(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
   const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
   const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 f = _mm256_sub_ps(t, n);
-  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  __m256 p = _mm256_set1_ps(kExp2[0]);
+  for (int i = 1; i < 7; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2[i]));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
