@@ -18,6 +18,29 @@ def test_chunked_prefill_and_decode_equal_full_forward(tiny):
     assert len(cache) == 40
 
 
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+def test_chunks_after_the_first_take_the_causal_kernel(kv_dtype, monkeypatch):
+    """A natural cache hands every chunk "causal" (query i sees slots up to n - T + i), so later chunks run the
+    same causal kernel as the first (head dim 64: the C++ one where built); logits equal one full pass."""
+    from attnlab.kernels import ops
+    lm = tiny_lm(dim=256, n_heads=4, n_kv_heads=2)
+    ids = torch.randint(0, 97, (1, 45), generator=torch.Generator().manual_seed(5))
+    full = lm.logits(ids)
+    seen, real = [], ops.causal_attention
+    monkeypatch.setattr(ops, "causal_attention", lambda q, k, v: seen.append((q.shape[2], k.shape[2])) or real(q, k, v))
+    lm.kv_dtype = getattr(torch, kv_dtype)
+    cache = lm.new_cache()
+    out = lm.prefill(ids, cache, chunk=16, all_logits=True)
+    assert (16, 32) in seen and (13, 45) in seen  # later chunks: keys past the chunk
+    if kv_dtype == "float32":
+        torch.testing.assert_close(out, full, atol=2e-4, rtol=2e-4)
+    monkeypatch.setattr(ops.build, "wide", lambda: False)  # the same pass on torch's attention
+    ref = lm.prefill(ids, lm.new_cache(), chunk=16, all_logits=True)
+    # this model's attention logits run to the hundreds: AMX's split products (~1e-5 of a score) move its
+    # logits by up to ~3e-3; a wrong mask moves them by O(1)
+    torch.testing.assert_close(out, ref, atol=1e-2, rtol=1e-2)
+
+
 def test_cache_positions_equal_original_without_eviction(tiny):
     ids = torch.randint(0, 97, (1, 30), generator=torch.Generator().manual_seed(2))
     ref = tiny.logits(ids)

@@ -106,7 +106,8 @@ class LayerKV:
 
         k, v: [B, H_kv, T, D] keys (already rotated at step.q_pos) and values of the chunk.
         Returns (K, V, mask): K, V [B, H_kv, n, D] (an int8 cache: (codes, scales) pairs) and mask
-        None (attend to all), "causal" (plain causal over a fresh cache) or bool [B, H_kv, T, n].
+        None (attend to all), "causal" (a natural cache: query i of the chunk sees slots 0 .. n - T + i) or
+        bool [B, H_kv, T, n].
         """
         T = k.shape[2]
         if step.padded:
@@ -125,7 +126,7 @@ class LayerKV:
         windowed = self.window is not None and int(step.pos.max()) - int(self.pos[:, :, :n].clamp_min(0).min()) >= self.window
         if T == 1 and not self.padded and not windowed:
             return K, V, None
-        if self.natural and n == T and not windowed:
+        if self.natural and not windowed:  # slot j is token j: query i sees slots 0 .. n - T + i
             return K, V, "causal"
         k_pos = self.pos[:, :, :n]
         if self.positions == "cache":

@@ -80,7 +80,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, need_probs: 
     """Grouped-query attention without copying K/V per query head.
 
     q: [B, Hq, T, D]; k, v: [B, Hkv, L, D], or (int8 codes, scales) pairs from an int8 cache;
-    mask: None (all), "causal" (L == T) or bool [B, Hkv|1, T, L].
+    mask: None (all), "causal" (query i sees keys 0 .. L - T + i) or bool [B, Hkv|1, T, L].
     window: a sliding window (Mistral) narrowing a "causal" mask to the last `window` keys;
     tensor masks from a cache already carry it (see `attnlab.kv.cache.LayerKV`).
     The G = Hq/Hkv query heads of a group are folded into the query axis, so every head of a
