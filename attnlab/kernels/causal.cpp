@@ -1,4 +1,4 @@
-// Causal attention of a prompt over itself (prefill), float32 arithmetic, AVX-512.
+// Causal attention of a prompt's chunk over itself and the cache before it (prefill): AVX-512, or AMX tiles.
 //
 // Why: in a 512-token prefill of SmolLM2 on one thread (Xeon, AMX), torch's CPU flash attention took 5.2-5.6 ms
 // a layer, ~27% of the prefill, for 151 M multiply-adds (head dim 64, 9 query heads). Its bfloat16 path (q, k,
@@ -8,9 +8,10 @@
 //
 // Per item (query head, 16 query rows): the scores of the 16 rows against every key they may see, 16 keys at a
 // time from keys packed transposed once per KV head ([key block][D][16], so one 512-bit load feeds 16 rows'
-// broadcast queries), the exact softmax of each row (max, exponentials, sum), then the values weighted by it,
-// RP rows at a time so that their D / 16 accumulators each stay in registers. Causal with the keys' end
-// aligned to the queries' end: query i of T sees keys 0 .. L - T + i, as a fresh cache's prefill (L == T).
+// broadcast queries), the exact softmax of each row (max, exponentials, sum), then the values (float32 rows)
+// weighted by it, 16 / (D / 16) rows at a time so that their accumulators stay in registers. Causal with the
+// keys' end aligned to the queries' end: query i of T sees keys 0 .. L - T + i (L == T for a fresh cache, more
+// for a chunked prefill's later chunks).
 //
 // q [B, Hq, T, D] float32; k, v [B, Hkv, L, D] float32 or float16; innermost dimension contiguous, the rest
 // strided (slices of the cache's buffers). out [B, Hq, T, D], laid out [B, T, Hq, D] (what the output projection
@@ -138,8 +139,8 @@ void causal(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&
       }
     }
   });
-  // items (b, head, query block), the longest first so that a thread left with the short ones finishes with
-  // the others (at::parallel_for hands out equal stretches: interleave long and short)
+  // items (b, head, query block), query blocks long and short alternately (at::parallel_for hands each thread
+  // an equal stretch of items; causal blocks grow with their position)
   const int64_t items = B * Hq * nq;
   at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
     const int64_t ls = NB * 16 + 16;

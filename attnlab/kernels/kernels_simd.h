@@ -240,7 +240,7 @@ inline __m256 silu_mul(__m256 g, __m256 u) {
   return _mm256_mul_ps(_mm256_mul_ps(g, sig), u);
 }
 
-// out[i] = x[i] / rms(x) * w[i] over n values: the sum of squares in double (4 lanes of 8 values each).
+// out[i] = x[i] / rms(x) * w[i] over n values: the sum of squares in double (two 4-lane accumulators).
 inline void rms_norm(const float* x, const float* w, float* out, int64_t n, double eps) {
   __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
   int64_t i = 0;
