@@ -73,7 +73,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     Returns [B, Hq, T, D] float32. C++ outside autograd on AVX-512 variants (head dim 32/64/128): float32, or
     with AMX (head dim a multiple of 64) bfloat16 tiles on operands split hi + lo (~1e-5 of a score)."""
     T, L, D = q.shape[2], k.shape[2], q.shape[3]
-    if (_glue(q) and k.dtype == v.dtype and k.dtype in (torch.float32, torch.float16) and D in (32, 64, 128)
+    if (_native(q) and k.dtype == v.dtype and k.dtype in (torch.float32, torch.float16) and D in (32, 64, 128)
             and build.wide() and all(t.stride(-1) == 1 for t in (q, k, v))):
         return torch.ops.attnlab.causal_attention(q, k, v, 1 / math.sqrt(D))
     k, v = k.to(q.dtype), v.to(q.dtype)
@@ -92,23 +92,23 @@ def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 # ---------------------------------------------------------------- a forward pass's elementwise glue
 
-def _glue(*ts: torch.Tensor) -> bool:
-    """Whether the C++ glue serves these tensors: float32 on the CPU, outside autograd (the ops have no
-    backward: training keeps torch's)."""
+def _native(*ts: torch.Tensor) -> bool:
+    """Whether a C++ op of a forward pass (glue, prompt attention) serves these tensors: float32 on the CPU,
+    outside autograd (the ops have no backward: training keeps torch's)."""
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in ts)
     return not grad and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in ts) and enabled()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., D] / rms(x) * weight [D] (float32; the sum of squares in double in C++)."""
-    if _glue(x, weight):
+    if _native(x, weight):
         return torch.ops.attnlab.rms_norm(x, weight, eps)
     return F.rms_norm(x, weight.shape, weight, eps)
 
 
 def silu_mul(h: torch.Tensor) -> torch.Tensor:
     """h [..., 2 hidden] (gate, then up) -> silu(gate) * up [..., hidden]."""
-    if _glue(h):
+    if _native(h):
         return torch.ops.attnlab.silu_mul(h)
     gate, up = h.chunk(2, dim=-1)
     return F.silu(gate) * up

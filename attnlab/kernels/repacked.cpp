@@ -42,8 +42,6 @@
 #include <type_traits>
 #include <vector>
 #if defined(__AMX_INT8__) && defined(__AVX512F__)
-#include <sys/syscall.h>
-#include <unistd.h>
 #define ATTNLAB_TILES 1
 #endif
 
