@@ -177,7 +177,8 @@ def test_int8_with_min_and_group_16(group, has_min):
 
 def test_repacked_kernels_split_rows_across_threads_without_changing_the_sums():
     """Threads own whole 16-row blocks: any thread count gives the same bits. 1100 rows: at 2 threads each share
-    is 34-35 blocks, read as four streams (`kTeamStreams`) and a ragged tail."""
+    is 34-35 blocks, read as four streams (`kTeamStreams`) and a ragged tail. 97 activation rows: a prompt's rows
+    are rounded to int8 by both threads (tiles for 96 of them with AMX, the vector path for the last)."""
     if not ops.load():
         pytest.skip("no C++ kernels on this machine")
     g = torch.Generator().manual_seed(2)
@@ -186,13 +187,13 @@ def test_repacked_kernels_split_rows_across_threads_without_changing_the_sums():
     layers.append(QuantLinear(Packed("int8", (1100, 576), 16, 8, q=torch.randint(-32, 32, (1100, 576), dtype=torch.int8,
                                                                               generator=g),
                                      scale=torch.rand(1100, 36, generator=g), min=torch.randn(1100, 36, generator=g))))
-    x = torch.randn(3, 576, generator=g)
+    xs = [torch.randn(3, 576, generator=g), torch.randn(97, 576, generator=g)]
     before = torch.get_num_threads()
     try:
         ys = []
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            ys.append([getattr(torch.ops.attnlab, n)(x, *a) for n, a in (m.kernel() for m in layers)])
+            ys.append([getattr(torch.ops.attnlab, n)(x, *a) for n, a in (m.kernel() for m in layers) for x in xs])
     finally:
         torch.set_num_threads(before)
     assert all(torch.equal(a, b) for a, b in zip(*ys))
