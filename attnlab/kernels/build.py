@@ -116,6 +116,8 @@ def _register_fakes() -> None:
         torch.library.register_fake(f"attnlab::{name}")(fake)
     for name in ("q4x_mm", "q8x_mm"):
         torch.library.register_fake(f"attnlab::{name}")(lambda x, w, n, *rest: x.new_empty(x.shape[0], n))
+    for name in ("q4x_glu", "q8x_glu"):
+        torch.library.register_fake(f"attnlab::{name}")(lambda x, w, n, *rest: x.new_empty(x.shape[0], n // 2))
     for name in ("f32", "q8", "q4"):
         torch.library.register_fake(f"attnlab::{name}_rows_mv")(fake_mv)
         torch.library.register_fake(f"attnlab::{name}_rows_axpy")(fake_axpy)

@@ -141,6 +141,20 @@ def q4x_mm(x: torch.Tensor, w: torch.Tensor, n: int, group: int, fmt: int) -> to
     return x @ dequantize_int4(*repack.unpack_q4(w, n, x.shape[1], group, fmt), group).T
 
 
+def q4x_glu(x: torch.Tensor, w: torch.Tensor, n: int, group: int, fmt: int) -> torch.Tensor:
+    """silu(gate) * up of q4x_mm's product, w's n rows gate then up: [M, n / 2] in one call."""
+    if enabled():
+        return torch.ops.attnlab.q4x_glu(x, w, n, group, fmt)
+    return silu_mul(q4x_mm(x, w, n, group, fmt))
+
+
+def q8x_glu(x: torch.Tensor, w: torch.Tensor, n: int, group: int, has_min: bool, fmt: int) -> torch.Tensor:
+    """silu(gate) * up of q8x_mm's product, w's n rows gate then up: [M, n / 2] in one call."""
+    if enabled():
+        return torch.ops.attnlab.q8x_glu(x, w, n, group, has_min, fmt)
+    return silu_mul(q8x_mm(x, w, n, group, has_min, fmt))
+
+
 def q8x_mm(x: torch.Tensor, w: torch.Tensor, n: int, group: int, has_min: bool, fmt: int) -> torch.Tensor:
     """q8_mm (w = q * s [+ m]) over weights repacked by `repack.pack_q8` (flags fmt: `repack.HALF`)."""
     if enabled():

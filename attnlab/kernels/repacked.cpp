@@ -325,12 +325,16 @@ constexpr int64_t kStreamOut = 2 << 20;  // bytes of output from which run's til
 // granted and M >= 16, tiles(p, m0, o) writes activation rows m0..m0+15 times the block at p into o[16 x 16]
 // instead (m0 = 0 first for each block: the call that may unpack it), the vector path taking the rows past the
 // last whole tile.
+void check_w(const torch::Tensor& w, int64_t NB, int64_t G, int64_t stride) {
+  TORCH_CHECK(w.scalar_type() == torch::kByte && w.is_contiguous() && w.numel() == NB * G * stride,
+              "repacked weight must be contiguous uint8 [", NB, ", ", G, ", ", stride, "]");
+}
+
 template <int NS = 1, class Blk, class Tiles = NoTiles>
 torch::Tensor run(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int64_t G, int64_t stride, Blk blk,
                   Tiles tiles = {}) {
   const int64_t M = x.size(0), NB = (N + 15) / 16;
-  TORCH_CHECK(w.scalar_type() == torch::kByte && w.is_contiguous() && w.numel() == NB * G * stride,
-              "repacked weight must be contiguous uint8 [", NB, ", ", G, ", ", stride, "]");
+  check_w(w, NB, G, stride);
   auto out = torch::empty({M, N}, x.options());
   float* O = out.data_ptr<float>();
   const uint8_t* W = w.data_ptr<uint8_t>();
@@ -382,6 +386,59 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int
     }
   };
   if (at::get_num_threads() == 1) part(0, NB); else at::parallel_for(0, NB, 1, part);
+  return out;
+}
+
+// silu(gate) * up [M, N / 2] for a weight whose rows are gate (N / 2) then up (an MLP's w13), as run's blocks:
+// one thread takes gate block p and up block p + N / 32, each for every row into an [M x 16] scratch, and
+// combines them with `attnlab_simd::silu_mul` (silu_mul_row's arithmetic: silu_mul after run gives the same
+// bits). What it saves is the [M, N] output's trip through memory and back (SmolLM2's w13 in a 512-token prefill:
+// 6 MiB written, read again, 3 MiB written). One weight stream per thread: for prompts, not matvecs.
+template <class Blk, class Tiles = NoTiles>
+torch::Tensor run_glu(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int64_t G, int64_t stride, Blk blk,
+                      Tiles tiles = {}) {
+  TORCH_CHECK(N % 32 == 0, "a gated matmul needs gate and up rows in whole 16-row blocks (N a multiple of 32)");
+  const int64_t M = x.size(0), H = N / 2, NP = N / 32;
+  check_w(w, 2 * NP, G, stride);
+  auto out = torch::empty({M, H}, x.options());
+  float* O = out.data_ptr<float>();
+  const uint8_t* W = w.data_ptr<uint8_t>();
+  const bool stream_out = M * H * 4 >= kStreamOut;
+  auto part = [&](int64_t p0, int64_t p1) {
+    thread_local std::vector<float> buf;
+    if (static_cast<int64_t>(buf.size()) < 32 * M + 16) buf.resize(32 * M + 16);
+    float* gs = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
+    float* us = gs + 16 * M;
+    int64_t mt = 0;  // rows done in tiles
+#if ATTNLAB_TILES
+    if constexpr (!std::is_same_v<Tiles, NoTiles>)
+      if (M >= amx::kRows && amx::amx_granted()) mt = M / amx::kRows * amx::kRows, amx::configure();
+#endif
+    for (int64_t p = p0; p < p1; ++p) {
+      for (int64_t b : {p, p + NP}) {
+        const uint8_t* pb = W + b * G * stride;
+        float* s = b == p ? gs : us;
+#if ATTNLAB_TILES
+        if constexpr (!std::is_same_v<Tiles, NoTiles>)
+          for (int64_t m0 = 0; m0 < mt; m0 += amx::kRows) tiles(pb, m0, s + 16 * m0);
+#endif
+        for (int64_t m = mt; m < M; ++m)
+          for (int h = 0; h < 16 / V::R; ++h) blk(std::integral_constant<int, 1>{}, h, pb, m, s + 16 * m + h * V::R);
+      }
+      for (int64_t m = 0; m < M; ++m) {
+        float* o = O + m * H + 16 * p;
+        const __m256 a0 = attnlab_simd::silu_mul(_mm256_load_ps(gs + 16 * m), _mm256_load_ps(us + 16 * m));
+        const __m256 a1 = attnlab_simd::silu_mul(_mm256_load_ps(gs + 16 * m + 8), _mm256_load_ps(us + 16 * m + 8));
+        if (stream_out) _mm256_stream_ps(o, a0), _mm256_stream_ps(o + 8, a1);
+        else _mm256_storeu_ps(o, a0), _mm256_storeu_ps(o + 8, a1);
+      }
+    }
+#if ATTNLAB_TILES
+    if (mt) _tile_release();
+#endif
+    if (stream_out) _mm_sfence();
+  };
+  if (at::get_num_threads() == 1) part(0, NP); else at::parallel_for(0, NP, 1, part);
   return out;
 }
 
@@ -462,7 +519,7 @@ inline void over_blocks(const uint8_t* p0, int64_t G, int64_t stride, bool first
 }
 
 template <bool H, bool S>
-torch::Tensor q4x(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int64_t group) {
+torch::Tensor q4x(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int64_t group, bool glu) {
   const int64_t K = x.size(1);
   constexpr int64_t sb = H ? 32 : 64;  // bytes of 16 scales
   const int64_t G = K / group, per = group / 32, stride = per * 256 + sb * (S ? 1 : 2);
@@ -496,16 +553,16 @@ torch::Tensor q4x(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int
     amx::tile_sums<false>(a, K, m0, blk, o);
     amx::add_mins(blk, a.fs, G, S ? -8.f : 1.f, m0, o);
   };
-  return run<kStreams>(x, w, N, G, stride, blk, tiles);
+  return glu ? run_glu(x, w, N, G, stride, blk, tiles) : run<kStreams>(x, w, N, G, stride, blk, tiles);
 #else
-  return run<kStreams>(x, w, N, G, stride, blk);
+  return glu ? run_glu(x, w, N, G, stride, blk) : run<kStreams>(x, w, N, G, stride, blk);
 #endif
 }
 
 // Q4_K superblocks (KQ): q4x<false, false> at group 32, each sub-block's s and m made from the factors in
 // the same float32 operations as the loader's (d * sc, -(dmin * m): negating the factor negates the product
 // exactly), so the same sums in the same order give the same bits.
-torch::Tensor q4k(const torch::Tensor& x, const torch::Tensor& w, int64_t N) {
+torch::Tensor q4k(const torch::Tensor& x, const torch::Tensor& w, int64_t N, bool glu) {
   const int64_t K = x.size(1), G = K / 256, stride = 2368;
   const Acts a(x.data_ptr<float>(), x.size(0), K, 32, true);
   auto blk = [&](auto, int h, const uint8_t* p, int64_t m, float* o) {
@@ -539,18 +596,18 @@ torch::Tensor q4k(const torch::Tensor& x, const torch::Tensor& w, int64_t N) {
     amx::tile_sums<false>(a, K, m0, blk, o);
     amx::add_mins(blk, a.fs, K / 32, 1.f, m0, o);
   };
-  return run(x, w, N, G, stride, blk, tiles);
+  return glu ? run_glu(x, w, N, G, stride, blk, tiles) : run(x, w, N, G, stride, blk, tiles);
 #else
-  return run(x, w, N, G, stride, blk);
+  return glu ? run_glu(x, w, N, G, stride, blk) : run(x, w, N, G, stride, blk);
 #endif
 }
 
 // Q6_K superblocks (KQ): q8x<false> at group 16 without a min, the codes rebuilt from their two parts, each
 // sub-block's s = sc * d made as the loader makes it: integer sums are exact, so the same bits.
-torch::Tensor q6k(const torch::Tensor& x, const torch::Tensor& w, int64_t N) {
+torch::Tensor q6k(const torch::Tensor& x, const torch::Tensor& w, int64_t N, bool glu) {
   const int64_t K = x.size(1), G = K / 256, stride = 3360;
   const Acts a(x.data_ptr<float>(), x.size(0), K, 16, false);
-  return run(x, w, N, G, stride, [&](auto, int h, const uint8_t* p, int64_t m, float* o) {
+  auto blk = [&](auto, int h, const uint8_t* p, int64_t m, float* o) {
     const int8_t* xq = a.q + m * K;
     const float* d = a.d + m * K / 32;
     const int32_t* q16 = a.qs16 + m * K / 16;
@@ -578,11 +635,12 @@ torch::Tensor q6k(const torch::Tensor& x, const torch::Tensor& w, int64_t N) {
       }
     }
     V::store(o, V::fmadd(V::set1(1.f), acc, V::zerof()));
-  });
+  };
+  return glu ? run_glu(x, w, N, G, stride, blk) : run(x, w, N, G, stride, blk);
 }
 
 template <bool H>
-torch::Tensor q8x(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int64_t group, bool has_min) {
+torch::Tensor q8x(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int64_t group, bool has_min, bool glu) {
   const int64_t K = x.size(1);
   constexpr int64_t sb = H ? 32 : 64;
   const int64_t G = K / group, stride = group * 16 + sb * (has_min ? 2 : 1), sub = std::min<int64_t>(group, 32);
@@ -623,29 +681,37 @@ torch::Tensor q8x(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int
     amx::tile_sums<true>(a, K, m0, blk, o);
     amx::add_mins(blk, a.fs, has_min ? G : 0, 1.f, m0, o);
   };
-  if (sub == 32) return run<kStreams>(x, w, N, G, stride, blk, tiles);
+  if (sub == 32) return glu ? run_glu(x, w, N, G, stride, blk, tiles) : run<kStreams>(x, w, N, G, stride, blk, tiles);
 #endif
-  return run<kStreams>(x, w, N, G, stride, blk);
+  return glu ? run_glu(x, w, N, G, stride, blk) : run<kStreams>(x, w, N, G, stride, blk);
 }
 
 }  // namespace
 
 // x [M, K] fp32; w [ceil(N/16), K/group, group*8 + scale/min bytes] uint8 (q4 layout above, flags fmt) -> [M, N];
 // with KQ [ceil(N/16), K/256, 2368]
-torch::Tensor q4x_mm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t group, int64_t fmt) {
+torch::Tensor q4x_any(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int64_t group, int64_t fmt, bool glu) {
   const int64_t K = x.size(1);
   TORCH_CHECK(group % 32 == 0 && group > 0 && K % group == 0, "q4x: group must be a multiple of 32 dividing K");
   check_x(x, K);
   if (fmt == KQ) {
     TORCH_CHECK(group == 32 && K % 256 == 0, "q4x: the KQ layout needs groups of 32 and K a multiple of 256");
-    return q4k(x, w, N);
+    return q4k(x, w, N, glu);
   }
-  return with_layout(fmt, [&](auto half, auto sym) { return q4x<half.value, sym.value>(x, w, N, group); });
+  return with_layout(fmt, [&](auto half, auto sym) { return q4x<half.value, sym.value>(x, w, N, group, glu); });
+}
+torch::Tensor q4x_mm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t group, int64_t fmt) {
+  return q4x_any(x, w, N, group, fmt, false);
+}
+// x @ w^T for w's rows gate (N / 2) then up -> silu(gate) * up [M, N / 2] (run_glu): an MLP's input side
+torch::Tensor q4x_glu(torch::Tensor x, torch::Tensor w, int64_t N, int64_t group, int64_t fmt) {
+  return q4x_any(x, w, N, group, fmt, true);
 }
 
 // x [M, K] fp32; w [ceil(N/16), K/group, group*16 + scale (+ min) bytes] uint8 (q8 layout) -> [M, N];
 // with KQ [ceil(N/16), K/256, 3360]
-torch::Tensor q8x_mm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t group, bool has_min, int64_t fmt) {
+torch::Tensor q8x_any(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int64_t group, bool has_min,
+                      int64_t fmt, bool glu) {
   const int64_t K = x.size(1);
   TORCH_CHECK(group % 16 == 0 && group > 0 && K % group == 0 && K % 32 == 0,
               "q8x: group must be a multiple of 16 dividing K (a multiple of 32)");
@@ -653,10 +719,16 @@ torch::Tensor q8x_mm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t group,
   check_x(x, K);
   if (fmt == KQ) {
     TORCH_CHECK(group == 16 && !has_min && K % 256 == 0, "q8x: the KQ layout needs groups of 16, no min, K a multiple of 256");
-    return q6k(x, w, N);
+    return q6k(x, w, N, glu);
   }
   TORCH_CHECK(fmt == 0 || fmt == HALF, "q8x: layout flags must be 0, HALF (1) or KQ (4), got ", fmt);
-  return fmt == HALF ? q8x<true>(x, w, N, group, has_min) : q8x<false>(x, w, N, group, has_min);
+  return fmt == HALF ? q8x<true>(x, w, N, group, has_min, glu) : q8x<false>(x, w, N, group, has_min, glu);
+}
+torch::Tensor q8x_mm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t group, bool has_min, int64_t fmt) {
+  return q8x_any(x, w, N, group, has_min, fmt, false);
+}
+torch::Tensor q8x_glu(torch::Tensor x, torch::Tensor w, int64_t N, int64_t group, bool has_min, int64_t fmt) {
+  return q8x_any(x, w, N, group, has_min, fmt, true);
 }
 
 // Rows ids [n] of a repacked int8 weight w (q8 layout, K inputs), dequantised -> [n, K] float32: a tied
@@ -877,10 +949,13 @@ TORCH_LIBRARY_FRAGMENT(attnlab, m) {
   m.def("q8x_rows(Tensor w, Tensor ids, int k, int group, bool has_min, int fmt) -> Tensor");
   m.def("q4x_mm(Tensor x, Tensor w, int n, int group, int fmt) -> Tensor");
   m.def("q8x_mm(Tensor x, Tensor w, int n, int group, bool has_min, int fmt) -> Tensor");
+  m.def("q4x_glu(Tensor x, Tensor w, int n, int group, int fmt) -> Tensor");
+  m.def("q8x_glu(Tensor x, Tensor w, int n, int group, bool has_min, int fmt) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(attnlab, CPU, m) {
   m.impl("q4x_mm", &q4x_mm), m.impl("q8x_mm", &q8x_mm), m.impl("q8x_rows", &q8x_rows);
+  m.impl("q4x_glu", &q4x_glu), m.impl("q8x_glu", &q8x_glu);
   m.impl("repack_q4", &repack_q4), m.impl("repack_q8", &repack_q8), m.impl("repack_q4k", &repack_q4k);
   m.impl("repack_q6k", &repack_q6k);
 }

@@ -213,7 +213,8 @@ class FeedForward(nn.Module):
 
     def activation(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up: [..., hidden], what the down projection mixes (Deja Vu's neurons)."""
-        return ops.silu_mul(self.w13(x))
+        fused = getattr(self.w13, "silu_mul", None)  # a quantized layer's one-call form (QuantLinear.silu_mul)
+        return fused(x) if fused is not None else ops.silu_mul(self.w13(x))
 
 
 class Block(nn.Module):

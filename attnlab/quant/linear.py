@@ -294,6 +294,18 @@ class QuantLinear(nn.Module):
             y = F.linear(x2, self.dequantize(), self.bias)
         return y.view(*shape[:-1], self.out_features).to(x.dtype)
 
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this layer's output, its rows gate then up (an MLP's w13): `ops.silu_mul(self(x))`,
+        for a prompt's rows on repacked weights in one kernel call (`q4x_glu` / `q8x_glu`: the same bits, without
+        the [rows, 2 hidden] product's trip through memory). A matvec keeps the plain kernel (its weight streams)."""
+        rows = x.numel() // self.in_features
+        if (self.repacked and self.parts is None and self.bias is None and rows >= 16 and self.out_features % 32 == 0
+                and ops.enabled()):
+            name, args = self.kernel()
+            y = getattr(ops, name.replace("_mm", "_glu"))(x.reshape(rows, -1).float().contiguous(), *args)
+            return y.view(*x.shape[:-1], self.out_features // 2).to(x.dtype)
+        return ops.silu_mul(self(x))
+
     def extra_repr(self) -> str:
         if self.parts is not None:
             return f"{self.in_features} -> {self.out_features}, parts (promoted: {self.kind}:{self.group}" + (

@@ -6,7 +6,8 @@ Inputs of 33 rows take the amx variant's tile multiplies for two tiles of 16 and
 last row: each row must come out with the bits of that row alone (the vector path's sums and order). The
 reference arithmetic: the activations rounded to int8 per 32 (`round_activations`) times the weights, min
 terms included (a min over x itself would pass as closeness but loses 4-5x the KL, see kernels_simd.h).
-Prints 'ok VARIANT' on success."""
+The gated forms (q4x_glu, q8x_glu) must give silu_mul's bits after the plain kernels. Prints 'ok VARIANT'
+on success."""
 import sys
 
 import numpy as np
@@ -95,7 +96,7 @@ def main(variant: str) -> None:
                               bound + xr.abs() @ mins.abs().T, f"q8x_mm+min {what}")
                         rows_alone(lambda v: torch.ops.attnlab.q8x_mm(v, wp, N, group, True, fmt), x, what)
                         count += 2
-    count += k_quants(g) + big_outputs(g)
+    count += k_quants(g) + big_outputs(g) + gated(g)
     print(f"ok {variant} ({count} checks)")
 
 
@@ -115,6 +116,40 @@ def big_outputs(g) -> int:
     close(torch.ops.attnlab.q8x_mm(x, wp, N, 32, False, fmt), xr @ wq.T, xr.abs() @ wq.abs().T, "q8x_mm 2 MiB out")
     rows_alone(lambda v: torch.ops.attnlab.q8x_mm(v, wp, N, 32, False, fmt), x, "q8x_mm 2 MiB out")
     return 2
+
+
+def gated(g) -> int:
+    """q4x_glu / q8x_glu (an MLP's gate and up rows in one call): the bits of silu_mul after q4x_mm / q8x_mm, in
+    every layout, three gate/up pairs of blocks, and an output of 2 MiB (stored around the caches)."""
+    from tests.quant.test_kquants import random_blocks
+    rng, count = np.random.default_rng(1), 0
+    cases = []
+    for N, K in ((96, 256), (32768, 32)):
+        w = torch.randn(N, K, generator=g) * 0.1
+        p = quantize_int4(w, 32)
+        for fmt in range(4 if N == 96 else 1):
+            scale = p.scale.half().float() if fmt & repack.HALF else p.scale
+            mn = -8 * scale if fmt & repack.SYM else p.min.half().float() if fmt & repack.HALF else p.min
+            cases.append(("q4x", (repack.pack_q4(p.qs, scale, mn, 32)[0], N, 32, fmt)))
+    N, K = 96, 256
+    w = torch.randn(N, K, generator=g) * 0.1
+    for group in (16, 32):
+        q8 = quantize_int8(w, group)
+        mn = torch.randn(N, K // group, generator=g) * 0.01
+        cases.append(("q8x", (repack.pack_q8(q8.q, q8.scale, group)[0], N, group, False, 0)))
+        cases.append(("q8x", (repack.pack_q8(q8.q, q8.scale, group, mn)[0], N, group, True, 0)))
+    p = from_gguf(random_blocks("Q4_K", N, K, rng), "Q4_K", (N, K))
+    cases.append(("q4x", (repack.pack_q4(p.qs, p.scale, p.min, 32, kscale=p.kscale)[0], N, 32, repack.KQ)))
+    p = from_gguf(random_blocks("Q6_K", N, K, rng), "Q6_K", (N, K))
+    cases.append(("q8x", (repack.pack_q8(p.q, p.scale, 16, kscale=p.kscale)[0], N, 16, False, repack.KQ)))
+    for kind, args in cases:
+        mm, glu = getattr(torch.ops.attnlab, f"{kind}_mm"), getattr(torch.ops.attnlab, f"{kind}_glu")
+        for M in (1, 5, 33):
+            x = torch.randn(M, args[0].shape[1] * (256 if args[-1] == repack.KQ else args[2]), generator=g)
+            got = glu(x, *args)
+            assert torch.equal(got, torch.ops.attnlab.silu_mul(mm(x, *args))), f"{kind}_glu {args[1:]} M{M}"
+            count += 1
+    return count
 
 
 def k_quants(g) -> int:

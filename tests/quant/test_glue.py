@@ -46,3 +46,28 @@ def test_autograd_keeps_torch():
     assert h.grad.shape == h.shape
     with torch.no_grad():  # no graph: the C++ op serves a parameter too
         torch.testing.assert_close(ops.rms_norm(x, w, 1e-6), F.rms_norm(x, w.shape, w, 1e-6), rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("spec", ["int4:32", "int8:32"])
+def test_a_quantized_mlp_gates_in_the_matmul(spec, monkeypatch):
+    """A prompt's MLP input side on repacked weights is one call (`q4x_glu` / `q8x_glu`) with the bits of
+    silu_mul after the plain product; a decode step's single row keeps the plain kernel."""
+    from attnlab.model.llama import FeedForward, ModelConfig
+    from attnlab.quant import QuantSpec
+    from attnlab.quant.linear import QuantLinear
+
+    g = torch.Generator().manual_seed(3)
+    cfg = ModelConfig(vocab_size=32, dim=64, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=48)
+    mlp = FeedForward(cfg)
+    monkeypatch.setenv("ATTNLAB_REPACK", "1")
+    mlp.w13 = QuantLinear(QuantSpec.parse(spec).quantize(torch.randn(96, 64, generator=g) * 0.1))
+    assert mlp.w13.repacked
+    calls = []
+    for name in ("q4x_glu", "q8x_glu"):
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
+    for T in (1, 33):
+        x = torch.randn(2, T, 64, generator=g)
+        assert torch.equal(mlp.activation(x), ops.silu_mul(mlp.w13(x)))
+        assert len(calls) == (T >= 16)
+        calls.clear()
