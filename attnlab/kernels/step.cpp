@@ -89,8 +89,8 @@ struct DecodeStep : torch::CustomClassHolder {
   std::vector<at::Tensor> k, v, k_scale, v_scale, pos;  // the bound cache's per-layer buffers
   // Phase timings when profiling (`profile(true)`): seconds per thread and phase of its own work ("busy"), and
   // of the phase until its barrier released thread 0 ("wall"), summed over the calls since.
-  static constexpr const char* kPhases[] = {"wqkv", "rope+kv", "attention", "wo", "w13", "silu", "w2", "head"};
-  static constexpr int kNPhases = 8;
+  static constexpr const char* kPhases[] = {"wqkv", "attention", "wo", "w13", "silu", "w2", "head"};
+  static constexpr int kNPhases = 7;
   bool profiling = false;
   std::vector<double> busy, wall;
   int64_t profiled = 0;
@@ -230,7 +230,8 @@ struct DecodeStep : torch::CustomClassHolder {
     const int64_t V = linears.back().back().row0 + linears.back().back().rows, HD = n_heads * head_dim;
     Buffers b{at::empty({dim}, f32), at::empty({(n_heads + 2 * n_kv) * head_dim}, f32), at::empty({2 * hidden}, f32),
               at::empty({hidden}, f32), at::empty({1, 1, V}, f32), at::empty({threads, 1, dim}, f32),
-              at::empty({threads, 1, HD}, f32), at::empty({threads, HD}, f32), at::empty({threads, n_heads}, f32)};
+              at::empty({threads, 1, HD}, f32), at::empty({threads, (n_heads + n_kv) * head_dim}, f32),
+              at::empty({threads, HD}, f32), at::empty({threads, n_heads}, f32)};
     float* X = b.x.data_ptr<float>();
     if (embedded) {
       std::copy_n(embedded->data_ptr<float>(), dim, X);
@@ -262,7 +263,8 @@ struct DecodeStep : torch::CustomClassHolder {
  private:
   struct Buffers {
     at::Tensor x, qkv, gu, act, logits;  // shared by the team
-    at::Tensor h, o, part, lse;          // one row per thread: normed input, merged attention, stretch out + lse
+    at::Tensor h, o, qk, part, lse;      // one row per thread: normed input, merged attention, its rotated q and k,
+                                         // stretch out + lse
   };
 
   // The step as thread tid of a team of `threads` (alone: tid 0 of 1). Phases are separated by barriers
@@ -297,27 +299,32 @@ struct DecodeStep : torch::CustomClassHolder {
         rms_norm(X, norms[2 * l].data_ptr<float>(), H, dim, eps);
         linear(4 * l, tid, h, QKV, false);  // [(Hq + 2 Hkv) D]: q heads, k heads, v heads
       });
+      // RoPE, the K/V write and attention in one phase (a barrier fewer per layer, no thread idle while one
+      // rotates): every thread rotates its own copy of q, and the last one, whose stretch holds the new slot
+      // (and alone reads it), rotates k and writes the slot before attending
       phase(1, [&] {
-        if (tid) return;
-        rope(QKV, R, n_heads + n_kv, D);  // q and k heads are adjacent
-        write_kv(l, slot, position, QKV + HD, QKV + HD + n_kv * D);
+        const bool last = tid == threads - 1;
+        float* Q = threads == 1 ? QKV : b.qk[tid].data_ptr<float>();  // q and k heads are adjacent
+        if (threads > 1) std::copy_n(QKV, (last ? n_heads + n_kv : n_heads) * D, Q);
+        rope(Q, R, last ? n_heads + n_kv : n_heads, D);
+        if (last) write_kv(l, slot, position, Q + HD, QKV + HD + n_kv * D);
+        attend_stretch(b, l, tid, first, n, Q);
       });
-      phase(2, [&] { attend_stretch(b, l, tid, first, n); });
-      phase(3, [&] {
+      phase(2, [&] {
         merge(b, o.data_ptr<float>());
         linear(4 * l + 1, tid, o, X, true);
       });
-      phase(4, [&] {
+      phase(3, [&] {
         rms_norm(X, norms[2 * l + 1].data_ptr<float>(), H, dim, eps);
         linear(4 * l + 2, tid, h, GU, false);  // [2 hidden]: gate, then up
       });
-      phase(5, [&] {  // SiLU(gate) x up, 8 at a time, in slices of 8 per thread
+      phase(4, [&] {  // SiLU(gate) x up, 8 at a time, in slices of 8 per thread
         const int64_t i0 = hidden / 8 * tid / threads * 8, i1 = tid + 1 == threads ? hidden : hidden / 8 * (tid + 1) / threads * 8;
         attnlab_simd::silu_mul_row(GU, A, i0, i1, hidden);
       });
-      phase(6, [&] { linear(4 * l + 3, tid, b.act.view({1, hidden}), X, true); });
+      phase(5, [&] { linear(4 * l + 3, tid, b.act.view({1, hidden}), X, true); });
     }
-    phase(7, [&] {
+    phase(6, [&] {
       rms_norm(X, norms[2 * L].data_ptr<float>(), H, dim, eps);
       linear(4 * L, tid, h, b.logits.data_ptr<float>(), false);
     });
@@ -335,8 +342,9 @@ struct DecodeStep : torch::CustomClassHolder {
     }
   }
 
-  // Thread tid's stretch of the cache slots [first, n): its attention output and log-sum-exp per query head.
-  void attend_stretch(Buffers& b, int64_t l, int64_t tid, int64_t first, int64_t n) {
+  // Thread tid's stretch of the cache slots [first, n) for the rotated queries q: its attention output and
+  // log-sum-exp per query head. The last thread's stretch ends at the new slot n - 1 (the others' before it).
+  void attend_stretch(Buffers& b, int64_t l, int64_t tid, int64_t first, int64_t n, const float* q) {
     const int64_t s0 = first + (n - first) * tid / threads, s1 = first + (n - first) * (tid + 1) / threads;
     float* lse = b.lse[tid].data_ptr<float>();
     if (s1 <= s0) {
@@ -349,7 +357,7 @@ struct DecodeStep : torch::CustomClassHolder {
     const attnlab_attend::Cache c{K.data_ptr(), V.data_ptr(), int8 ? k_scale[l].data_ptr<float>() : nullptr,
                                   int8 ? v_scale[l].data_ptr<float>() : nullptr, K.stride(2), K.stride(1),
                                   int8 ? k_scale[l].stride(2) : 0, int8 ? k_scale[l].stride(1) : 0, dtype};
-    attnlab_attend::stretch(b.qkv.data_ptr<float>(), c, n_kv, n_heads / n_kv, head_dim, s0, s1,
+    attnlab_attend::stretch(q, c, n_kv, n_heads / n_kv, head_dim, s0, s1,
                             static_cast<float>(scale), b.part[tid].data_ptr<float>(), lse);
   }
 
