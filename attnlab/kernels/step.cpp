@@ -304,9 +304,10 @@ struct DecodeStep : torch::CustomClassHolder {
       // (and alone reads it), rotates k and writes the slot before attending
       phase(1, [&] {
         const bool last = tid == threads - 1;
-        float* Q = threads == 1 ? QKV : b.qk[tid].data_ptr<float>();  // q and k heads are adjacent
-        if (threads > 1) std::copy_n(QKV, (last ? n_heads + n_kv : n_heads) * D, Q);
-        rope(Q, R, last ? n_heads + n_kv : n_heads, D);
+        const int64_t heads = last ? n_heads + n_kv : n_heads;  // q and k heads are adjacent
+        float* Q = b.qk[tid].data_ptr<float>();
+        std::copy_n(QKV, heads * D, Q);
+        rope(Q, R, heads, D);
         if (last) write_kv(l, slot, position, Q + HD, QKV + HD + n_kv * D);
         attend_stretch(b, l, tid, first, n, Q);
       });
