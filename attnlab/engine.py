@@ -56,7 +56,7 @@ class LM:
         set_threads(opts.threads)
         model, _, path = load_model(spec, opts.weights_dtype, opts.quant, rope=opts.rope)
         from attnlab.kernels import ops
-        ops.load()  # the fused kernels: built once per machine, loaded before any forward or trace
+        ops.load()  # the C++ kernels the install built, loaded before any forward or trace
         tok, why = None, "tokenizer not loaded"
         if tokenizer:
             try:
@@ -65,11 +65,11 @@ class LM:
             except Exception as e:  # e.g. a GGUF without tokenizer metadata: the weights still work
                 why = f"transformers could not build its tokenizer ({type(e).__name__}: {e})"
         plan = None
-        if opts.sparsity is not None:  # after the tokenizer: TEAL calibrates on text when nothing is cached
+        if opts.sparsity is not None:  # a TEAL spec reads its calibration: a load never calibrates
             from attnlab.sparsity.plan import plan_from_spec
-            plan = plan_from_spec(opts.sparsity, model, tok)
+            plan = plan_from_spec(opts.sparsity, model)
         lm = cls(model, tok, path, why, opts.torch_kv_dtype, opts, plan)
-        if opts.compile:
+        if opts.compile is not False:  # the default wherever it applies
             lm.compile_decode()
         return lm
 
@@ -83,7 +83,8 @@ class LM:
             self.compiled = NativeStep(self.model)
         except ValueError as e:
             self.compiled = None
-            warnings.warn(f"attnlab: --compile: the native decode step cannot run {e}; decoding eagerly")
+            warnings.warn(f"attnlab: the native decode step cannot run {e}; decoding eagerly (--eager / compile=False "
+                          "asks for that without this warning)")
 
     def with_sparsity(self, plan) -> "LM":
         """The same weights, cache settings and tokenizer under another sparsity plan (None = dense)."""

@@ -71,16 +71,17 @@ class PolicySpec:
 class Options:
     """dtype: None (the file's format: a quantized GGUF stays packed, float32 activations), float32 or
     bfloat16 (every weight expanded to it). threads: torch threads (None: leave torch's). quant: 'int8', 'int4:32',
-    'kmeans:4', ... (`attnlab.quant.QuantSpec`). compile: the native single-token decode step.
+    'kmeans:4', ... (`attnlab.quant.QuantSpec`). compile: the native single-token decode step (None, the default:
+    wherever it applies, one warning saying why where it cannot; False: the eager network, the reference).
     rope: a context-extension override ('yarn:4', 'linear:2', 'none'; `attnlab.rope.parse_rope`).
     sparsity: Deja Vu, 'PATH[:MLP[:HEADS]]', 'threshold@PATH:0.5', 'oracle:0.5', 'lowbit:0.5'
     or TEAL 'teal:0.3' (`attnlab.sparsity.plan.parse`). kv_dtype: KV-cache storage float32 | float16 | int8
-    (default: dtype).
+    (default: float16 under float32 activations, half the memory and bytes read per token; else dtype).
     policy: the default KV-cache policy of generation and serving ('sink:1024' or a PolicySpec; None = full)."""
     dtype: str | None = None
     threads: int | None = None
     quant: object = None
-    compile: bool = False
+    compile: bool | None = None
     rope: str | None = None
     sparsity: object = None  # a --sparsity string, parsed once into a SparsitySpec
     kv_dtype: str | None = None
@@ -91,6 +92,8 @@ class Options:
             raise AttnlabError(f"unknown dtype {self.dtype!r}; choose from float32, bfloat16")
         if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
             raise AttnlabError(f"unknown KV-cache dtype {self.kv_dtype!r}; choose from {', '.join(KV_DTYPES)}")
+        if self.compile not in (None, True, False):
+            raise AttnlabError(f"compile must be True, False or None (wherever it applies), got {self.compile!r}")
         if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
                                          or self.threads < 1):
             raise AttnlabError(f"threads must be an integer >= 1, got {self.threads!r}")
@@ -116,8 +119,11 @@ class Options:
         return DTYPES[self.dtype] if self.dtype else None
 
     @property
-    def torch_kv_dtype(self) -> torch.dtype | None:
-        return KV_DTYPES[self.kv_dtype] if self.kv_dtype else None
+    def torch_kv_dtype(self) -> torch.dtype:
+        """The KV cache's storage: kv_dtype, else float16 under float32 activations, else the activations' dtype."""
+        if self.kv_dtype:
+            return KV_DTYPES[self.kv_dtype]
+        return torch.float16 if self.torch_dtype == torch.float32 else self.torch_dtype
 
     def new_policy(self, length: int | None = None):
         """A fresh cache policy of `policy` (None = full); a fractional budget needs the stream's `length`."""
@@ -134,5 +140,5 @@ class Options:
         if getattr(args, "policy", "full") not in ("full", None) and "," not in args.policy:
             policy = PolicySpec(args.policy, args.budget, args.n_sink, args.positions, args.block)
         return cls(dtype=args.dtype, threads=args.threads, quant=getattr(args, "quant", None),
-                   compile=getattr(args, "compile", False), rope=args.rope, sparsity=getattr(args, "sparsity", None),
+                   compile=getattr(args, "compile", None), rope=args.rope, sparsity=getattr(args, "sparsity", None),
                    kv_dtype=getattr(args, "kv_dtype", None), policy=policy)

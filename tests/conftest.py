@@ -1,10 +1,24 @@
 """Shared fixtures: one SmolLM2 load per test session, tiny random models for everything else."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 torch.set_num_threads(1)
+
+
+def pytest_sessionstart(session):
+    """With ATTNLAB_REQUIRE_KERNELS set (CI sets it), a run without the C++ kernels fails at once: the kernel
+    tests would otherwise skip and the rest would pass on the pure-torch fallbacks."""
+    if os.environ.get("ATTNLAB_REQUIRE_KERNELS", "").strip() not in ("", "0"):
+        from attnlab.errors import AttnlabError
+        from attnlab.kernels import build
+        try:
+            build.load()
+        except AttnlabError as e:
+            pytest.exit(str(e), returncode=3)
 
 
 @pytest.fixture(autouse=True)
@@ -16,7 +30,8 @@ def _one_thread():
 @pytest.fixture(scope="session")
 def smollm2():
     import attnlab
-    return attnlab.load("smollm2-135m", dtype="float32")  # fp32 weights: the reference parity tests compare with
+    # the reference parity tests compare with: float32 weights and cache, the eager network
+    return attnlab.load("smollm2-135m", dtype="float32", compile=False, kv_dtype="float32")
 
 
 @pytest.fixture(scope="session")

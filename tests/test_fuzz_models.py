@@ -52,9 +52,8 @@ GGUF_KEYS = ["block_count", "context_length", "embedding_length", "feed_forward_
 
 def _worker_init():
     import resource
-    # Packed weights run on the dequantise-then-matmul fallback: the fused kernels are built on first use
-    # (minutes on a busy machine, and rebuilt whenever another checkout built them last), which is not what
-    # the harness tests; the validation a quantized load goes through is the same.
+    # Packed weights run on the dequantise-then-matmul fallback: the harness tests validation, which a quantized
+    # load goes through the same way, not the kernels.
     os.environ["ATTNLAB_NO_KERNELS"] = "1"
 
     import torch

@@ -58,3 +58,28 @@ def test_generate_uses_the_options_policy():
     lm.generate("anything", max_new_tokens=12)
     cache = seen[0]
     assert cache.policy is not None and cache.seen > 8 and len(cache) <= 8 + 4
+
+
+def test_the_fast_path_is_the_default(tmp_path):
+    """No flags: the native step and a float16 cache wherever they apply; compile=False and kv_dtype='float32'
+    keep the eager reference; where the step cannot run, one warning says why and decoding stays eager."""
+    from attnlab.engine import LM
+    from attnlab.kernels import ops
+    from attnlab.model.export import save_hf_folder
+    folder = save_hf_folder(tiny_lm(dim=64, hidden_dim=128).model, tmp_path / "tiny")
+    fast = LM.load(folder, tokenizer=False)
+    assert fast.options.compile is None and fast.new_cache().layers[0].k.dtype == torch.float16
+    assert (fast.compiled is not None) == ops.load()
+    ref = LM.load(folder, tokenizer=False, compile=False, kv_dtype="float32")
+    assert ref.compiled is None and ref.new_cache().layers[0].k.dtype == torch.float32
+    with pytest.warns(UserWarning, match="native decode step cannot run .*bfloat16"):
+        half = LM.load(folder, tokenizer=False, dtype="bfloat16")
+    assert half.compiled is None and half.new_cache().layers[0].k.dtype == torch.bfloat16
+    ids = torch.tensor([[5, 6, 7, 8]])
+    a, b = fast.new_cache(), ref.new_cache()
+    fast.prefill(ids, a), ref.prefill(ids, b)
+    got, want = fast.forward(torch.tensor([[9]]), a), ref.forward(torch.tensor([[9]]), b)
+    assert torch.allclose(got, want, atol=1e-2, rtol=1e-2)  # the float16 cache rounds K/V, nothing else differs
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--eager", "--kv-dtype", "float32"])
+    assert Options.from_args(args).compile is False and Options.from_args(args).torch_kv_dtype == torch.float32
+    assert Options.from_args(build_parser().parse_args(["generate", "--prompt", "x"])).compile is None

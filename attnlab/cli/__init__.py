@@ -76,7 +76,8 @@ def cmd_info(args) -> int:
     """Architecture summary from the file's metadata only: no weights are read (milliseconds, not seconds)."""
     from attnlab.engine import set_threads
     from attnlab.model.metadata import read_config
-    from attnlab.options import DTYPES
+    from attnlab.kernels import build, isa
+    from attnlab.options import Options
 
     set_threads(args.threads)
     c, source = read_config(args.model)
@@ -84,7 +85,11 @@ def cmd_info(args) -> int:
         from attnlab.model.loaders import _trained_length
         from attnlab.rope import parse_rope
         c.rope_scaling = parse_rope(args.rope, _trained_length(c))
-    element = DTYPES[args.dtype or "float32"].itemsize  # the cache follows the activations
+    opts = Options(dtype=args.dtype, kv_dtype=args.kv_dtype, compile=args.compile)
+    element = opts.torch_kv_dtype.itemsize
+    kernels = (f"{build.variant()} ({build.library().name})" if build.load() else f"none: {build.why()}")
+    step = ("eager (--eager)" if opts.compile is False else "native where the network allows it (one warning where not)"
+            if build.load() else "eager (no kernels)")
     rows = [("source", str(source)), ("architecture", c.arch), ("parameters", f"{c.n_params / 1e6:.1f}M"),
             ("layers", c.n_layers), ("hidden size", c.dim), ("MLP size", c.hidden_dim),
             ("attention heads", f"{c.n_heads} query / {c.n_kv_heads} key-value (GQA group {c.n_heads // c.n_kv_heads})"),
@@ -92,7 +97,9 @@ def cmd_info(args) -> int:
             ("RoPE base", c.rope_base), ("RoPE scaling", c.rope_scaling or "none"),
             ("sliding window", c.sliding_window or "none"), ("q/k/v bias", c.qkv_bias),
             ("tied embeddings", c.tie_embeddings), ("dtype", args.dtype or "the file's format, float32 activations"),
-            ("KV cache per token", f"{2 * c.n_layers * c.n_kv_heads * c.head_dim * element} bytes")]
+            ("KV cache per token", f"{2 * c.n_layers * c.n_kv_heads * c.head_dim * element} bytes "
+                                   f"({str(opts.torch_kv_dtype).removeprefix('torch.')})"),
+            ("CPU", isa.describe()), ("C++ kernels", kernels), ("decode step", step)]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")

@@ -38,11 +38,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quant", type=quant_spec, default=None, metavar="SPEC",
                    help="quantized weights: int8, int4[:GROUP] (default group 32), kmeans[:BITS[:GROUP]], "
                         "kmeans-naive[:BITS] (lookup-then-matmul baseline); default: the file's own formats")
-    p.add_argument("--compile", action="store_true",
-                   help="run each single-token decode step as one native C++ call (float32 activations; ready at load)")
+    step = p.add_mutually_exclusive_group()
+    step.add_argument("--compile", dest="compile", action="store_const", const=True, default=None,
+                      help="insist on the native decode step (the default wherever it applies: one C++ call per token)")
+    step.add_argument("--eager", dest="compile", action="store_const", const=False,
+                      help="decode with the eager network (the reference path) instead of the native step")
     p.add_argument("--kv-dtype", default=None, choices=["float32", "float16", "int8"],
                    help="KV-cache storage (float16: half the cache memory and bytes read per token; int8: codes "
-                        "and a scale per 32 numbers, 0.28x of float32; default: --dtype)")
+                        "and a scale per 32 numbers, 0.28x of float32; default: float16 under float32 activations, "
+                        "else --dtype)")
 
 
 def add_sparsity_arg(p: argparse.ArgumentParser) -> None:

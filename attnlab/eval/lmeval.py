@@ -50,14 +50,14 @@ class AttnlabLM(TemplateLM):
     positions, chunk; max_length (default: the trained context, at most 2048); batch_size."""
 
     def __init__(self, model: str = "smollm2-135m", pretrained: str | None = None, dtype: str = "float32",
-                 quant=None, compile=False, kv_dtype=None, rope=None, sparsity=None, threads=1, policy="full",
+                 quant=None, compile=None, kv_dtype=None, rope=None, sparsity=None, threads=1, policy="full",
                  budget="256", n_sink=4, block=1, positions="cache", chunk=64, max_length=None, batch_size=8,
                  lm=None, **_ignored):
         super().__init__()
         self.chunk = int(chunk)
         spec = None if str(policy) == "full" else PolicySpec(str(policy), str(budget), int(n_sink), str(positions),
                                                              int(block), max(self.chunk, 1))
-        opts = Options(dtype=dtype, threads=int(threads), quant=_opt(quant), compile=_flag(compile), rope=_opt(rope),
+        opts = Options(dtype=dtype, threads=int(threads), quant=_opt(quant), compile=None if _opt(compile) is None else _flag(compile), rope=_opt(rope),
                        sparsity=_opt(sparsity), kv_dtype=_opt(kv_dtype), policy=spec)
         if lm is None:
             from attnlab.engine import LM

@@ -1,50 +1,77 @@
-"""Building and loading the C++ kernels (kernels.cpp with its SIMD arithmetic in kernels_simd.h:
-quantized matmuls and row-sparse ops; attend.cpp: single-query attention over the KV cache).
+"""Loading the C++ kernels that were built when the package was installed (`setup.py`).
 
 Why a C++ kernel: the point of quantized weights is reading fewer bytes per token, which pays only if
 dequantisation happens in registers. torch's own int4/int8 kernels want bf16 activations and are
 compute-bound on AVX2 CPUs, and inductor turns a codebook lookup into scalar gathers. The kernels
-multiply in integers, llama.cpp's way. The build needs a C++ compiler and AVX2; without them `load()`
-is False and every op of `attnlab.kernels.ops` takes its pure-torch fallback.
+multiply in integers, llama.cpp's way.
 
-One extension per ISA variant (`isa.LEVELS`: avx2, avxvnni, avx512, avx512vnni, amx), each in its own build
-folder and .so, the same sources and op names: the compile flags pick the code paths (`#if
-defined(__AVX512VNNI__)`). A process loads one, the best its CPU runs (`isa.best`, `ATTNLAB_ISA`
-forces a lower one); `variant()` says which. Only the variant loaded is built, on first use.
+One library per ISA variant (`isa.LEVELS`: avx2, avxvnni, avx512, avx512vnni, amx), the same sources and op
+names: the compile flags pick the code paths (`#if defined(__AVX512VNNI__)`). A process loads one, the best its
+CPU runs that was built (`isa.best`; `ATTNLAB_ISA` forces one). Nothing is compiled here: a library is named
+after a hash of the sources it was built from (`isa.library_name`), so after a source changes the old build is
+not loaded and `why()` says to rebuild (`make kernels`, or `pip install -e .` again). Without kernels every op
+of `attnlab.kernels.ops` takes its pure-torch fallback, with one warning that says why; with
+ATTNLAB_REQUIRE_KERNELS=1 (CI sets it) that is an error instead.
 """
 from __future__ import annotations
 
-import hashlib
 import os
-import time
 import warnings
 from pathlib import Path
 
 import torch
 
+from attnlab.errors import AttnlabError
 from attnlab.kernels import isa
 
 _STATE: dict = {}
-SOURCES = ("kernels.cpp", "attend.cpp", "repacked.cpp", "step.cpp", "sparse_cols.cpp", "glue.cpp", "causal.cpp")
-# quantized matmuls; attention over the KV cache; matvecs over 16-row repacked weights; the native decode step;
-# TEAL's column ops; a forward pass's elementwise glue; a prompt's causal attention (AVX-512 variants)
+HERE = Path(__file__).resolve().parent
 REPACK = ("avx512vnni", "amx")  # variants whose QuantLinear repacks int4/int8 weights (ATTNLAB_REPACK=0/1 overrides)
-FLAGS = ("-O3",)  # + the variant's ISA flags (isa.LEVELS)
-CACHE = Path(os.environ.get("ATTNLAB_CACHE", Path.home() / ".cache" / "attnlab")) / "kernels"
+REBUILD = "run `make kernels` in a checkout, or reinstall attnlab (`pip install -e .`)"
 
 
 def load() -> bool:
-    """True once the extension is built and loaded: built at most once per process (kept under
-    ~/.cache/attnlab/kernels, redone only when a source changes: ninja tracks the include); False
-    without a compiler or AVX2, or with ATTNLAB_NO_KERNELS set. A bad ATTNLAB_ISA raises AttnlabError."""
+    """True once a built variant is loaded (at most once per process). False with ATTNLAB_NO_KERNELS set, below
+    AVX2, or when no library of the current sources is installed: then one warning says why, or, with
+    ATTNLAB_REQUIRE_KERNELS=1, AttnlabError. A bad ATTNLAB_ISA raises AttnlabError."""
     if "ok" not in _STATE:
-        _STATE["ok"] = _build()
+        _STATE["ok"] = _load()
+        if not _STATE["ok"]:
+            required = os.environ.get("ATTNLAB_REQUIRE_KERNELS", "").strip() not in ("", "0")
+            if required and not os.environ.get("ATTNLAB_NO_KERNELS"):
+                del _STATE["ok"]
+                raise AttnlabError(f"ATTNLAB_REQUIRE_KERNELS is set but the C++ kernels are unavailable: {_STATE['why']}")
+            if not os.environ.get("ATTNLAB_NO_KERNELS"):
+                warnings.warn(f"attnlab: C++ kernels unavailable ({_STATE['why']}); every op runs its pure-torch "
+                              "fallback, many times slower", stacklevel=2)
     return _STATE["ok"]
+
+
+def why() -> str:
+    """Why the kernels are not loaded ('' when they are)."""
+    load()
+    return _STATE.get("why", "")
 
 
 def variant() -> str | None:
     """The ISA variant the process runs ('avx2', 'avxvnni', 'avx512', 'avx512vnni', 'amx'), None without kernels."""
     return _STATE.get("isa") if load() else None
+
+
+def library() -> Path | None:
+    """The loaded library's file, None without kernels."""
+    return _STATE.get("path") if load() else None
+
+
+def built() -> dict[str, Path]:
+    """variant -> library file, for every variant installed from the current sources."""
+    out = {}
+    for level in isa.LEVELS:
+        stem = isa.library_name(level, torch.__version__)
+        found = sorted(HERE.glob(f"{stem}.*so"))
+        if found:
+            out[level] = found[0]
+    return out
 
 
 def wide() -> bool:
@@ -61,43 +88,34 @@ def repacks() -> bool:
     return forced == "1" if forced in ("0", "1") else _STATE["isa"] in REPACK
 
 
-def _build() -> bool:
+def _load() -> bool:
     if os.environ.get("ATTNLAB_NO_KERNELS"):
+        _STATE["why"] = "ATTNLAB_NO_KERNELS is set"
         return False
-    level = isa.best()
+    best = isa.best()
+    if best is None:
+        _STATE["why"] = f"this CPU lacks {' '.join(isa.LEVELS['avx2'][0])} (the kernels' floor)"
+        return False
+    have = built()
+    forced = bool(os.environ.get("ATTNLAB_ISA", "").strip())
+    runnable = [best] if forced else list(reversed(isa.supported()))
+    level = next((v for v in runnable if v in have), None)
     if level is None:
+        stale = sorted(p.name for p in HERE.glob("_ops_*.so"))
+        _STATE["why"] = (f"no {best} build of the current sources in {HERE}"
+                         + (f" (only builds of other sources or variants: {', '.join(stale)})" if stale else "")
+                         + f"; {REBUILD} (ATTNLAB_BUILD_ISA={best} for this variant)")
         return False
+    if level != best:
+        warnings.warn(f"attnlab: this CPU runs the {best} kernels but only {level} is built; {REBUILD}",
+                      stacklevel=3)
     try:
-        from torch.utils.cpp_extension import load
-        # one build folder per source folder: ninja rebuilds whenever the sources' paths change, so two
-        # checkouts sharing a folder would rebuild each other's kernels on every load
-        here = hashlib.sha1(str(Path(__file__).resolve().parent).encode()).hexdigest()[:10]
-        build = CACHE / f"torch-{torch.__version__}-{here}-{level}"
-        build.mkdir(parents=True, exist_ok=True)
-        lock = build / "lock"  # left behind by a build that was killed: torch would wait on it forever
-        if lock.exists() and time.time() - lock.stat().st_mtime > 600:
-            lock.unlink(missing_ok=True)
-        name = f"attnlab_qkernels_{level}"
-        if not (build / f"{name}.so").exists():
-            import sys
-            print(f"attnlab: building the fused kernels for {level} (once per machine and torch version, "
-                  "about a minute)", file=sys.stderr, flush=True)
-        sources = [str(Path(__file__).with_name(f)) for f in SOURCES]
-        flags = list(FLAGS) + list(isa.LEVELS[level][1])
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            try:  # OpenMP: without it at::parallel_for in the extension runs on one thread
-                load(name=name, sources=sources, extra_cflags=flags + ["-fopenmp"],
-                     extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False, is_python_module=False)
-            except Exception:  # a compiler without OpenMP: single-threaded kernels rather than none
-                load(name=name, sources=sources, extra_cflags=flags, build_directory=str(build),
-                     verbose=False, is_python_module=False)
-    except Exception as e:  # no compiler, no ninja, ...: fall back, say why once
-        warnings.warn(f"attnlab: fused quantized kernels unavailable ({type(e).__name__}: {str(e)[:200]}); "
-                      "using dequantise-then-matmul")
+        torch.ops.load_library(str(have[level]))
+    except OSError as e:  # a library that does not load (another torch, a truncated file) is not a silent fallback
+        _STATE["why"] = f"{have[level].name} does not load ({str(e)[:200]}); {REBUILD}"
         return False
     _register_fakes()
-    _STATE["isa"] = level
+    _STATE.update(isa=level, path=have[level])
     return True
 
 
@@ -127,4 +145,3 @@ def _register_fakes() -> None:
     torch.library.register_fake("attnlab::decode_attention")(lambda q, k, v, scale, *scales: torch.empty_like(q))
     torch.library.register_fake("attnlab::quantize_kv")(
         lambda x: (torch.empty_like(x, dtype=torch.int8), x.new_empty(*x.shape[:-1], x.shape[-1] // 32)))
-

@@ -7,15 +7,24 @@ AVX-512 is listed only where the OS saves its registers. AMX needs one more step
 tile data per process (`arch_prctl(ARCH_REQ_XCOMP_PERM)`), so the `amx` variant (avx512vnni plus tile
 multiplies for inputs of 16 rows and more: prefill) counts as supported only where that grant succeeds.
 `ATTNLAB_ISA=avx2|avxvnni|avx512|avx512vnni|amx` forces a variant (an error if the CPU lacks it).
+
+This module is also what `setup.py` reads to build the variants when the package is installed, before
+attnlab is importable: it imports the standard library only (the error class is imported where raised).
 """
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 import platform
+from pathlib import Path
 
-from attnlab.errors import AttnlabError
-
+# the C++ sources of every variant: quantized matmuls; attention over the KV cache; matvecs over 16-row repacked
+# weights; the native decode step; TEAL's column ops; a forward pass's elementwise glue; a prompt's causal attention
+SOURCES = ("kernels.cpp", "attend.cpp", "repacked.cpp", "step.cpp", "sparse_cols.cpp", "glue.cpp", "causal.cpp")
+HEADERS = ("kernels_simd.h", "attend.h")
+FLAGS = ("-O3", "-fopenmp")  # + the variant's ISA flags (LEVELS); OpenMP: at::parallel_for's threads
+LDFLAGS = ("-fopenmp",)
 # variant -> (cpuinfo flags it needs, compiler flags), best last
 LEVELS = {
     "avx2": (("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c")),
@@ -80,6 +89,7 @@ def supported() -> list[str]:
 
 def best() -> str | None:
     """The variant to build: ATTNLAB_ISA if set (checked), else the best supported; None below AVX2."""
+    from attnlab.errors import AttnlabError
     forced = os.environ.get("ATTNLAB_ISA", "").strip().lower()
     ok = supported()
     if forced:
@@ -109,3 +119,40 @@ def describe() -> str:
     flags = " ".join(shown_flags())
     amx = "granted" if amx_granted() else "not granted" if "amx_tile" in cpu_flags() else "absent"
     return f"{cpu_model()}; {flags}; AMX {amx}"
+
+
+def sources_hash(torch_version: str) -> str:
+    """Eight hex digits naming what a build is made of (sources, headers, flags, torch): a library built from
+    other sources has another name, so a stale build is never loaded (`build.load` says so instead)."""
+    h = hashlib.sha1(torch_version.encode())
+    here = Path(__file__).resolve().parent
+    for name in SOURCES + HEADERS:
+        h.update(name.encode() + b"\0" + (here / name).read_bytes())
+    h.update(repr((FLAGS, LDFLAGS, LEVELS)).encode())
+    return h.hexdigest()[:8]
+
+
+def library_name(level: str, torch_version: str) -> str:
+    """The extension's module name inside attnlab.kernels (`_ops_<variant>_<sources_hash>`)."""
+    return f"_ops_{level}_{sources_hash(torch_version)}"
+
+
+def to_build(choice: str | None = None) -> list[str]:
+    """The variants an install builds: ATTNLAB_BUILD_ISA = 'auto' (default: the avx2 floor and the best this CPU
+    runs, the two the tests check), 'all' (every variant this CPU runs), 'every' (all five, for a wheel another
+    CPU will use: compiling needs no such CPU), 'none', or a comma list. Empty below AVX2."""
+    choice = (choice if choice is not None else os.environ.get("ATTNLAB_BUILD_ISA", "auto")).strip().lower() or "auto"
+    ok = supported()
+    if choice == "none":
+        return []
+    if choice == "auto":
+        return sorted({"avx2", ok[-1]}, key=list(LEVELS).index) if ok else []
+    if choice == "all":
+        return ok
+    if choice == "every":
+        return list(LEVELS)
+    names = [n.strip() for n in choice.split(",") if n.strip()]
+    bad = [n for n in names if n not in LEVELS]
+    if bad:
+        raise ValueError(f"ATTNLAB_BUILD_ISA: {', '.join(bad)} not among auto, all, every, none, {', '.join(LEVELS)}")
+    return names

@@ -329,14 +329,14 @@ def parse(spec: "str | SparsitySpec") -> SparsitySpec:
     return SparsitySpec(method, path, nums[0], nums[1] if len(nums) > 1 else 0.0)
 
 
-def plan_from_spec(spec: "str | SparsitySpec", model=None, tokenizer=None) -> Plan:
+def plan_from_spec(spec: "str | SparsitySpec", model=None) -> Plan:
     """A plan from a --sparsity spec (see `parse`), bound to model when given (teal without a PATH: the model's
-    cached calibration, made with tokenizer on the training plays when missing)."""
+    cached calibration, which `attnlab dejavu calibrate` makes)."""
     method, path, s, hs = parse(spec)
     pred = None
     if method == "teal":
         from attnlab.sparsity import teal
-        pred = teal.Calibration.load(path) if path is not None else teal.cached(model, tokenizer) if model else None
+        pred = teal.Calibration.load(path) if path is not None else teal.cached(model) if model else None
     elif path is not None:
         p = Path(path).expanduser()
         try:

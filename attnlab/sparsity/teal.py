@@ -226,14 +226,18 @@ def fingerprint(model) -> str:
     return h.hexdigest()[:16]
 
 
-def cached(model, tokenizer=None, tokens: int = 4096, progress=None) -> Calibration:
-    """The model's calibration from the cache, made on the training plays (and cached) when missing."""
+def cached(model) -> Calibration:
+    """The model's calibration from the cache (`make_cached` or `attnlab dejavu calibrate` made it): a load
+    never calibrates behind the user's back (a minute of work on the training plays)."""
     path = CACHE / f"{fingerprint(model)}.safetensors"
-    if path.is_file():
-        return Calibration.load(path)
-    if tokenizer is None:
-        raise AttnlabError("no cached TEAL calibration for this model and no tokenizer to make one: "
-                           "run `attnlab dejavu calibrate` or give teal@PATH")
+    if not path.is_file():
+        raise AttnlabError("no cached TEAL calibration for this model: run `attnlab dejavu calibrate` once "
+                           "(or teal.make_cached(lm.model, lm.tokenizer)), or give teal@PATH")
+    return Calibration.load(path)
+
+
+def make_cached(model, tokenizer, tokens: int = 4096, progress=None) -> Calibration:
+    """Calibrate on the training plays and cache the result where `teal:S` specs find it (the explicit step)."""
     import sys
     from types import SimpleNamespace
 
@@ -244,7 +248,7 @@ def cached(model, tokenizer=None, tokens: int = 4096, progress=None) -> Calibrat
     ids = tokenizer.encode(corpus(CALIBRATION_TEXT), add_special_tokens=False)[:tokens]
     with bar(-(-len(ids) // 1024) + model.cfg.n_layers, "teal calibrate", unit="step") as b:
         calib = calibrate(SimpleNamespace(model=model, cfg=model.cfg), ids, progress=progress or b.update)
-    calib.save(path)
+    calib.save(CACHE / f"{fingerprint(model)}.safetensors")
     return calib
 
 

@@ -11,7 +11,7 @@ from attnlab.kernels import ops
 from attnlab.kernels.reference import dequantize_int8_blocks, int8_blocks
 from tests.conftest import tiny_lm
 
-pytestmark = pytest.mark.skipif(not ops.load(), reason="fused kernels not built (no compiler or AVX2)")
+pytestmark = pytest.mark.skipif(not ops.load(), reason="no C++ kernels (attnlab info says why)")
 
 
 def reference(q, k, v):

@@ -10,7 +10,7 @@ from attnlab.sparsity.rows import rows_combine, rows_matvec
 
 N = 3072
 FORMATS = ["fp32", "bf16", "int8", "int8:32", "int4:32"]
-needs_kernels = pytest.mark.skipif(not ops.load(), reason="fused kernels not built (no AVX2/compiler)")
+needs_kernels = pytest.mark.skipif(not ops.load(), reason="no C++ kernels (attnlab info says why)")
 
 
 @pytest.fixture(scope="module", params=[576, 1536])
