@@ -18,10 +18,11 @@ from torch import nn
 
 from attnlab.errors import AttnlabError
 from attnlab.kernels import ops, repack
-from attnlab.quant.formats import Packed, cat_rows, common_format, quantize_int4, quantize_int8, quantize_kmeans
+from attnlab.quant.formats import Packed, cat_rows, common_format
+from attnlab.quant.kinds import KINDS
 
 FUSED_MAX_ROWS = 8
-METHODS = ("int8", "int4", "kmeans")
+METHODS = tuple(KINDS)
 
 
 @dataclass(frozen=True)
@@ -76,11 +77,7 @@ class QuantSpec:
         return f"kmeans{'' if self.fused else '-naive'}:{self.bits}" + (f":{self.group}" if self.group else "")
 
     def quantize(self, w: torch.Tensor) -> Packed:
-        if self.method == "int8":
-            return quantize_int8(w, self.group or None)
-        if self.method == "int4":
-            return quantize_int4(w, self.group)
-        return quantize_kmeans(w, self.bits, self.group or None)
+        return KINDS[self.method].quantize(w, self.group or None, self.bits)
 
 
 class QuantLinear(nn.Module):
@@ -107,17 +104,13 @@ class QuantLinear(nn.Module):
             packed = runs[0]
         self.kind, self.group, self.bits, self.fused = packed.kind, packed.group, packed.bits, fused
         if fused:
-            ops.load()  # build now, never inside a torch.compile trace
+            ops.load()  # load now, never inside a torch.compile trace
         self.out_features, self.in_features = packed.shape
-        self.has_min = packed.kind == "int8" and getattr(packed, "min", None) is not None
-        self.repacked = fused and self._repackable() and ops.load() and (ops.repacks() or self._needs_repack())
+        self.has_min = self.fmt.min_flag and getattr(packed, "min", None) is not None
+        self.repacked = (fused and self.fmt.repackable(self.in_features, self.group) and ops.load()
+                         and (ops.repacks() or self.fmt.needs_repack(self.group, self.has_min)))
         if self.repacked:  # one copy: the 16-row blocks replace the row layout (`packed` rebuilds it)
-            if packed.kind == "int4":  # layout flags (fp16 scales, no min, Q4_K's factors) decided per layer
-                wp, self.layout = repack.pack_q4(packed.qs, packed.scale, packed.min, packed.group,
-                                                 kscale=packed.kscale)
-            else:
-                wp, self.layout = repack.pack_q8(packed.q, packed.scale, packed.group,
-                                                 packed.min if self.has_min else None, kscale=packed.kscale)
+            wp, self.layout = self.fmt.pack(packed, self.has_min)  # layout flags decided per layer
             self.register_buffer("wp", wp)
         else:
             for name, t in packed.tensors().items():
@@ -131,20 +124,16 @@ class QuantLinear(nn.Module):
     def _init_parts(self, runs: list[Packed], bias: torch.Tensor | None, fused: bool) -> None:
         self.kind, self.group, has_min = common_format(runs)
         self.bits, self.fused, self.repacked = 4 if self.kind == "int4" else 8, fused, False
-        self.has_min = self.kind == "int8" and has_min
+        self.has_min = self.fmt.min_flag and has_min
         self.out_features, self.in_features = sum(p.shape[0] for p in runs), runs[0].shape[1]
         self.parts = nn.ModuleList(QuantLinear(p, fused=fused) for p in runs)
         self.register_state_dict_post_hook(_drop_parts)  # saved in the promoted form (`_save_to_state_dict`)
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
 
-    def _repackable(self) -> bool:
-        """The repacked kernels' shapes: int4 (groups of 32k), int8 with groups of 16 or 32k, K of 32k."""
-        K, g = self.in_features, self.group
-        return K % 32 == 0 and (self.kind == "int4" or self.kind == "int8" and (g in (16, 32) or g % 32 == 0))
-
-    def _needs_repack(self) -> bool:
-        """int8 with a min or in groups of 16 (GGUF K-quants) has no row-layout kernel."""
-        return self.kind == "int8" and (self.has_min or self.group % 32 != 0)
+    @property
+    def fmt(self):
+        """The format's entry in the table of weight formats (`attnlab.quant.kinds`)."""
+        return KINDS[self.kind]
 
     @property
     def packed(self) -> Packed:
@@ -154,12 +143,7 @@ class QuantLinear(nn.Module):
             return cat_rows([p.packed for p in self.parts])
         if getattr(self, "repacked", False):
             ks = repack.kscales(self.wp, N, K, self.kind) if self.layout == repack.KQ else None
-            if self.kind == "int4":
-                qs, scale, mn = repack.unpack_q4(self.wp, N, K, self.group, self.layout)
-                return Packed("int4", (N, K), self.group, 4, qs=qs, scale=scale, min=mn, kscale=ks)
-            q, scale, mn = repack.unpack_q8(self.wp, N, K, self.group, self.has_min, self.layout)
-            return Packed("int8", (N, K), self.group, 8, q=q, scale=scale, kscale=ks,
-                          **({"min": mn} if self.has_min else {}))
+            return self.fmt.unpack(self.wp, N, K, self.group, self.has_min, self.layout, ks)
         names = ("q", "qs", "scale", "min", "codebook")
         return Packed(self.kind, (N, K), self.group, self.bits,
                       **{n: getattr(self, n) for n in names if hasattr(self, n)})
@@ -174,11 +158,10 @@ class QuantLinear(nn.Module):
         (qs, scale, min, group) for int4. Repacked weights, and a layer of parts (in the promoted format),
         rebuild it once and keep it (a second copy, paid only by Deja Vu's row-sparse MLP)."""
         if not self.repacked and self.parts is None:
-            return (self.q, self.scale, self.group) if self.kind == "int8" else (
-                self.qs, self.scale, self.min, self.group)
+            return (*(getattr(self, n) for n in self.fmt.operands), self.group)
         if getattr(self, "_rows", None) is None:
             p = self.packed
-            self._rows = (p.q, p.scale, self.group) if self.kind == "int8" else (p.qs, p.scale, p.min, self.group)
+            self._rows = (*(getattr(p, n) for n in self.fmt.operands), self.group)
         return self._rows
 
     def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -195,15 +178,10 @@ class QuantLinear(nn.Module):
         if not self.repacked:
             return self.packed.map_rows(lambda t: t[flat]).dequantize().view(*ids.shape, -1)
         R, n, K, g = repack.ROWS, flat.numel(), self.in_features, self.group
-        if self.kind == "int8" and ops.enabled():  # the rows straight from the blocks, in C++
-            return torch.ops.attnlab.q8x_rows(self.wp, flat, K, g, self.has_min, self.layout).view(*ids.shape, K)
-        blocks = self.wp[flat // R]
-        if self.kind == "int4":
-            qs, scale, mn = repack.unpack_q4(blocks, n * R, K, g, self.layout)
-            p = Packed("int4", (n * R, K), g, 4, qs=qs, scale=scale, min=mn)
-        else:
-            q, scale, mn = repack.unpack_q8(blocks, n * R, K, g, self.has_min, self.layout)
-            p = Packed("int8", (n * R, K), g, 8, q=q, scale=scale, min=mn if self.has_min else None)
+        if self.fmt.embed and ops.enabled():  # the rows straight from the blocks, in C++
+            op = getattr(torch.ops.attnlab, self.fmt.embed)
+            return op(self.wp, flat, K, g, self.has_min, self.layout).view(*ids.shape, K)
+        p = self.fmt.unpack(self.wp[flat // R], n * R, K, g, self.has_min, self.layout)
         pick = torch.arange(n) * R + flat % R
         return p.map_rows(lambda t: t[pick]).dequantize().view(*ids.shape, -1)
 
@@ -267,14 +245,8 @@ class QuantLinear(nn.Module):
             raise ValueError(f"rows {rows} of {N}: need 0 <= r0 < r1 <= {N} on multiples of {a}")
         if self.repacked:
             wp = self.wp[r0 // a:(r1 + a - 1) // a]
-            if self.kind == "int4":
-                return "q4x_mm", (wp, r1 - r0, self.group, self.layout)
-            return "q8x_mm", (wp, r1 - r0, self.group, self.has_min, self.layout)
-        if self.kind == "int8":
-            return "q8_mm", (self.q[r0:r1], self.scale[r0:r1], self.group)
-        if self.kind == "int4":
-            return "q4_mm", (self.qs[r0:r1], self.scale[r0:r1], self.min[r0:r1], self.group)
-        return "lut4_mm", (self.qs[r0:r1], self.lut[r0:r1], self.lut_scale[r0:r1], self.group)
+            return self.fmt.repacked, (wp, *self.fmt.block_args(r1 - r0, self.group, self.has_min, self.layout))
+        return self.fmt.matmul, (*(getattr(self, n)[r0:r1] for n in self.fmt.operands), self.group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -301,8 +273,8 @@ class QuantLinear(nn.Module):
         rows = x.numel() // self.in_features
         if (self.repacked and self.parts is None and self.bias is None and rows >= 16 and self.out_features % 32 == 0
                 and ops.enabled()):
-            name, args = self.kernel()
-            y = getattr(ops, name.replace("_mm", "_glu"))(x.reshape(rows, -1).float().contiguous(), *args)
+            _, args = self.kernel()
+            y = getattr(ops, self.fmt.glu)(x.reshape(rows, -1).float().contiguous(), *args)
             return y.view(*x.shape[:-1], self.out_features // 2).to(x.dtype)
         return ops.silu_mul(self(x))
 
@@ -313,7 +285,7 @@ class QuantLinear(nn.Module):
         g = f", group={self.group}" if self.group else ""
         r = "" if not self.repacked else ", repacked" + (", fp16 scales" if self.layout & repack.HALF else "") + (
             ", min -8*scale" if self.layout & repack.SYM else "") + (
-            f", {'Q4_K' if self.kind == 'int4' else 'Q6_K'} superblocks" if self.layout == repack.KQ else "")
+            f", {self.fmt.superblock} superblocks" if self.layout == repack.KQ else "")
         return f"{self.in_features} -> {self.out_features}, {self.kind}{g}, bits={self.bits}, fused={self.fused}{r}"
 
 

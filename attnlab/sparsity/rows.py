@@ -38,11 +38,7 @@ def _kernel(weight) -> str | None:
     if isinstance(weight, nn.Linear):
         w = weight.weight
         return "f32" if w.dtype == torch.float32 and w.is_contiguous() else None
-    if weight.fused and weight.kind == "int4":
-        return "q4"
-    if weight.fused and weight.kind == "int8" and not weight.has_min and weight.group % 32 == 0:
-        return "q8"  # the rows kernels' int8: no min, groups of 32k (not GGUF K-quants' Q5_K / Q6_K)
-    return None
+    return weight.fmt.rows if weight.fused and weight.fmt.rows_ok(weight.group, weight.has_min) else None
 
 
 def _rows(weight, idx: torch.Tensor) -> torch.Tensor:

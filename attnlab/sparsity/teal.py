@@ -286,10 +286,10 @@ def measure(lm, plan, ids, window: int = 1024) -> dict:
 from dataclasses import dataclass  # noqa: E402
 from typing import ClassVar  # noqa: E402
 
+from attnlab.quant.kinds import KINDS  # noqa: E402
 from attnlab.sparsity.plan import Plan  # noqa: E402  (plan.py imports this module lazily, in `methods`)
 
-COL_FORMATS = {"int8": "int8:32", "int4": "int4:32"}  # the transposed copies' format per model weight kind
-# int4 group 32 keeps the model's codes, scales and mins (q4g: lossless); True requantises the transposed
+# the transposed copies' format per model weight kind: `Kind.columns` (attnlab.quant.kinds); int4 group 32 keeps the model's codes, scales and mins (q4g: lossless); True requantises the transposed
 # weight along the output dimension instead (q4; measured: +21.6% perplexity on SmolLM2, see docs/dejavu.md)
 REQUANTISE = False
 
@@ -380,18 +380,18 @@ def _columns(linear, quant: str | None) -> _Cols:
     if not hasattr(linear, "dequantize"):
         wt = linear.weight.detach().float().T.contiguous()
         return _Cols("f32", (wt,), bias, wt.numel() * linear.weight.element_size())
-    if linear.kind == "int4" and linear.group == 32 and not REQUANTISE:  # the model's own groups, by columns
+    own = linear.fmt.own_columns
+    if own and linear.group == 32 and not REQUANTISE:  # the model's own groups, by columns
         from attnlab.kernels.reference import pack4, unpack4
         p = linear.packed  # the row layout, whatever layout the kernels hold
         ct = pack4(unpack4(p.qs).T.contiguous())
         st, mt = p.scale.T.contiguous(), p.min.T.contiguous()
-        return _Cols("q4g", (ct, st, mt), bias, sum(t.numel() * t.element_size() for t in (ct, st, mt)))
-    fmt = COL_FORMATS.get(linear.kind)
+        return _Cols(own, (ct, st, mt), bias, sum(t.numel() * t.element_size() for t in (ct, st, mt)))
+    fmt = linear.fmt.columns
     if fmt is None:
         raise AttnlabError(f"teal runs on float, int8 and int4 weights, not {linear.kind} ({quant})")
     from attnlab.quant import QuantSpec
     packed = QuantSpec.parse(fmt).quantize(linear.dequantize().float().T.contiguous())
-    t = packed.tensors()
-    ops = (t["q"], t["scale"], 32) if linear.kind == "int8" else (t["qs"], t["scale"], t["min"], 32)
-    return _Cols("q8" if linear.kind == "int8" else "q4", tuple(v.contiguous() if torch.is_tensor(v) else v for v in ops),
-                 bias, packed.nbytes, packed)
+    copy = KINDS[packed.kind]  # the column ops take the row ops' operands and family names
+    operands = tuple(packed.tensors()[n].contiguous() for n in copy.operands) + (32,)
+    return _Cols(copy.rows, operands, bias, packed.nbytes, packed)
