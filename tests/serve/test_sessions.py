@@ -36,11 +36,11 @@ def test_lru_eviction_by_count_and_bytes(tiny):
         h.session.text = f"<{i}>"
         store.release(h)
         held.append(h)
-    assert list(store.sessions) == [held[1].id, held[2].id] and store.evicted == 1
+    assert list(store.sessions) == [held[1].id, held[2].id] and store.evicted[""] == 1
     one = held[1].nbytes()
     store.max_bytes = one + one // 2
     store.release(store.acquire("<1>", SINK)[0])     # touch <1>: now <2> is least recently used
-    assert list(store.sessions) == [held[1].id] and store.evicted == 2
+    assert list(store.sessions) == [held[1].id] and store.evicted[""] == 2
 
 
 def test_bad_policy_spec_is_a_value_error(tiny):
