@@ -81,7 +81,7 @@ def add_parser(sub) -> None:
     p.add_argument("--max-sessions-per-key", type=positive_int, default=None,
                    help="conversations one key holds (default: --max-sessions split evenly between the keys)")
     p.add_argument("--max-cache-mib-per-key", type=positive_int, default=None,
-                   help="KV bytes one key's conversations hold (default: --max-cache-mib split evenly between the keys)")
+                   help="KV bytes one key's conversations hold (default: --max-cache-mib split evenly between keys)")
     p.add_argument("--max-tokens", type=positive_int, default=256, help="reply length when a request gives none")
     p.add_argument("--max-tokens-cap", type=positive_int, default=4096, help="largest max_tokens a request may ask")
     p.add_argument("--max-body-kib", type=positive_int, default=1024, help="largest request body (KiB), else 413")

@@ -180,11 +180,11 @@ class Server:
         try:
             # the tokens a fresh replay of this history would feed (item 6 of issue 38): where the held ones
             # are a prefix of them, only the rest; where they differ (a reply sampled as other tokens than
-            # its text encodes to), back to where they agree, if the cache never evicted
+            # its text encodes to), back to where they agree, if the cache never evicted (and keeps no scores)
             keep, rewind = common_prefix(session.ids, ids), False
             if keep == len(session.ids) and (keep < len(ids) or session.logits is not None):
                 new = ids[keep:]
-            elif all(layer.natural for layer in session.cache.layers):
+            elif all(layer.natural for layer in session.cache.layers) and not session.cache.needs_probs:
                 keep, rewind = min(keep, len(ids) - 1), True
                 new = ids[keep:]
             else:  # an evicted cache cannot go back: feed the rest of the text as tokens of its own

@@ -189,8 +189,8 @@ class SessionStore:
         mib, cap = 1 << 20, min(self.max_bytes, self.key_bytes)
         if whole > cap:
             raise APIError(400, f"this conversation's cache needs {whole / mib:.0f} MiB; this server holds at most "
-                                f"{cap / mib:.0f} MiB of cache per key (lower attnlab.budget, or max_tokens, or start a "
-                                f"new conversation)", param="attnlab", code="cache_limit_exceeded")
+                                f"{cap / mib:.0f} MiB of cache per key (lower attnlab.budget or max_tokens, or start "
+                                f"a new conversation)", param="attnlab", code="cache_limit_exceeded")
         with self.lock:
             def bytes_fit() -> bool:
                 mine = sum(h.nbytes() for h in self.held() if h.owner == owner)

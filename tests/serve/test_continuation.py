@@ -50,20 +50,20 @@ def ask(url, messages, n):
     return r.json()
 
 
-@pytest.mark.parametrize("question", PROMPTS)
+@pytest.mark.parametrize("question", PROMPTS[:2])
 def test_a_cached_turn_feeds_and_answers_what_a_fresh_replay_does(served, question):
     url, app = served
     store = app.state.store
-    first = ask(url, [{"role": "user", "content": question}], 40)
+    first = ask(url, [{"role": "user", "content": question}], 24)
     history = [{"role": "user", "content": question},
                {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
                {"role": "user", "content": "Say it again in other words."}]
-    cached = ask(url, history, 24)
+    cached = ask(url, history, 12)
     sid = cached["attnlab"]["session"]
     assert sid == first["attnlab"]["session"] and cached["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     held_ids = list(store.get(sid).session.ids)
     store.sessions.clear()
-    fresh = ask(url, history, 24)
+    fresh = ask(url, history, 12)
     fresh_ids = store.get(fresh["attnlab"]["session"]).session.ids
     n = cached["usage"]["prompt_tokens"]
     assert held_ids[:n] == fresh_ids[:n]  # the very tokens of a replay
@@ -103,21 +103,21 @@ def test_a_cache_holding_other_tokens_goes_back_to_where_they_agree(served, lm):
 
 def test_the_rounding_left_is_bounded(lm):
     """The same tokens, fed as prompt + decode steps + a new prompt, or as one prompt in chunks: logits agree
-    within the bound, and at temperature 0 the next 24 tokens are the same."""
+    within the bound, and at temperature 0 the next 8 tokens are the same."""
     name, model = lm
     greedy = Sampler(0.0)
     worst = 0.0
-    for question in PROMPTS:
+    for question in PROMPTS[:2]:
         ids = model.chat_ids([{"role": "user", "content": question}])
         turn = Session(model, model.new_cache(capacity=256, max_capacity=4096), 16)
         turn.feed(ids)
-        list(turn.generate(greedy, 30))
+        list(turn.generate(greedy, 16))
         follow = model.encode_rendered("<|im_end|>\n<|im_start|>user\nAgain?<|im_end|>\n<|im_start|>assistant\n")
         turn.feed(follow)
         fresh = Session(model, model.new_cache(capacity=256, max_capacity=4096), 16)
         fresh.feed(turn.ids)
         worst = max(worst, float((turn.logits - fresh.logits).abs().max()))
-        assert list(turn.generate(greedy, 24)) == list(fresh.generate(greedy, 24)), question
+        assert list(turn.generate(greedy, 8)) == list(fresh.generate(greedy, 8)), question
     print(f"\n{name}: max |logit difference| cached vs replay {worst:.2e}")
     assert 0 <= worst < BOUNDS[name]
     assert torch.isfinite(torch.tensor(worst))
