@@ -1,4 +1,10 @@
-"""Next-token sampling: greedy, temperature, top-k, top-p (nucleus), seeded."""
+"""Next-token sampling: greedy, temperature, top-k, top-p (nucleus), seeded.
+
+One rule for values too small to sample with (they would divide logits into infinities, or a
+top_p that rounds to 0 in float32 would drop every token, and the probabilities become NaN):
+a temperature below TEMPERATURE_FLOOR or a top_p below TOP_P_FLOOR means greedy (the top token).
+Should the probabilities still not be finite, the row takes its top token as well.
+"""
 from __future__ import annotations
 
 import math
@@ -6,6 +12,9 @@ import math
 import torch
 
 from attnlab.errors import AttnlabError
+
+TEMPERATURE_FLOOR = 1e-3  # below: greedy (at 1e-3 a logit gap of 0.01 is already a factor e^10)
+TOP_P_FLOOR = 1e-6        # below: greedy (the smallest prefix reaching top_p is the top token then)
 
 
 class Sampler:
@@ -18,6 +27,8 @@ class Sampler:
             raise AttnlabError(f"top_k must be >= 0, got {top_k}")
         if not 0.0 < top_p <= 1.0:  # NaN fails too
             raise AttnlabError(f"top_p must be in (0, 1], got {top_p}")
+        if temperature < TEMPERATURE_FLOOR or top_p < TOP_P_FLOOR:
+            temperature = 0.0
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.generator = torch.Generator()
         if seed is None:
@@ -38,4 +49,9 @@ class Sampler:
             drop = cum - sorted_logits.softmax(-1) >= self.top_p  # keep the smallest prefix reaching top_p
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-        return torch.multinomial(logits.softmax(-1), 1, generator=self.generator).squeeze(-1)
+        probs = logits.softmax(-1)
+        bad = ~torch.isfinite(probs).all(-1)
+        if bool(bad.any()):  # e.g. logits that are themselves inf or NaN: the top token, never a crash
+            probs[bad] = torch.nn.functional.one_hot(logits[bad].nan_to_num(-float("inf")).argmax(-1),
+                                                     probs.shape[-1]).to(probs.dtype)
+        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)

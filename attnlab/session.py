@@ -27,6 +27,7 @@ class Session:
         self.logits: torch.Tensor | None = None  # [vocab] next-token logits after everything fed
         self.text = ""                            # rendered text held by the cache (chat use)
         self.fed = 0                              # tokens fed so far
+        self.ids: list[int] = []                  # those tokens, in order (what a continuation must start with)
 
     @torch.inference_mode()
     def feed(self, ids) -> None:
@@ -39,6 +40,12 @@ class Session:
             return
         self.logits = self.lm.prefill(ids, self.cache, self.chunk)[0]
         self.fed += ids.shape[1]
+        self.ids += ids[0].tolist()
+
+    def rewind(self, n: int) -> None:
+        """Forget every token past the first n (only a cache that never evicted): the next feed goes on from there."""
+        self.cache.truncate(n)
+        self.ids, self.fed, self.logits = self.ids[:n], n, None
 
     def matches(self, text: str) -> bool:
         """Whether `text` (a rendered prompt) continues what this cache holds."""
@@ -76,6 +83,8 @@ class Session:
         try:
             for token in self.lm.decode(self.cache, self.logits[None] if max_new_tokens else None, sampler,
                                         max_new_tokens, eos):
+                if reply:
+                    self.ids.append(reply[-1])
                 self.fed = start + len(reply)  # every reply token but this one is in the cache
                 reply.append(int(token[0]))
                 yield reply[-1]

@@ -4,15 +4,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from attnlab.cli.common import UserError, add_model_args, load_lm, model_options, positive_int
+from attnlab.cli.common import UserError, add_model_args, load_lm, model_options, positive_float, positive_int
 from attnlab.cli.stream import add_policy_args
 
 
 def cmd_serve(args) -> int:
     try:
-        import uvicorn
-
         from attnlab.serve import PolicySpec, create_app
+        from attnlab.serve.conn import GuardedServer, Limits, serve_config
     except ModuleNotFoundError as e:
         raise UserError(f"serving needs the 'serve' extra ({e.name} is missing): pip install 'attnlab[serve]'") from None
     if "," in args.policy:
@@ -35,7 +34,9 @@ def cmd_serve(args) -> int:
                          max_prompt_tokens=args.max_prompt_tokens, chunk=args.chunk,
                          max_tokens_cap=args.max_tokens_cap, max_body=args.max_body_kib << 10,
                          hosts=hosts + (args.allowed_host or []), api_keys=keys, admin_keys=admin_keys,
-                         openapi=args.openapi, cors_origins=args.cors_origin or [])
+                         openapi=args.openapi, cors_origins=args.cors_origin or [],
+                         key_sessions=args.max_sessions_per_key,
+                         key_bytes=args.max_cache_mib_per_key << 20 if args.max_cache_mib_per_key else None)
     except ValueError as e:
         raise UserError(str(e)) from None
     print(f"attnlab serve: {name} ({spec.name}{'' if spec.name == 'full' else f', budget {spec.budget}'}) on "
@@ -46,7 +47,9 @@ def cmd_serve(args) -> int:
     else:
         print("attnlab serve: no API keys: anyone who can reach this address can use the server and see every "
               "conversation" + (" (localhost only)" if loopback else " (--insecure-no-auth)"))
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    limits = Limits(header_timeout=args.header_timeout, body_timeout=args.body_timeout, keep_alive=args.keep_alive,
+                    max_connections=args.max_connections, max_per_client=args.max_connections_per_client)
+    GuardedServer(serve_config(app, args.host, args.port, limits, args.log_level)).run()
     return 0
 
 
@@ -75,6 +78,10 @@ def add_parser(sub) -> None:
     p.add_argument("--name", default=None, help="model id clients ask for (default: the model file's name)")
     p.add_argument("--max-sessions", type=positive_int, default=16, help="conversations held; LRU beyond")
     p.add_argument("--max-cache-mib", type=positive_int, default=1024, help="KV bytes of all held conversations; LRU beyond")
+    p.add_argument("--max-sessions-per-key", type=positive_int, default=None,
+                   help="conversations one key holds (default: --max-sessions split evenly between the keys)")
+    p.add_argument("--max-cache-mib-per-key", type=positive_int, default=None,
+                   help="KV bytes one key's conversations hold (default: --max-cache-mib split evenly between keys)")
     p.add_argument("--max-tokens", type=positive_int, default=256, help="reply length when a request gives none")
     p.add_argument("--max-tokens-cap", type=positive_int, default=4096, help="largest max_tokens a request may ask")
     p.add_argument("--max-body-kib", type=positive_int, default=1024, help="largest request body (KiB), else 413")
@@ -82,6 +89,14 @@ def add_parser(sub) -> None:
     p.add_argument("--max-active", type=positive_int, default=8, help="requests generating at once (interleaved)")
     p.add_argument("--queue-timeout", type=float, default=60.0, help="seconds a request waits for a slot, then 503")
     p.add_argument("--chunk", type=positive_int, default=128, help="prefill chunk (bounded caches hold budget + chunk)")
+    p.add_argument("--header-timeout", type=positive_float, default=10.0,
+                   help="seconds a request may take to send its headers, else 408 and closed")
+    p.add_argument("--body-timeout", type=positive_float, default=30.0,
+                   help="seconds a request may take to send its body after the headers, else 408 and closed")
+    p.add_argument("--keep-alive", type=positive_float, default=5.0, help="seconds an idle connection is kept open")
+    p.add_argument("--max-connections", type=positive_int, default=512, help="open connections, all clients")
+    p.add_argument("--max-connections-per-client", type=positive_int, default=64,
+                   help="open connections from one client address (beyond: closed when accepted)")
     p.add_argument("--api-key", action="append", metavar="KEY",
                    help="accept 'Authorization: Bearer KEY' (repeatable; also ATTNLAB_API_KEYS, --api-keys-file)")
     p.add_argument("--api-keys-file", metavar="PATH", help="file with one API key per line")

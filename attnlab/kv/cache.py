@@ -87,12 +87,12 @@ class LayerKV:
         """Names of the per-slot tensors indexed [B, H_kv, slot, ...] (all grow, compact and save alike)."""
         return ("k", "v", "k_scale", "v_scale") if self.k_scale is not None else ("k", "v")
 
-    def _reserve(self, need: int) -> None:
+    def _reserve(self, need: int, exact: bool = False) -> None:
         if need <= self.capacity:
             return
         if self.max_capacity is not None and need > self.max_capacity:
             raise CacheFullError(f"KV cache full ({self.max_capacity} slots); use a cache policy to stream further")
-        new = max(need, 2 * self.capacity)
+        new = need if exact else max(need, 2 * self.capacity)
         if self.max_capacity is not None:
             new = min(new, self.max_capacity)
         grow = new - self.capacity
@@ -219,6 +219,12 @@ class KVCache:
         else:
             q_pos = pos
         return Step(pos, q_pos, rope.rotation(q_pos, real=real), padded, start)
+
+    def reserve(self, slots: int) -> None:
+        """Grow every layer to hold `slots` tokens now, exactly (no doubling): for a caller that sized the
+        memory beforehand (the server's cache limit) and must not see it grow past that."""
+        for layer in self.layers:
+            layer._reserve(slots, exact=True)
 
     def advance(self, T: int) -> None:
         """After a step: count its tokens and evict what the policy drops (every layer's attention is done)."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -32,8 +33,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from attnlab.errors import AttnlabError
 from attnlab.sampling import Sampler
-from attnlab.serve.guard import LOOPBACK, Guard
-from attnlab.serve.protocol import APIError, ChatRequest, CommonRequest, CompletionRequest, validation_error
+from attnlab.serve.guard import LOOPBACK, Guard, HostGuard
+from attnlab.serve.protocol import APIError, ChatRequest, CommonRequest, CompletionRequest, clip, validation_error
 from attnlab.serve.replies import Reply, Turn
 from attnlab.options import PolicySpec
 from attnlab.serve.sessions import SessionStore
@@ -51,18 +52,21 @@ class Server:
                  max_bytes: int = 1 << 30, max_tokens: int = 256, max_active: int = 8, queue_timeout: float = 60.0,
                  max_prompt_tokens: int = 32768, chunk: int = 128, max_tokens_cap: int = 4096,
                  max_body: int = 1 << 20, hosts=LOOPBACK, api_keys=(), admin_keys=(), openapi: bool = False,
-                 cors_origins=()):
+                 cors_origins=(), key_sessions: int | None = None, key_bytes: int | None = None):
         self.lm, self.model_name, self.spec, self.chunk = lm, model_name, spec, chunk
         self.max_tokens, self.max_active, self.queue_timeout = max_tokens, max_active, queue_timeout
         self.max_prompt_tokens, self.max_tokens_cap = max_prompt_tokens, max(max_tokens_cap, max_tokens)
         self.guard = dict(max_body=max_body, hosts=tuple(hosts), keys=tuple(api_keys), admin_keys=tuple(admin_keys))
         self.openapi, self.cors_origins = openapi, list(cors_origins)
-        self.store = SessionStore(lm, max_sessions, max_bytes, chunk)
+        keys = max(1, len(set(api_keys) | set(admin_keys)))  # quotas: the global limits split between the keys
+        self.store = SessionStore(lm, max_sessions, max_bytes, chunk, key_sessions or max(1, max_sessions // keys),
+                                  key_bytes or max_bytes // keys)
         self.store.policy(spec)  # a bad default fails at startup, not on the first request
         self.text = ChatText(lm.tokenizer)
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="attnlab-model")
         self.tokenizing = ThreadPoolExecutor(2, thread_name_prefix="attnlab-text")
         self.stats = {"requests": 0, "active": 0, "tokens_generated": 0, "errors": 0, "server_errors": 0}
+        self.by_owner: defaultdict[str, Counter] = defaultdict(Counter)  # requests, tokens_generated per key
         self.slots: asyncio.Semaphore | None = None  # made on first use, inside the serving event loop
         self.created_at = int(time.time())
 
@@ -101,7 +105,7 @@ class Server:
     def check(self, req: CommonRequest) -> tuple[PolicySpec, Sampler, int, list[str]]:
         """The cache spec, sampler, token limit and stop strings of a request; APIError if it is invalid."""
         if req.model != self.model_name:
-            raise APIError(404, f"The model {req.model!r} does not exist; this server has {self.model_name!r}",
+            raise APIError(404, f"The model {clip(req.model)} does not exist; this server has {self.model_name!r}",
                            param="model", code="model_not_found")
         if req.n not in (None, 1):
             raise APIError(400, "only n=1 is supported", param="n")
@@ -155,47 +159,57 @@ class Server:
                            type="server_error", code="queue_timeout") from None
         return self.slots
 
-    async def start(self, caller, text: str | None, ids: list[int], s: PolicySpec, limit: int):
-        """Find or make the session, feed the prompt; returns (held or None, session, turn).
+    async def start(self, request: Request, text: str | None, ids: list[int], s: PolicySpec, limit: int):
+        """Find or make the session, feed the prompt; returns (held, session, turn).
 
         text: the escaped rendered chat (ids: all its tokens), or None for a raw completion prompt.
+        Every byte of cache is checked against the limits before any prefill (`SessionStore.grow`).
         """
+        owner = request.state.caller.owner
         if text is None:
-            return await self.start_completion(ids, s, limit)
-        held, reused = await self.on_worker(self.store.acquire, text, s, caller.owner, len(ids) + limit)
-        session, feeding = held.session, False
+            self.check_length(s, 0, len(ids), len(ids), limit)
+            held = await self.on_worker(self.store.one_off, s, owner, len(ids) + limit)
+            try:
+                await self.feed(held.session, ids, request)
+            except BaseException:
+                self.worker.submit(self.store.release, held)
+                raise
+            return held, held.session, Turn(len(ids), len(ids))
+        held, reused = await self.on_worker(self.store.acquire, text, s, owner, len(ids) + limit)
+        session, touched = held.session, False
         try:
-            rest = text[len(session.text):]
-            new = ids if not session.text else await self.on_text(self.text.encode, rest) if rest else []
-            self.check_length(s, session.cache.seen, len(ids), len(new), limit)
-            feeding = True
-            await self.feed(session, new)
+            # the tokens a fresh replay of this history would feed (item 6 of issue 38): where the held ones
+            # are a prefix of them, only the rest; where they differ (a reply sampled as other tokens than
+            # its text encodes to), back to where they agree, if the cache never evicted (and keeps no scores)
+            keep, rewind = common_prefix(session.ids, ids), False
+            if keep == len(session.ids) and (keep < len(ids) or session.logits is not None):
+                new = ids[keep:]
+            elif all(layer.natural for layer in session.cache.layers) and not session.cache.needs_probs:
+                keep, rewind = min(keep, len(ids) - 1), True
+                new = ids[keep:]
+            else:  # an evicted cache cannot go back: feed the rest of the text as tokens of its own
+                rest = text[len(session.text):]
+                new = await self.on_text(self.text.encode, rest) if rest else []
+            held_now = keep if rewind else len(session.cache)
+            self.check_length(s, keep if rewind else session.cache.seen, len(ids), len(new), limit)
+            await self.on_worker(self.store.grow, held, held_now + len(new) + limit)  # room first, then work
+            touched = True
+            if rewind:
+                await self.on_worker(session.rewind, keep)
+            await self.feed(session, new, request)
             session.text = text
         except BaseException:  # keep a reused session only if its cache was not touched
-            self.worker.submit(self.store.release, held, reused and not feeding)
+            self.worker.submit(self.store.release, held, reused and not touched)
             raise
         held.turns += 1
         return held, session, Turn(len(ids), len(new))
 
-    async def start_completion(self, ids: list[int], s: PolicySpec, limit: int):
-        """A one-off cache for /v1/completions (raw prompts are not stored conversations)."""
-        self.check_length(s, 0, len(ids), len(ids), limit)
-        policy = self.store.policy(s)
-        need = self.store.cache_bytes(policy, len(ids) + limit)
-        if need > self.store.max_bytes:
-            self.store.make_room(need)  # raises the 400 that says why
-        lm = self.lm
-
-        def make():
-            cache = lm.new_cache(policy=policy) if policy else lm.new_cache(max_capacity=lm.cfg.context_length)
-            return Session(lm, cache, self.chunk)
-        session = await self.on_worker(make)
-        await self.feed(session, ids)
-        return None, session, Turn(len(ids), len(ids))
-
-    async def feed(self, session: Session, ids: list[int]) -> None:
-        """Prefill as one worker step per chunk, so a long prompt does not stall the other streams."""
+    async def feed(self, session: Session, ids: list[int], request: Request) -> None:
+        """Prefill as one worker step per chunk, so a long prompt does not stall the other streams; stops
+        between chunks once the client has gone (499: nobody reads the answer)."""
         for i in range(0, len(ids), self.chunk):
+            if await request.is_disconnected():
+                raise APIError(499, "the client closed the connection", code="client_closed")
             await self.on_worker(session.feed, ids[i:i + self.chunk])
 
     def finish(self, held, sem, gen=None) -> None:
@@ -214,15 +228,17 @@ class Server:
         sem = await self.admit()
         self.stats["active"] += 1
         try:
-            held, session, turn = await self.start(request.state.caller, text, ids, s, limit)
+            held, session, turn = await self.start(request, text, ids, s, limit)
         except BaseException:
             self.finish(None, sem)
             raise
+        turn.owner = request.state.caller.owner
+        self.by_owner[turn.owner]["requests"] += 1
         reply = Reply(self, held, session, turn, session.generate(sampler, limit), stops, chat,
                       lambda: self.finish(held, sem, reply.gen))
         if not req.stream:
             return await reply.whole(request)
-        include_usage = bool((req.stream_options or {}).get("include_usage"))
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(reply.events(include_usage), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
@@ -264,18 +280,24 @@ class Server:
 
     async def model(self, name: str):
         if name != self.model_name:
-            raise APIError(404, f"The model {name!r} does not exist", param="model", code="model_not_found")
+            raise APIError(404, f"The model {clip(name)} does not exist", param="model", code="model_not_found")
         return self.model_card()
 
     def model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created_at, "owned_by": "attnlab",
                 "context_length": self.lm.cfg.context_length, "attnlab": self.spec.describe()}
 
-    async def health(self):
+    async def health(self, request: Request):
+        """Up or not for anyone; the server-wide counters only for an admin key (or a keyless server)."""
+        if not request.state.caller.admin:
+            return {"status": "ok", "model": self.model_name}
         return {"status": "ok", "model": self.model_name, "sessions": len(self.store.sessions), **self.stats}
 
     async def sessions(self, request: Request):
-        return await self.on_worker(self.store.summary, self.visible(request))
+        owner = self.visible(request)
+        out = await self.on_worker(self.store.summary, owner)
+        mine = sum(self.by_owner.values(), Counter()) if owner is None else self.by_owner[owner]
+        return {**out, "requests": mine["requests"], "tokens_generated": mine["tokens_generated"]}
 
     async def session_info(self, sid: str, request: Request):
         return (await self.on_worker(self.held_or_404, sid, self.visible(request))).summary()
@@ -307,11 +329,14 @@ class Server:
         app = FastAPI(title="attnlab", docs_url=None, redoc_url=None,
                       openapi_url="/openapi.json" if self.openapi else None)
         app.state.server, app.state.store, app.state.stats = self, self.store, self.stats
-        app.add_middleware(Guard, **self.guard)
-        if self.cors_origins:  # outside the guard: browsers send preflights without the key
+        if not self.cors_origins:
+            app.add_middleware(Guard, **self.guard)
+        else:  # Host check, then CORS (browsers send preflights without the key), then keys and body
             from fastapi.middleware.cors import CORSMiddleware
+            app.add_middleware(Guard, **{**self.guard, "hosts": ("*",)})
             app.add_middleware(CORSMiddleware, allow_origins=self.cors_origins, allow_methods=["GET", "POST"],
                                allow_headers=["Authorization", "Content-Type"])
+            app.add_middleware(HostGuard, hosts=self.guard["hosts"])
         app.add_exception_handler(APIError, self.api_error)
         app.add_exception_handler(AttnlabError, self.user_error)
         app.add_exception_handler(RequestValidationError, self.invalid)
@@ -335,3 +360,11 @@ def create_app(lm, model_name: str, spec: PolicySpec = PolicySpec(), **limits) -
     limits: the keyword arguments of `Server` (max_sessions, max_bytes, max_tokens, ...).
     """
     return Server(lm, model_name, spec, **limits).app()
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens a and b share."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    return next(i for i in range(n) if a[i] != b[i])

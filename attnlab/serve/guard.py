@@ -33,26 +33,61 @@ def owner_of(key: str) -> str:
 
 
 def host_name(header: str) -> str:
-    """The name part of a Host header: 'example.com:80' -> 'example.com', '[::1]:8000' -> '::1'."""
+    """The name part of a Host header: 'example.com:80' -> 'example.com', '[::1]:8000' -> '::1'.
+
+    Anything else after the name than ':' and a port (e.g. '[::1]evil.com') leaves the header whole,
+    which matches no allowed name."""
     header = header.strip().lower()
     if header.startswith("["):
-        return header[1:header.find("]")] if "]" in header else header
-    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+        end = header.find("]")
+        rest = header[end + 1:]
+        ok = end > 0 and (not rest or (rest[0] == ":" and rest[1:].isdigit()))
+        return header[1:end] if ok else header
+    name, colon, port = header.partition(":")
+    return name if not colon or (port.isdigit() and ":" not in port) else header
+
+
+def allowed_hosts(hosts) -> set[str] | None:
+    return None if "*" in hosts else {h.lower().strip("[]") for h in hosts}
+
+
+async def wrong_host(hosts: set[str] | None, scope, send) -> bool:
+    """Answer 421 (and say True) when the request's Host is not one this server answers for."""
+    if hosts is None:
+        return False
+    host = next((v.decode("latin-1") for k, v in scope["headers"] if k.lower() == b"host"), "")
+    if host_name(host) in hosts:
+        return False
+    await reject(send, 421, "this server does not answer for that Host header (allowed: "
+                            f"{', '.join(sorted(hosts))}; see --allowed-host)", "invalid_host")
+    return True
+
+
+class HostGuard:
+    """The Host check alone, for the outside of the CORS middleware: a preflight naming a foreign Host
+    gets 421 as every other request does (the CORS answer would otherwise come first)."""
+
+    def __init__(self, app, hosts=LOOPBACK):
+        self.app, self.hosts = app, allowed_hosts(hosts)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and await wrong_host(self.hosts, scope, send):
+            return
+        return await self.app(scope, receive, send)
 
 
 class Guard:
     def __init__(self, app, max_body: int = 1 << 20, hosts=LOOPBACK, keys=(), admin_keys=()):
         self.app, self.max_body = app, max_body
-        self.hosts = None if "*" in hosts else {h.lower().strip("[]") for h in hosts}
+        self.hosts = allowed_hosts(hosts)
         self.keys = [(k.encode(), False) for k in keys] + [(k.encode(), True) for k in admin_keys]
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if await wrong_host(self.hosts, scope, send):
+            return
         headers = {k.lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if self.hosts is not None and host_name(headers.get(b"host", "")) not in self.hosts:
-            return await reject(send, 421, "this server does not answer for that Host header (allowed: "
-                                           f"{', '.join(sorted(self.hosts))}; see --allowed-host)", "invalid_host")
         caller = Caller("", True)
         if self.keys:
             caller = self.caller(headers.get(b"authorization", ""))

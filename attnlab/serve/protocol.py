@@ -16,6 +16,11 @@ MAX_STOPS, MAX_STOP_CHARS = 4, 1000
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed takes
 
 
+def clip(text: str, n: int = 64) -> str:
+    """repr of a client's string for an error message, at most about n characters (a 100 KB id is not echoed)."""
+    return repr(text[:n]) + (f"... ({len(text)} characters)" if len(text) > n else "")
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None):
@@ -80,19 +85,24 @@ class AttnlabOptions(BaseModel):
     positions: Literal["cache", "original"] | None = None
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    include_usage: bool | None = None
+
+
 class CommonRequest(BaseModel):
     """Fields both endpoints share. Strict: OpenAI rejects "10" for an integer, so do we."""
     model_config = ConfigDict(extra="allow", strict=True)
     model: str
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
+    temperature: float | None = Field(None, ge=0, le=2, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     n: int | None = None
     stream: bool | None = False
-    stream_options: dict | None = None
+    stream_options: StreamOptions | None = None
     attnlab: AttnlabOptions | None = None
 
     @model_validator(mode="before")

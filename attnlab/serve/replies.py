@@ -7,6 +7,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from attnlab.serve.protocol import StopScanner
+from attnlab.serve.sessions import alloc_bytes
 from attnlab.textstream import TextStream
 
 
@@ -17,6 +18,7 @@ class Turn:
     fed: int
     reply: list[int] = field(default_factory=list)
     finish: str = "length"
+    owner: str = ""
 
 
 class Reply:
@@ -39,6 +41,7 @@ class Reply:
                 break
             turn.reply.append(token)
             server.stats["tokens_generated"] += 1
+            server.by_owner[turn.owner]["tokens_generated"] += 1
             if token in eos:
                 turn.finish = "stop"
             delta = scan.push(text.push(token))
@@ -61,8 +64,8 @@ class Reply:
 
     def extension(self) -> dict:
         cache = self.session.cache
-        return {"session": self.held.id if self.held else None, "fed_tokens": self.turn.fed,
-                "tokens_seen": cache.seen, "slots_kept": len(cache), "cache_bytes": cache.nbytes()}
+        return {"session": self.held.id if self.held and self.held.stored else None, "fed_tokens": self.turn.fed,
+                "tokens_seen": cache.seen, "slots_kept": len(cache), "cache_bytes": alloc_bytes(cache)}
 
     async def whole(self, request) -> dict:
         """The non-streamed answer."""

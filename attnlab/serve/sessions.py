@@ -6,22 +6,39 @@ rest, so turn N costs what turn 1 costs. Idle sessions are evicted least recentl
 there are more than `max_sessions` or their KV buffers exceed `max_bytes`; a session serving
 a request is never evicted nor handed to a second request (that one starts a fresh cache).
 
-A new cache is checked against `max_bytes` before it is allocated: idle sessions are evicted
-to make room, and a cache that cannot fit is refused (400 if it never could, 503 while busy
-conversations hold the memory). Sessions carry an `owner` (a hash of the caller's API key):
-prefix reuse, listings and lookups only ever see the caller's own.
+Memory is counted as allocated (K/V, positions and a policy's per-slot state, at the capacity
+the cache will have) and checked *before* every allocation: a new cache, a `full` cache growing
+for a continued conversation (grown exactly to what the request needs, never by doubling) and
+the one-off cache of a raw completion. Room is made by evicting idle sessions; a cache that
+cannot fit is refused (400 if it never could, 503 while busy conversations hold the memory).
+
+Sessions carry an `owner` (a hash of the caller's API key): prefix reuse, listings, lookups and
+eviction only ever touch the caller's own. Each owner has its own quota of conversations and
+bytes (`key_sessions`, `key_bytes`; by default the global limits split evenly between the keys),
+so one key's new conversations evict only its own, or are refused.
 """
 from __future__ import annotations
 
 import threading
 import time
 import uuid
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field, replace
+
+import torch
 
 from attnlab.options import PolicySpec
 from attnlab.serve.protocol import APIError
 from attnlab.session import Session
+
+
+def alloc_bytes(cache) -> int:
+    """Bytes a cache has allocated: keys and values (scales included), positions, a policy's per-slot state."""
+    total = 0
+    for layer in cache.layers:
+        tensors = [layer.pos, *(getattr(layer, n) for n in layer.buffers()), *layer.policy_state.values()]
+        total += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+    return total
 
 
 @dataclass
@@ -34,11 +51,12 @@ class Held:
     busy: bool = False
     turns: int = 0
     owner: str = ""
+    stored: bool = True       # False: a raw completion's one-off cache (counted while it lives, never reused)
     created: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.time)
 
     def nbytes(self) -> int:
-        return self.session.cache.nbytes()
+        return alloc_bytes(self.session.cache)
 
     def summary(self) -> dict:
         cache = self.session.cache
@@ -72,25 +90,56 @@ class Held:
 
 
 class SessionStore:
-    """Thread-safe LRU store of conversations, bounded by count and by KV bytes."""
+    """Thread-safe LRU store of conversations, bounded by count and by allocated bytes, per owner and in total."""
 
-    def __init__(self, lm, max_sessions: int = 16, max_bytes: int = 1 << 30, chunk: int = 128):
+    def __init__(self, lm, max_sessions: int = 16, max_bytes: int = 1 << 30, chunk: int = 128,
+                 key_sessions: int | None = None, key_bytes: int | None = None):
         self.lm, self.max_sessions, self.max_bytes, self.chunk = lm, max_sessions, max_bytes, chunk
+        self.key_sessions, self.key_bytes = key_sessions or max_sessions, key_bytes or max_bytes
         self.sessions: OrderedDict[str, Held] = OrderedDict()  # least recently used first
-        self.lock = threading.Lock()
-        self.evicted = 0
-        probe = lm.new_cache(capacity=8, max_capacity=8)
-        self.slot_bytes = probe.nbytes() / 8  # KV bytes per cache slot (all layers), for checks before allocating
-        del probe
+        self.loose: dict[str, Held] = {}                        # one-off caches being served
+        self.lock = threading.RLock()
+        self.evicted: Counter = Counter()                       # per owner
+        self.per_slot: dict[tuple, float] = {}                  # allocated bytes per slot, by policy kind
 
     def policy(self, spec: PolicySpec):
         """The Policy object of a spec (None for full), with this store's prefill chunk."""
         return replace(spec, chunk=self.chunk).build()
 
+    def slot_bytes(self, spec: PolicySpec) -> float:
+        """Bytes one slot of a cache of this policy allocates, measured once on a small cache (model thread).
+
+        Why measured: a policy's per-slot state (attention scores, an observation window) is allocated
+        on the first step and differs by policy; the budget and n_sink do not change it per slot."""
+        kind = (spec.name, spec.positions, spec.block)
+        if kind not in self.per_slot:
+            if spec.name == "full":
+                probe = self.lm.new_cache(capacity=16, max_capacity=16)
+            else:
+                probe = self.lm.new_cache(policy=replace(spec, budget=32, n_sink=min(spec.n_sink, 4), chunk=8).build())
+            self.lm.prefill(torch.zeros(1, 16, dtype=torch.long), probe, 8)  # allocates the policy's state
+            self.per_slot[kind] = alloc_bytes(probe) / probe.layers[0].capacity
+        return self.per_slot[kind]
+
+    def slots(self, spec: PolicySpec, tokens: int) -> int:
+        """Slots a new cache has: a bounded policy's capacity, else (full) the request's tokens."""
+        policy = self.policy(spec)
+        return policy.capacity if policy is not None else max(1, min(tokens, self.lm.cfg.context_length))
+
+    def cache_bytes(self, spec: PolicySpec, tokens: int = 0) -> int:
+        """Bytes a new cache of this spec allocates for a request of `tokens` (prompt + max_tokens)."""
+        return int(self.slots(spec, tokens) * self.slot_bytes(spec)) + 1
+
+    def new_cache(self, spec: PolicySpec, tokens: int):
+        policy = self.policy(spec)
+        if policy is None:  # sized for this request exactly; grown exactly by `grow`
+            return self.lm.new_cache(capacity=self.slots(spec, tokens), max_capacity=self.lm.cfg.context_length)
+        return self.lm.new_cache(policy=policy)
+
     def acquire(self, text: str, spec: PolicySpec, owner: str = "", tokens: int = 0) -> tuple[Held, bool]:
         """The owner's idle session of this spec whose text is the longest prefix of `text`, or a new one.
 
-        tokens: how many slots a new `full` cache will need (prompt + max_tokens), for the byte check.
+        tokens: prompt + max_tokens, the slots a new `full` cache is given (checked against the limits first).
         Returns (held, reused); the session is marked busy until `release`.
         """
         with self.lock:
@@ -103,63 +152,97 @@ class SessionStore:
                 best.busy = True
                 self.sessions.move_to_end(best.id)
                 return best, True
-        policy = self.policy(spec)
-        self.make_room(self.cache_bytes(policy, tokens))
-        if policy is None:  # grows on demand, never past what the model was trained on
-            cache = self.lm.new_cache(capacity=256, max_capacity=self.lm.cfg.context_length)
-        else:
-            cache = self.lm.new_cache(policy=policy)
-        held = Held(uuid.uuid4().hex[:12], spec, policy, Session(self.lm, cache, self.chunk), busy=True, owner=owner)
-        with self.lock:
+            need = self.cache_bytes(spec, tokens)
+            self.make_room(owner, need, need, new=True)
+            held = Held(uuid.uuid4().hex[:12], spec, self.policy(spec), Session(self.lm, self.new_cache(spec, tokens),
+                        self.chunk), busy=True, owner=owner)
             self.sessions[held.id] = held
-        return held, False
+            return held, False
 
-    def cache_bytes(self, policy, tokens: int = 0) -> int:
-        """KV bytes a new cache of this policy will hold (full: `tokens` slots, at least its first 256)."""
-        slots = policy.capacity if policy is not None and getattr(policy, "capacity", None) else max(tokens, 256)
-        return int(slots * self.slot_bytes)
-
-    def make_room(self, need: int) -> None:
-        """Evict idle sessions until `need` more bytes fit under max_bytes; APIError if they cannot."""
-        mib = 1 << 20
-        if need > self.max_bytes:
-            raise APIError(400, f"this conversation's cache needs {need / mib:.0f} MiB; this server holds at most "
-                                f"{self.max_bytes / mib:.0f} MiB of cache (lower attnlab.budget)", param="attnlab",
-                           code="cache_limit_exceeded")
+    def one_off(self, spec: PolicySpec, owner: str, tokens: int) -> Held:
+        """A counted cache that is never stored nor reused (raw completions); `release` frees it."""
         with self.lock:
+            need = self.cache_bytes(spec, tokens)
+            self.make_room(owner, need, need)
+            held = Held(uuid.uuid4().hex[:12], spec, self.policy(spec), Session(self.lm, self.new_cache(spec, tokens),
+                        self.chunk), busy=True, owner=owner, stored=False)
+            self.loose[held.id] = held
+            return held
+
+    def grow(self, held: Held, tokens: int) -> None:
+        """Give a `full` cache room for `tokens` in all, exactly, after checking the limits (before any work)."""
+        cache = held.session.cache
+        have = cache.layers[0].capacity
+        if held.policy is not None or tokens <= have:
+            return
+        with self.lock:
+            extra = int((tokens - have) * self.slot_bytes(held.spec)) + 1
+            self.make_room(held.owner, extra, held.nbytes() + extra, keep=held)
+            cache.reserve(tokens)
+
+    def make_room(self, owner: str, need: int, whole: int, new: bool = False, keep: Held | None = None) -> None:
+        """Evict the owner's idle sessions (LRU) until `need` more bytes fit its quota and the total; else APIError.
+
+        whole: what the cache in question will hold in all (400 when that alone is over a limit).
+        new: a session is being added (the count quotas apply). Other owners' sessions are never evicted.
+        """
+        mib, cap = 1 << 20, min(self.max_bytes, self.key_bytes)
+        if whole > cap:
+            raise APIError(400, f"this conversation's cache needs {whole / mib:.0f} MiB; this server holds at most "
+                                f"{cap / mib:.0f} MiB of cache per key (lower attnlab.budget or max_tokens, or start "
+                                f"a new conversation)", param="attnlab", code="cache_limit_exceeded")
+        with self.lock:
+            def bytes_fit() -> bool:
+                mine = sum(h.nbytes() for h in self.held() if h.owner == owner)
+                return mine + need <= self.key_bytes and self.total_bytes() + need <= self.max_bytes
+
+            def count_fits() -> bool:
+                mine = sum(1 for h in self.sessions.values() if h.owner == owner)
+                return not new or (mine < self.key_sessions and len(self.sessions) < self.max_sessions)
             for sid in list(self.sessions):
-                if self.total_bytes() + need <= self.max_bytes and len(self.sessions) < self.max_sessions:
+                if bytes_fit() and count_fits():
                     break
-                if not self.sessions[sid].busy:
-                    del self.sessions[sid]
-                    self.evicted += 1
-            if self.total_bytes() + need > self.max_bytes:
+                h = self.sessions[sid]
+                if h.owner == owner and not h.busy and h is not keep:
+                    self.drop(sid)
+            if not bytes_fit():  # (a count over the quota while all the owner's are busy is trimmed at release)
                 raise APIError(503, "server busy: the conversations being served hold the cache memory this one "
                                     "needs; retry later", type="server_error", code="cache_full")
 
+    def held(self):
+        return [*self.sessions.values(), *self.loose.values()]
+
     def total_bytes(self) -> int:
-        return sum(h.nbytes() for h in self.sessions.values())
+        return sum(h.nbytes() for h in self.held())
+
+    def drop(self, sid: str) -> None:
+        held = self.sessions.pop(sid)
+        self.evicted[held.owner] += 1
 
     def release(self, held: Held, keep: bool = True) -> None:
-        """Hand a session back (keep=False drops it, e.g. after a failed request), then evict LRU."""
+        """Hand a session back (keep=False drops it, e.g. after a failed request), then trim the owner's LRU."""
         with self.lock:
             held.busy, held.last_used = False, time.time()
+            if not held.stored:
+                self.loose.pop(held.id, None)
+                return
             if not keep:
                 self.sessions.pop(held.id, None)
             elif held.id in self.sessions:
                 self.sessions.move_to_end(held.id)
-            self._evict()
+            self._evict(held.owner)
 
-    def _evict(self) -> None:
+    def _evict(self, owner: str) -> None:
+        """Drop the owner's idle sessions, LRU first, while it holds more than its quotas or the total is over."""
         def over() -> bool:
-            return (len(self.sessions) > self.max_sessions
-                    or sum(h.nbytes() for h in self.sessions.values()) > self.max_bytes)
+            mine = [h for h in self.sessions.values() if h.owner == owner]
+            return (len(mine) > self.key_sessions or sum(h.nbytes() for h in mine) > self.key_bytes
+                    or len(self.sessions) > self.max_sessions or self.total_bytes() > self.max_bytes)
         for sid in list(self.sessions):
             if not over():
                 break
-            if not self.sessions[sid].busy:
-                del self.sessions[sid]
-                self.evicted += 1
+            if self.sessions[sid].owner == owner and not self.sessions[sid].busy:
+                self.drop(sid)
 
     def get(self, sid: str, owner: str | None = None) -> Held | None:
         """The session `sid` if it exists and belongs to `owner` (None: any owner, the admin view)."""
@@ -168,8 +251,12 @@ class SessionStore:
         return held if held is not None and (owner is None or held.owner == owner) else None
 
     def summary(self, owner: str | None = None) -> dict:
-        """The owner's conversations (None: everyone's), most recent first, with the store's totals."""
+        """The owner's conversations (None: everyone's), most recent first, with its quotas and counters."""
         with self.lock:
             items = [h.summary() for h in reversed(self.sessions.values()) if owner is None or h.owner == owner]
-        return {"object": "list", "data": items, "max_sessions": self.max_sessions, "max_bytes": self.max_bytes,
-                "total_bytes": sum(i["bytes"] for i in items), "evicted": self.evicted}
+            mine = [h for h in self.held() if owner is None or h.owner == owner]
+            evicted = sum(self.evicted.values()) if owner is None else self.evicted[owner]
+        return {"object": "list", "data": items,
+                "max_sessions": self.max_sessions if owner is None else self.key_sessions,
+                "max_bytes": self.max_bytes if owner is None else self.key_bytes,
+                "total_bytes": sum(h.nbytes() for h in mine), "evicted": evicted}

@@ -14,12 +14,13 @@ pytest.importorskip("openai")
 
 
 @contextmanager
-def running(app):
-    """Serve app on 127.0.0.1:<free port> until the block ends; yields the base URL."""
-    import uvicorn
+def running(app, limits=None):
+    """Serve app on 127.0.0.1:<free port> until the block ends, under `attnlab serve`'s uvicorn config
+    (`attnlab.serve.conn`, with these Limits); yields the base URL."""
+    from attnlab.serve.conn import GuardedServer, Limits, serve_config
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    server = GuardedServer(serve_config(app, limits=limits or Limits(), lifespan="off"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

@@ -45,7 +45,8 @@ def from_schema(node: dict, defs: dict, depth: int = 0):
         elif kind == "integer":
             options.append(st.integers(-3, 40) | st.sampled_from([2 ** 70, -2 ** 64, 10 ** 12, 8193]))
         elif kind == "number":
-            options.append(st.floats(-1, 3, allow_nan=False) | st.sampled_from([1e30, -0.0]))
+            options.append(st.floats(-1, 3, allow_nan=False) | st.sampled_from(  # issue 38: tiny, NaN, inf
+                [1e30, -0.0, 1e-300, 5e-324, 1e-45, float("nan"), float("inf")]))
         elif kind == "boolean":
             options.append(st.booleans())
         elif kind == "null":

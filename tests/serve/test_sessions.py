@@ -36,11 +36,11 @@ def test_lru_eviction_by_count_and_bytes(tiny):
         h.session.text = f"<{i}>"
         store.release(h)
         held.append(h)
-    assert list(store.sessions) == [held[1].id, held[2].id] and store.evicted == 1
+    assert list(store.sessions) == [held[1].id, held[2].id] and store.evicted[""] == 1
     one = held[1].nbytes()
     store.max_bytes = one + one // 2
     store.release(store.acquire("<1>", SINK)[0])     # touch <1>: now <2> is least recently used
-    assert list(store.sessions) == [held[1].id] and store.evicted == 2
+    assert list(store.sessions) == [held[1].id] and store.evicted[""] == 2
 
 
 def test_bad_policy_spec_is_a_value_error(tiny):
@@ -56,3 +56,28 @@ def test_block_eviction_reaches_the_conversation_cache(tiny):
     assert held.policy.block == 5
     assert held.session.cache.layers[0].capacity == 8 + 5 - 1 + 4
     assert store.acquire("x", PolicySpec("sink", 8, 4, "cache"))[0] is not held  # another spec, another cache
+
+
+def test_owners_evict_only_their_own_within_their_quotas(tiny):
+    from attnlab.serve.protocol import APIError
+    one = SessionStore(tiny, chunk=4).cache_bytes(SINK)
+    store = SessionStore(tiny, max_sessions=4, max_bytes=4 * one, chunk=4, key_sessions=2, key_bytes=2 * one)
+    assert store.cache_bytes(SINK) == one and store.held() == []
+    bob, _ = store.acquire("<b>", SINK, owner="bob")
+    bob.session.text = "<b>"
+    store.release(bob)
+    mine = []
+    for i in range(4):  # alice opens 4 against her quota of 2: only her own are evicted
+        h, _ = store.acquire(f"<a{i}>", SINK, owner="alice")
+        h.session.text = f"<a{i}>"
+        store.release(h)
+        mine.append(h)
+    assert set(store.sessions) == {bob.id, mine[2].id, mine[3].id}
+    assert store.evicted == {"alice": 2} and store.summary("bob")["evicted"] == 0
+    assert store.summary("alice")["max_sessions"] == 2 and store.summary()["max_sessions"] == 4
+    busy = [store.acquire(f"<a{i}>", SINK, owner="alice")[0] for i in (2, 3)]  # both of hers busy: no room
+    with pytest.raises(APIError) as e:
+        store.acquire("<a9>", SINK, owner="alice")
+    assert e.value.status == 503 and e.value.code == "cache_full" and bob.id in store.sessions
+    for h in busy:
+        store.release(h)

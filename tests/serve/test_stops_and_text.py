@@ -75,7 +75,7 @@ def test_host_name(header, name):
 def test_new_cache_checked_against_the_byte_limit_before_allocation(tiny):
     spec = PolicySpec("sink", 8, 4, "cache")
     store = SessionStore(tiny, max_sessions=8, chunk=4)
-    one = store.cache_bytes(store.policy(spec))
+    one = store.cache_bytes(spec)
     store.max_bytes = one + one // 2
     a, _ = store.acquire("<a>", spec)
     a.session.text = "<a>"
@@ -84,7 +84,7 @@ def test_new_cache_checked_against_the_byte_limit_before_allocation(tiny):
     assert e.value.status == 503 and e.value.code == "cache_full" and list(store.sessions) == [a.id]
     store.release(a)
     b, _ = store.acquire("<b>", spec)                   # a is idle now: evicted to make room
-    assert list(store.sessions) == [b.id] and store.evicted == 1
+    assert list(store.sessions) == [b.id] and store.evicted[""] == 1
     with pytest.raises(APIError) as e:
         store.acquire("<c>", PolicySpec("sink", 200, 4, "cache"))
     assert e.value.status == 400 and e.value.code == "cache_limit_exceeded"

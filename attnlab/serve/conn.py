@@ -1,0 +1,163 @@
+"""The HTTP layer's own limits: header and body read timeouts, caps on open connections, quiet accept errors.
+
+Why here and not in `guard.Guard`: the ASGI app only sees a request once its headers are complete,
+so a client that sends half a request line and then nothing, or one byte every few seconds, never
+reaches it, and uvicorn has no header-read timeout of its own. Hundreds of such sockets would
+hold the process's file descriptors until `accept()` fails for everyone. `GuardedH11` is uvicorn's
+h11 protocol with deadlines by h11 state: a connection must deliver its request headers within
+`header_timeout` seconds of its first byte (or of opening, or of its previous response), and its
+body within `body_timeout` seconds of the headers, else it gets 408 and is closed. Connections
+past `max_connections` in total or `max_per_client` from one address are closed as soon as they
+are accepted. `serve_config` builds the uvicorn config `attnlab serve` (and the tests) run.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import h11
+from uvicorn import Config, Server
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+log = logging.getLogger("attnlab.serve")
+TIMEOUT_408 = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain\r\nconnection: close\r\n"
+               b"content-length: 16\r\n\r\nrequest timeout\n")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The HTTP layer's limits (docs/serve.md, "Limits"); seconds and connection counts."""
+    header_timeout: float = 10.0    # request line + headers, from the first byte (or the connection, or the last reply)
+    body_timeout: float = 30.0      # the whole body, from the end of the headers
+    keep_alive: float = 5.0         # an idle connection between requests
+    max_connections: int = 512      # open at once, all clients
+    max_per_client: int = 64        # open at once from one client address
+    log_interval: float = 10.0      # at most one line per interval for refused connections and accept errors
+
+
+class Throttle:
+    """Allows one event per `interval` seconds and counts the ones it held back."""
+
+    def __init__(self, interval: float):
+        self.interval, self.last, self.held = interval, -float("inf"), 0
+
+    def __call__(self) -> int | None:
+        """None to stay quiet, else how many events were held back since the last allowed one."""
+        now = time.monotonic()
+        if now - self.last < self.interval:
+            self.held += 1
+            return None
+        held, self.last, self.held = self.held, now, 0
+        return held
+
+
+class GuardedH11(H11Protocol):
+    """uvicorn's h11 protocol with read deadlines and connection caps (one subclass per server: `protocol`)."""
+
+    limits = Limits()
+    open_by_client: Counter
+    refused_log: Throttle
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self.deadline: asyncio.TimerHandle | None = None
+        self.address = self.client[0] if self.client else ""
+        lim, counts = self.limits, self.open_by_client
+        if len(self.connections) > lim.max_connections or counts[self.address] >= lim.max_per_client:
+            self.counted = False
+            held = self.refused_log()
+            if held is not None:
+                log.warning("refused a connection from %s: %d open (at most %d), %d from it (at most %d)%s",
+                            self.address, len(self.connections), lim.max_connections, counts[self.address],
+                            lim.max_per_client, f"; {held} more refused since the last line" if held else "")
+            transport.abort()
+            return
+        self.counted = True
+        counts[self.address] += 1
+        self.arm(lim.header_timeout)
+
+    def connection_lost(self, exc) -> None:
+        self.disarm()
+        if getattr(self, "counted", False):
+            self.counted = False
+            self.open_by_client[self.address] -= 1
+            if self.open_by_client[self.address] <= 0:
+                del self.open_by_client[self.address]
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        before = self.conn.their_state
+        super().data_received(data)
+        after = self.conn.their_state
+        if after is h11.SEND_BODY and before is not h11.SEND_BODY:
+            self.arm(self.limits.body_timeout)
+        elif after is not h11.IDLE and after is not h11.SEND_BODY:
+            self.disarm()  # the request is in: the reply may take as long as it takes
+        elif after is h11.IDLE and self.deadline is None and data:
+            self.arm(self.limits.header_timeout)  # the first byte of a request on a kept-alive connection
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+            self.disarm()  # uvicorn's keep-alive timer closes an idle connection; a started request gets this
+            self.deadline = None
+
+    def arm(self, seconds: float) -> None:
+        self.disarm()
+        self.deadline = self.loop.call_later(seconds, self.expire)
+
+    def disarm(self) -> None:
+        if getattr(self, "deadline", None) is not None:
+            self.deadline.cancel()
+            self.deadline = None
+
+    def expire(self) -> None:
+        """A deadline passed before the request was in: 408 unless a reply already started, then close."""
+        self.deadline = None
+        if self.transport.is_closing():
+            return
+        state = self.conn.their_state
+        if state is not h11.IDLE and state is not h11.SEND_BODY:
+            return
+        replying = self.cycle is not None and self.cycle.response_started and not self.cycle.response_complete
+        if not replying and self.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+            self.transport.write(TIMEOUT_408)
+        self.transport.close()
+
+
+def protocol(limits: Limits) -> type[GuardedH11]:
+    """A GuardedH11 subclass with these limits and its own per-address counts (one per server)."""
+    return type("GuardedH11", (GuardedH11,), {"limits": limits, "open_by_client": Counter(),
+                                              "refused_log": Throttle(limits.log_interval)})
+
+
+def quiet_accept_errors(loop: asyncio.AbstractEventLoop, interval: float) -> None:
+    """Log asyncio's 'socket.accept() out of system resource' once per interval, not once per attempt."""
+    throttle, default = Throttle(interval), loop.get_exception_handler()
+
+    def handler(loop, context):
+        if "accept" not in str(context.get("message", "")):
+            return default(loop, context) if default else loop.default_exception_handler(context)
+        held = throttle()
+        if held is not None:
+            log.error("%s: %s%s", context.get("message"), context.get("exception"),
+                      f" ({held} more since the last line)" if held else "")
+    loop.set_exception_handler(handler)
+
+
+class GuardedServer(Server):
+    """uvicorn's Server that installs `quiet_accept_errors` on the loop it serves from."""
+
+    async def startup(self, sockets=None) -> None:
+        quiet_accept_errors(asyncio.get_running_loop(), self.config.http.limits.log_interval)
+        await super().startup(sockets)
+
+
+def serve_config(app, host: str = "127.0.0.1", port: int = 8000, limits: Limits = Limits(),
+                 log_level: str = "warning", **extra) -> Config:
+    """The uvicorn config of `attnlab serve`: the guarded h11 protocol and these limits."""
+    return Config(app, host=host, port=port, http=protocol(limits), timeout_keep_alive=limits.keep_alive,
+                  backlog=max(128, limits.max_connections), log_level=log_level, ws="none", **extra)
