@@ -18,6 +18,8 @@ A compiled variant runs the native single-token step (`--compile`, `attnlab/kern
     python benchmarks/decode_speed.py --variants int4:32 --no-transformers --steps 32 --repeats 3 \
         --model ~/.cache/attnlab/bench/llama1b-q4_0.gguf --lengths 128,4096 --threads 1,2   # at 1B size
     python benchmarks/decode_speed.py --variants fp32,int4:32 --lengths 128 --threads 1   # quick
+    python benchmarks/decode_speed.py --variants default,file --compile file --compile-kv float16 --lengths 128 \
+        --threads 1 --no-transformers --no-llamacpp   # no flags against the fastest flags and the old default
     python benchmarks/decode_speed.py --variants fp32 --compile int4:32 --kv float32,float16,int8 \
         --llamacpp-kv f16,q8_0   # KV-cache formats, ours and llama.cpp's
 """
@@ -62,14 +64,18 @@ def weights_read(model) -> int:
 
 class Ours:
     def __init__(self, spec: str, compile_: bool, kv: str = "float32", model: str = "smollm2-135m"):
-        """spec: fp32, bf16, a --quant format, or "file" (a GGUF in its own formats, the default load)."""
+        """spec: fp32, bf16, a --quant format, "file" (a GGUF in its own formats), or "default" (`attnlab.load`
+        with no options at all: what a user gets without flags; compile_ and kv are ignored)."""
         import attnlab
         self.name = spec + (" compiled" if compile_ else "") + {"float16": " kv16", "int8": " kv8"}.get(kv, "")
         dtype = {"bf16": "bfloat16", "file": None}.get(spec, "float32")
         quant = None if spec in ("fp32", "bf16", "file") else spec
         t = time.perf_counter()
-        self.lm = attnlab.LM.load(model, dtype=dtype, quant=quant, compile=compile_, tokenizer=False,
-                                  kv_dtype=None if dtype == "bfloat16" else kv)
+        if spec == "default":
+            self.name, self.lm = "default (no flags)", attnlab.LM.load(model, tokenizer=False)
+        else:
+            self.lm = attnlab.LM.load(model, dtype=dtype, quant=quant, compile=compile_, tokenizer=False,
+                                      kv_dtype=None if dtype == "bfloat16" else kv)
         self.load_s = time.perf_counter() - t
         self.kv_slot = self.lm.new_cache(capacity=1).nbytes()  # bytes per cached token, scales included
         self.bytes = weights_read(self.lm.model)
@@ -288,7 +294,8 @@ def main(argv=None) -> int:
     kvs = args.kv.split(",")
 
     def load_variants():  # per thread count: compiled code and thread pools set up at that count
-        vs = [Ours(s, False, kv, model=args.model) for s in args.variants.split(",") if s for kv in kvs if s != "bf16" or kv == kvs[0]]
+        vs = [Ours(s, False, kv, model=args.model) for s in args.variants.split(",") if s for kv in kvs
+              if s not in ("bf16", "default") or kv == kvs[0]]
         compiled_kvs = (args.compile_kv or args.kv).split(",")
         vs += [Ours(s, True, kv, model=args.model) for s in args.compile.split(",") if s for kv in compiled_kvs]
         if not args.no_transformers:
