@@ -1,10 +1,12 @@
 """Stored theory results: every figure has its numbers beside it; a long J3 run resumes exactly."""
 import json
+import re
 from pathlib import Path
 
 import torch
 
-FIGS = Path(__file__).resolve().parents[2] / "docs" / "figures" / "theory"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+FIGS = DOCS / "figures" / "theory"
 
 
 def test_every_theory_figure_has_its_json():
@@ -15,6 +17,18 @@ def test_every_theory_figure_has_its_json():
         assert js.exists(), f"{png.name} has no {js.name}"
         rec = json.loads(js.read_text())
         assert rec["figure"] == png.name and rec["command"].startswith("attnlab dynamics")
+
+
+def test_every_stored_result_names_its_command_and_commit():
+    """No number in the docs without the code that made it: every JSON under the theory and
+    analysis figures names a command and a git commit, and none is marked transcribed."""
+    files = sorted(FIGS.glob("*.json")) + sorted((DOCS / "figures" / "analysis").glob("*.json"))
+    assert len(files) > 20
+    for js in files:
+        rec = json.loads(js.read_text())
+        assert isinstance(rec.get("command"), str) and re.match(r"(attnlab|python -m attnlab)\b", rec["command"]), js.name
+        assert re.fullmatch(r"[0-9a-f]{7,40}", str(rec.get("commit"))), f"{js.name}: commit {rec.get('commit')!r}"
+        assert rec.get("source") != "transcribed", js.name
 
 
 def test_publish_prunes_per_step_traces(tmp_path):
