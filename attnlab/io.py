@@ -48,14 +48,15 @@ def write_json(path: str | os.PathLike, data) -> Path:
 def provenance(argv: list[str] | None) -> dict:
     """The command line, git commit and work-tree state a result was produced with (results name all three).
 
-    ``dirty`` is True when tracked files differ from the commit, so the commit alone does not
-    reproduce the result; ``commit`` is "unknown" outside a git checkout.
+    ``dirty`` is True when tracked files of the attnlab package differ from the commit, so the
+    commit alone does not reproduce the result (docs being edited do not count); ``commit`` is
+    "unknown" outside a git checkout. Call it when the run starts.
     """
     def git(*cmd):
         return subprocess.run(["git", *cmd], capture_output=True, text=True, cwd=Path(__file__).parent,
                               check=True, timeout=30).stdout.strip()
     try:
-        commit, dirty = git("rev-parse", "HEAD"), bool(git("status", "--porcelain", "--untracked-files=no"))
+        commit, dirty = git("rev-parse", "HEAD"), bool(git("status", "--porcelain", "--untracked-files=no", "--", "."))
     except (OSError, subprocess.SubprocessError):
         commit, dirty = "unknown", None
     return {"command": "attnlab " + shlex.join(argv or []), "commit": commit, "dirty": dirty}
