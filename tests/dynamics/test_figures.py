@@ -58,3 +58,29 @@ def test_postln_run_resumes_bit_for_bit(tmp_path):
     assert [r["step"] for r in resumed] == [0, 2, 4, 6]
     for a, b in zip(straight, resumed):
         assert a["val_loss"] == b["val_loss"] and a["entropy_val"] == b["entropy_val"]
+
+
+def _verdicts(markdown: str) -> dict:
+    """{experiment: verdict} from the first Markdown table in ``markdown`` with an 'exp.' and a
+    'verdict' column (cells split on unescaped '|')."""
+    rows = [[c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+            for line in markdown.splitlines() if line.strip().startswith("|")]
+    head = rows[0]
+    exp, verdict = head.index("exp."), head.index("verdict")
+    return {r[exp]: r[verdict] for r in rows[2:]}
+
+
+def test_readme_verdicts_equal_the_theory_page():
+    """The README's theory verdicts (between <!-- verdicts --> markers) are docs/theory.md's
+    verdict column word for word, experiment by experiment: no softer wording on the front page."""
+    readme = (DOCS.parent / "README.md").read_text()
+    assert readme.count("<!-- verdicts -->") == 1 and readme.count("<!-- /verdicts -->") == 1
+    block = readme.split("<!-- verdicts -->")[1].split("<!-- /verdicts -->")[0]
+    theory = (DOCS / "theory.md").read_text().split("## Verdicts")[1].split("\n## ")[0]
+    ours, front = _verdicts(theory), _verdicts(block)
+    assert len(ours) >= 8 and front == ours
+
+
+def test_verdict_parser_reads_escaped_pipes_and_columns():
+    table = "| exp. | claim | verdict |\n|---|---|---|\n| S1 | P(l\\|n) | reproduced |\n| J4 | x | not reproduced |"
+    assert _verdicts("text\n" + table + "\nmore") == {"S1": "reproduced", "J4": "not reproduced"}
