@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import subprocess
 import sys
 import tempfile
 import time
@@ -41,6 +43,23 @@ def write_text(path: str | os.PathLike, text: str) -> Path:
 def write_json(path: str | os.PathLike, data) -> Path:
     """JSON with indent 2 and a trailing newline, written atomically."""
     return write_text(path, json.dumps(data, indent=2) + "\n")
+
+
+def provenance(argv: list[str] | None) -> dict:
+    """The command line, git commit and work-tree state a result was produced with (results name all three).
+
+    ``dirty`` is True when tracked files of the attnlab package differ from the commit, so the
+    commit alone does not reproduce the result (docs being edited do not count); ``commit`` is
+    "unknown" outside a git checkout. Call it when the run starts.
+    """
+    def git(*cmd):
+        return subprocess.run(["git", *cmd], capture_output=True, text=True, cwd=Path(__file__).parent,
+                              check=True, timeout=30).stdout.strip()
+    try:
+        commit, dirty = git("rev-parse", "HEAD"), bool(git("status", "--porcelain", "--untracked-files=no", "--", "."))
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = "unknown", None
+    return {"command": "attnlab " + shlex.join(argv or []), "commit": commit, "dirty": dirty}
 
 
 def write_tensors(path: str | os.PathLike, tensors: dict, fmt: str, config: dict) -> Path:

@@ -80,7 +80,8 @@ def plot_vs_authors(ours: dict[str, list[dict]], authors: dict, nlayers: int, ou
 
 
 if __name__ == "__main__":
-    from attnlab.io import write_json
+    from attnlab.io import provenance, write_json
     if len(sys.argv) != 3:
         raise SystemExit("usage: python -m attnlab.analysis.j3_authors PT_FILE OUT_JSON")
-    print(write_json(Path(sys.argv[2]), summarize(sys.argv[1])))
+    record = {**provenance([]), "command": "python -m attnlab.analysis.j3_authors " + " ".join(sys.argv[1:])}
+    print(write_json(Path(sys.argv[2]), {**record, **summarize(sys.argv[1])}))

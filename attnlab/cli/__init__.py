@@ -267,6 +267,7 @@ def _quiet_stdout() -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # results record the command that made them
     try:
         code = int(args.func(args) or 0)
         sys.stdout.flush()  # a closed pipe shows up here, not in the interpreter's exit

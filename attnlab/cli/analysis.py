@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from attnlab.cli.common import UserError, add_model_args, load_lm, nonneg_int, positive_int
-from attnlab.io import progress, write_json
+from attnlab.io import progress, provenance, write_json
 
 
 def cmd_analyze(args) -> int:
@@ -20,6 +20,7 @@ def cmd_analyze(args) -> int:
 
     if args.tokens < 32:
         raise UserError(f"--tokens must be at least 32, got {args.tokens}")
+    record = provenance(getattr(args, "argv", None) or ["analyze"])  # taken when the run starts
     text = corpus(args.text)
     t0 = time.perf_counter()
     lm = load_lm(args)
@@ -46,7 +47,8 @@ def cmd_analyze(args) -> int:
                plots.head_heatmaps({k: v.tolist() for k, v in res.stats.items()}, out / "heads.png", tag, args.sinks),
                plots.attention_map(res.attention_map, out / "attention_map.png",
                                    f"{name}: layer {layer}, head {args.map_head} (first {min(96, len(ids))} tokens)")]
-    result = {"model": str(args.model), "text": args.text, "tokens": len(ids), "offset": args.offset,
+    result = {**record, "seed": None,  # deterministic: no sampling
+              "model": str(args.model), "text": args.text, "tokens": len(ids), "offset": args.offset,
               "config": {"layers": cfg.n_layers, "heads": cfg.n_heads, "kv_heads": cfg.n_kv_heads},
               "definitions": "see attnlab/analysis/anatomy.py", "stats": stats, "token_relation": relation,
               "attention_map": {"layer": layer, "head": args.map_head}}

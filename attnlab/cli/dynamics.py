@@ -10,8 +10,10 @@ import argparse
 import sys
 from pathlib import Path
 
+from attnlab.dynamics.common import write_json_atomic
 from attnlab.dynamics.registry import EXPERIMENTS
 from attnlab.dynamics.spec import Experiment
+from attnlab.io import provenance
 
 
 def _runner(exp: Experiment):
@@ -23,7 +25,11 @@ def _runner(exp: Experiment):
         out = Path(args.out) if args.out else Path("runs") / "dynamics" / exp.name
         size = "quick" if args.quick else "full"
         opts = {name: getattr(args, name) for name, *_ in exp.options}
+        # the run's own record of how it was made: command, commit (and whether the code was dirty), seed
+        record = provenance(getattr(args, "argv", None) or ["dynamics", exp.name])
         metrics = exp.run(out, seed=args.seed, size=size, progress=not args.no_progress, **opts)
+        metrics = {**metrics, **record, "seed": metrics.get("seed", args.seed)}
+        write_json_atomic(out / "metrics.json", metrics)
         print(f"[{exp.name}] size={size} seed={args.seed} time={metrics.get('runtime_s', 0):.1f}s")
         for line in (exp.summary(metrics) if exp.summary else []):
             print("  " + line)
@@ -57,6 +63,7 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     add_parser(sub)
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     return args.func(args)
 
 

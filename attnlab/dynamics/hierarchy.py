@@ -280,19 +280,21 @@ def authors_corr(hidden: torch.Tensor, ind: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def authors_measure(model: HierTransformer, tree: LatentTree, labels: torch.Tensor, shuffle: torch.Tensor) -> dict:
-    """``authors_corr`` per block l = 0, 1 against level-l latents on sampled sequences ``labels``
-    (the authors draw 1,280), true latents vs latents of the class-shuffled label ``shuffle[y]``.
-
-    Sequences are a function of the class here, so each class is run once and its max-pooled
-    activations repeated: the same numbers as running all samples."""
+def pooled_activations(model: HierTransformer, tree: LatentTree, labels: torch.Tensor) -> list[torch.Tensor]:
+    """Position-max-pooled ReLU activations of blocks 0 and 1 on the sequences of classes ``labels``,
+    (N, hidden) each. Sequences are a function of the class here, so each class is run once and
+    its row repeated: the same numbers as running all samples."""
     seqs, copies = tree.compact_sequences()
     _, hiddens = model(seqs, copies)
-    out = {}
-    for tag, lab in (("true", labels), ("shuffled", shuffle[labels])):
-        out[tag] = [authors_corr(hiddens[lvl].amax(1)[labels], tree.latent_indicators(lab, lvl))
-                    for lvl in range(min(2, len(hiddens)))]
-    return out
+    return [h.amax(1)[labels] for h in hiddens[:2]]
+
+
+def authors_measure(model: HierTransformer, tree: LatentTree, labels: torch.Tensor, shuffle: torch.Tensor) -> dict:
+    """``authors_corr`` per block l = 0, 1 against level-l latents on sampled sequences ``labels``
+    (the authors draw 1,280), true latents vs latents of the class-shuffled label ``shuffle[y]``."""
+    pooled = pooled_activations(model, tree, labels)
+    return {tag: [authors_corr(h, tree.latent_indicators(lab, lvl)) for lvl, h in enumerate(pooled)]
+            for tag, lab in (("true", labels), ("shuffled", shuffle[labels]))}
 
 
 def batch_loss(model: HierTransformer, tree: LatentTree, y: torch.Tensor) -> torch.Tensor:

@@ -111,7 +111,7 @@ def main(argv=None) -> int:
     seeds 0-5 of ``run_hierarchy`` at child probabilities P (default 1 and 0.8), written atomically."""
     import sys
 
-    from attnlab.io import write_json
+    from attnlab.io import provenance, write_json
 
     from .common import make_generator
     args = sys.argv[1:] if argv is None else argv
@@ -131,8 +131,9 @@ def main(argv=None) -> int:
                 g = make_generator(10_000 + s)
             rows.append({"seed": s, **authors_references(tree, p, 1280, g)})
         out[str(p)] = rows
-    print(write_json(args[0], {"command": "python -m attnlab.dynamics.hierarchy_random " + " ".join(args),
-                               "references": out}))
+    record = provenance([])  # commit and dirty flag; the command is this module's, not the CLI's
+    record["command"] = "python -m attnlab.dynamics.hierarchy_random " + " ".join(args)
+    print(write_json(args[0], {**record, "seed": "0-5 (as run_hierarchy's seeds 0-5)", "references": out}))
     return 0
 
 

@@ -1,6 +1,6 @@
 """Copy a theory-lab run's figures into the docs with the numbers behind them beside each.
 
-``python -m attnlab.dynamics.publish RUN_DIR --command "attnlab dynamics ..." [--rename a.png=b.png]``
+``python -m attnlab.dynamics.publish RUN_DIR [--command "attnlab dynamics ..."] [--rename a.png=b.png]``
 copies every figure named in RUN_DIR/metrics.json to docs/figures/theory/ and writes
 ``<figure stem>.json`` next to it: the command, commit, runtime, the machine's load, and the run's
 metrics with long per-step arrays left out (their length kept), so every number the docs quote
@@ -38,7 +38,7 @@ def _commit() -> str:
         return "unknown"
 
 
-def publish(run_dir: str | os.PathLike, command: str, dest: str | os.PathLike = "docs/figures/theory",
+def publish(run_dir: str | os.PathLike, command: str = "", dest: str | os.PathLike = "docs/figures/theory",
             rename: dict | None = None, note: str = "") -> list[Path]:
     """Copy the run's figures to ``dest`` (renamed per ``rename``) with a JSON beside each."""
     run_dir, dest, rename = Path(run_dir), Path(dest), rename or {}
@@ -49,6 +49,8 @@ def publish(run_dir: str | os.PathLike, command: str, dest: str | os.PathLike = 
     figures = metrics.get("figures") or []
     if not figures:
         raise AttnlabError(f"{mfile} names no figures")
+    if not (metrics.get("command") or command):
+        raise AttnlabError(f"{mfile} records no command: pass --command")
     written = []
     for fig in figures:
         src = run_dir / fig
@@ -56,9 +58,12 @@ def publish(run_dir: str | os.PathLike, command: str, dest: str | os.PathLike = 
             raise AttnlabError(f"figure {src} is missing")
         out = dest / rename.get(fig, fig)
         write_atomic(out, lambda tmp, s=src: shutil.copyfile(s, tmp))
-        record = {"figure": out.name, "command": command, "commit": _commit(),
+        # the run's own record (written by the CLI when it ran) wins over what publish is told now
+        record = {"figure": out.name, "command": metrics.get("command") or command,
+                  "commit": metrics.get("commit") or _commit(), "dirty": metrics.get("dirty"),
+                  "seed": metrics.get("seed"),
                   "runtime_s": metrics.get("runtime_s"), "load_average": os.getloadavg(), "note": note,
-                  "metrics": prune({k: v for k, v in metrics.items() if k != "figures"})}
+                  "metrics": prune({k: v for k, v in metrics.items() if k not in ("figures", "command", "commit", "dirty")})}
         written += [out, write_json(out.with_suffix(".json"), record)]
     return written
 
@@ -66,7 +71,7 @@ def publish(run_dir: str | os.PathLike, command: str, dest: str | os.PathLike = 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("run_dir")
-    ap.add_argument("--command", required=True, help="the command that produced the run")
+    ap.add_argument("--command", default="", help="the command that produced the run (runs made by the CLI record their own)")
     ap.add_argument("--dest", default="docs/figures/theory")
     ap.add_argument("--rename", action="append", default=[], metavar="OLD=NEW")
     ap.add_argument("--note", default="")

@@ -54,7 +54,9 @@ def test_smollm2_sinks_matter(tmp_path):
     assert main(["analyze", "--tokens", "48", "--sink-tokens", "160", "--window", "32", "--threads", "2",
                  "--out", str(tmp_path)]) == 0
     import json
-    r = json.loads((tmp_path / "anatomy.json").read_text())["sink_experiment"]["cases"]
+    result = json.loads((tmp_path / "anatomy.json").read_text())
+    assert result["command"].startswith("attnlab analyze --tokens 48") and len(result["commit"]) in (40, 7)
+    r = result["sink_experiment"]["cases"]
     assert r["drop"]["ppl"] > 5 * r["keep"]["ppl"]
     assert r["replace"]["ppl"] < 2 * r["keep"]["ppl"]
     assert all((tmp_path / f).stat().st_size > 5000 for f in ("layers.png", "heads.png", "attention_map.png"))

@@ -30,6 +30,18 @@ def test_cli_writes_json_and_png(tmp_path, capsys):
     assert "rebound" in capsys.readouterr().out
 
 
+def test_cli_run_records_its_command_and_commit(tmp_path):
+    """A result names the command line that made it and the code's commit (docs/figures rule)."""
+    import re
+
+    from attnlab.cli import main
+    argv = ["dynamics", "joma-nonlinear", "--quick", "--seed", "2", "--out", str(tmp_path), "--no-progress"]
+    assert main(argv) == 0
+    m = json.loads((tmp_path / "metrics.json").read_text())
+    assert m["command"] == "attnlab " + " ".join(argv) and m["seed"] == 2
+    assert re.fullmatch(r"[0-9a-f]{40}|unknown", m["commit"]) and m["dirty"] in (True, False, None)
+
+
 def test_registering_a_new_experiment_adds_a_subcommand(tmp_path):
     calls = []
     register(Experiment("dummy-test", "test only", lambda out, seed, size, progress: calls.append(size) or {}))

@@ -88,20 +88,39 @@ def test_random_activation_generator():
     assert all(set(t.tolist()) - {tree.pad} <= set(tree.sequences[c].tolist()) for t, c in zip(tok, y))
 
 
+def _excess(before: dict, after: dict) -> float:
+    """Layer-1 gain on the authors' measure against the true level-1 latents minus the gain against
+    class-shuffled latents: > 0 is what a hierarchy-specific (level-1) representation adds."""
+    return (after["true"] - before["true"]) - (after["shuffled"] - before["shuffled"])
+
+
+def _layer1_scores(h1: torch.Tensor, ind: dict) -> dict:
+    from attnlab.dynamics.hierarchy import authors_corr
+    return {tag: authors_corr(h1, i) for tag, i in ind.items()}
+
+
 def test_j4_authors_measure_gain_is_generic_not_hierarchy_specific():
     """J4 on the authors' measure (signed max-corr, 1,280 samples), 3 seeds, d 32, MLP 400, lr 1e-3,
     300 steps: training raises layer 1's score against the true level-1 latents on every seed
     (measured +0.073, +0.019, +0.072) and at least as much against class-shuffled latents (+0.091,
     +0.056, +0.069): a class-selectivity gain, not a hierarchy-specific one (docs/theory.md, J4).
-    Skipping the optimiser step fails it (accuracy 0.0, every gain 0)."""
-    from attnlab.dynamics.hierarchy import authors_measure, train_hierarchy
+    Skipping the optimiser step fails it (accuracy 0.0, every gain 0).
+
+    Positive control: 20 units of a level-1 code (the latent indicators + N(0, 0.1) noise, ReLU)
+    planted among the trained layer's 400 units give the hierarchy-specific excess the real
+    training lacks (measured +0.154, +0.136, +0.198 against -0.018, -0.035, +0.003 without them), so
+    the measure and its control would have shown a learned level-1 code. Planting the code of the
+    shuffled latents instead fails that check (measured -0.294, -0.273, -0.289): the check can fail."""
+    from attnlab.dynamics.hierarchy import authors_measure, pooled_activations, train_hierarchy
     gains = {"true": [], "shuffled": []}
+    excess = {"trained": [], "planted": [], "planted_shuffled": []}
     for s in range(3):
         gen = make_generator(s)
         tree = LatentTree(gen)
         shuffle = torch.randperm(20, generator=gen)
         model = _model(s)
         sample = torch.randint(0, 20, (1280,), generator=gen)
+        ind = {"true": tree.latent_indicators(sample, 1), "shuffled": tree.latent_indicators(shuffle[sample], 1)}
         before = authors_measure(model, tree, sample, shuffle)
         tr = train_hierarchy(model, tree, 300, 128, 1e-3, 1e-4, gen, eval_every=300)
         after = authors_measure(model, tree, sample, shuffle)
@@ -109,6 +128,17 @@ def test_j4_authors_measure_gain_is_generic_not_hierarchy_specific():
         assert tr["accuracy"] > 0.9
         for tag in gains:
             gains[tag].append(after[tag][1] - before[tag][1])
+        h1 = pooled_activations(model, tree, sample)[1]
+        assert abs(_layer1_scores(h1, ind)["true"] - after["true"][1]) < 1e-6
+        b1 = {tag: before[tag][1] for tag in before}
+        noise = 0.1 * torch.randn(1280, 20, generator=make_generator(100 + s))
+        excess["trained"].append(_excess(b1, _layer1_scores(h1, ind)))
+        for name, code in (("planted", ind["true"]), ("planted_shuffled", ind["shuffled"])):
+            excess[name].append(_excess(b1, _layer1_scores(torch.cat([h1, torch.relu(code + noise)], 1), ind)))
     assert min(gains["true"]) > 0.01, gains
     assert min(gains["shuffled"]) > 0.01, gains
     assert sum(gains["shuffled"]) >= sum(gains["true"]) - 0.03, gains  # no hierarchy-specific excess
+    assert sum(excess["trained"]) <= 0.03, excess
+    assert min(excess["planted"]) > 0.1, excess  # positive control: a level-1 code is seen
+    assert all(p > t + 0.1 for p, t in zip(excess["planted"], excess["trained"])), excess
+    assert max(excess["planted_shuffled"]) < 0.0, excess  # shuffled-only plant fails the control
