@@ -66,8 +66,16 @@ def generate_batch(lm, prompts: list[list[int]], max_new: list[int], policy=None
     cache = lm.new_cache(len(prompts), capacity=width + steps, policy=policy, positions="original")
     cache.pad = torch.tensor([width - len(p) for p in heads])
     logits = lm.prefill(ids, cache, chunk=chunk, press=press)
-    out: list[list[int]] = [[] for _ in prompts]
-    done = [False] * len(prompts)
+    return answer_batch(lm, cache, logits, questions, max_new)
+
+
+@torch.inference_mode()
+def answer_batch(lm, cache, logits: torch.Tensor, questions: list[list[int]], max_new: list[int]) -> list[str]:
+    """After the prefill: feed each row's question tokens (if any), then decode greedily (generate_batch's rule)."""
+    questions = [list(q) for q in questions]
+    steps = max(max_new) + max(len(q) for q in questions)
+    out: list[list[int]] = [[] for _ in questions]
+    done = [False] * len(questions)
     eos = lm.eos_ids
     for step in range(steps):
         token = logits.argmax(-1)
