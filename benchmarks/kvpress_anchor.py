@@ -98,6 +98,27 @@ def answer(model, tok, sample: dict, press, state) -> str:
     return tok.decode(out, skip_special_tokens=True)
 
 
+def dump_kept(model, sample: dict, presses: list[str], ratio: float, path: str) -> None:
+    """kvpress's kept indices on one sample: its ScorerPress.compress keeps scores.topk(int(n * (1 - ratio)))
+    of each layer and KV head; saved as {press: [layer: LongTensor [kv_heads, kept] ascending]}."""
+    import torch
+    kv, seen, modules = prefill(model, sample)
+    out = {}
+    for name in presses:
+        press = make_press(name, ratio)
+        press.post_init_from_model(model)
+        kept = []
+        for i, module in enumerate(modules):
+            module.rotary_emb = model.model.rotary_emb
+            k, v = kv[i]
+            with torch.no_grad():
+                scores = press.score(module, seen[i]["hidden_states"], k, v, None, dict(seen[i]))
+            n = max(1, int(k.shape[2] * (1 - ratio)))
+            kept.append(scores.topk(n, dim=-1).indices.sort(-1).values[0])
+        out[name] = kept
+    torch.save(out, path)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("samples", nargs="?")
@@ -111,6 +132,7 @@ def main() -> int:
     p.add_argument("--ratios", default="0.25,0.5,0.75")
     p.add_argument("--out", default="kvpress_anchor.json")
     p.add_argument("--limit", type=int, default=0, help="only the first N samples (timing)")
+    p.add_argument("--dump-kept", default=None, help="only save kvpress's kept indices on the first sample (.pt)")
     a = p.parse_args()
     if a.write_samples:
         write_samples(a.write_samples, a.length, a.n, a.seed, a.model)
@@ -121,6 +143,9 @@ def main() -> int:
     model = AutoModelForCausalLM.from_pretrained(a.model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
     tok = AutoTokenizer.from_pretrained(a.model_dir)
     samples = json.loads(Path(a.samples).read_text())[: a.limit or None]
+    if a.dump_kept:
+        dump_kept(model, samples[0], a.presses.split(","), float(a.ratios.split(",")[0]), a.dump_kept)
+        return 0
     cells = [("full", 0.0)] + [(n, float(r)) for n in a.presses.split(",") for r in a.ratios.split(",")]
     results = []
     for s in samples:

@@ -56,6 +56,52 @@ def run(samples_path: str, out: str, presses: list[str], ratios: list[float], mo
     write_json(Path(out), {"command": " ".join(["python"] + sys.argv), "model": model, "results": results})
 
 
+def compare_kept(samples_path: str, theirs: str, model: str, ratio: float) -> None:
+    """Our kept indices on the first sample against kvpress's (`kvpress_anchor.py --dump-kept`): per press,
+    the share of (layer, KV head) whose kept sets are identical and the mean overlap."""
+    import attnlab
+    from attnlab.kv.press import PressRecorder, compress, make_press
+    torch.set_num_threads(1)
+    lm = attnlab.load(model, dtype="float32")
+    s = json.loads(Path(samples_path).read_text())[0]
+    ref = torch.load(theirs)
+    presses = {name: make_press(name, ratio) for name in ref}
+    recorders = {name: PressRecorder(p, None) for name, p in presses.items()}
+    cache = lm.new_cache(1, capacity=s["context_tokens"] + 8)
+    for rec in recorders.values():
+        rec.layers = cache.layers
+    lm.prefill(torch.tensor([s["ids"][:s["context_tokens"]]]), cache, chunk=512, observers=list(recorders.values()))
+    for name, press in presses.items():
+        pressed = copy.deepcopy(cache)
+        compress(pressed, press, recorders[name])
+        same = overlap = total = 0
+        for layer, want in zip(pressed.layers, ref[name]):
+            got = layer.pos[0, :, :layer.n].sort(-1).values
+            for h in range(got.shape[0]):
+                a, b = set(got[h].tolist()), set(want[h].tolist())
+                same += a == b
+                overlap += len(a & b) / len(b)
+                total += 1
+        print(f"{name:<20} ratio {ratio}: identical kept sets in {same}/{total} (layer, KV head); "
+              f"mean overlap {overlap / total:.4f}")
+
+
+def side_by_side(ours: list[dict], theirs: list[dict]) -> str:
+    """Per (press, ratio): RULER average (over every sample both ran) of each library, the difference, and in
+    how many samples the two answers are the same string."""
+    key = lambda r: (r["press"], r["ratio"], r["task"], r["index"])  # noqa: E731
+    mine, other = {key(r): r for r in ours}, {key(r): r for r in theirs}
+    cells = sorted({(k[0], k[1]) for k in mine if k in other}, key=lambda c: (c[0] != "full", c))
+    lines = [f"{'press':<20} {'ratio':>5} {'attnlab':>8} {'kvpress':>8} {'diff':>6}  same answer"]
+    for press, ratio in cells:
+        ks = [k for k in mine if k[:2] == (press, ratio) and k in other]
+        x = sum(mine[k]["score"] for k in ks) / len(ks)
+        y = sum(other[k]["score"] for k in ks) / len(ks)
+        same = sum(mine[k]["pred"] == other[k]["pred"] for k in ks)
+        lines.append(f"{press:<20} {ratio:>5.2f} {x:>8.1f} {y:>8.1f} {x - y:>+6.1f}  {same}/{len(ks)}")
+    return "\n".join(lines)
+
+
 def merge(ours: str, theirs: str, out: str) -> None:
     """Both result files as one `attnlab ruler`-style run: rows attnlab:NAME and kvpress:NAME (and full)."""
     from attnlab.eval.ruler_run import full_by_task, plot, table
@@ -73,6 +119,7 @@ def merge(ours: str, theirs: str, out: str) -> None:
     samples = max(x["samples"] for x in rows)
     text = (f"RULER 4K on {a['model']}: ours (attnlab, rows attnlab:NAME and full) and kvpress 0.5.5 (rows "
             f"kvpress:NAME) on the same samples, {samples} per task, kvpress's question protocol\n\n"
+            f"{side_by_side(a['results'], b['results'])}\n\n"
             f"{table(rows)}\n\nfull cache per task:\n{full_by_task(rows)}\n\ncommands:\n  {a['command']}\n"
             f"  {b['command']}\n")
     out_dir = Path(out)
@@ -93,9 +140,12 @@ def main() -> int:
     p.add_argument("--presses", default="knorm,streaming_llm,snapkv,tova,expected_attention")
     p.add_argument("--extra", default="", help="our presses kvpress has not (h2o, sink_h2o)")
     p.add_argument("--ratios", default="0.25,0.5,0.75")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", default=None)
+    p.add_argument("--compare-kept", default=None, metavar="KVPRESS_PT", help="compare kept indices with kvpress's")
     a = p.parse_args()
-    if a.merge:
+    if a.compare_kept:
+        compare_kept(a.samples, a.compare_kept, a.model, float(a.ratios.split(",")[0]))
+    elif a.merge:
         merge(*a.merge, a.out)
     else:
         run(a.samples, a.out, a.presses.split(","), [float(r) for r in a.ratios.split(",")], a.model,

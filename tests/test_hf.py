@@ -19,16 +19,19 @@ PROMPT, NEW, BUDGET = 24, 110, 16
 ARCHS = {"llama": {}, "qwen2": {"qkv_bias": True}, "mistral": {}}
 
 
-@pytest.fixture(scope="module", params=sorted(ARCHS))
-def pair(request, tmp_path_factory):
-    """(our LM, the same weights in transformers with eager attention, a prompt)."""
-    arch = request.param
+def make_pair(arch, tmp_path_factory):
     lm = tiny_lm(11, arch=arch, eos_token_ids=[], context_length=512, **ARCHS[arch])
     path = save_hf_folder(lm.model, tmp_path_factory.mktemp(arch))
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="eager",
                                                            dtype=torch.float32).eval()
     ids = torch.randint(1, 97, (1, PROMPT), generator=torch.Generator().manual_seed(4))
     return lm, hf, ids
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def pair(request, tmp_path_factory):
+    """(our LM, the same weights in transformers with eager attention, a prompt)."""
+    return make_pair(request.param, tmp_path_factory)
 
 
 def engine_tokens(lm, ids, policy=None, press=None) -> list[int]:
@@ -64,6 +67,12 @@ def test_generate_with_a_policy_equals_the_engine(pair, name):
     assert hf_tokens(hf, ids, policy=policy(name)) == want
     if name == "sink":  # and the policy matters: the full cache says something else
         assert engine_tokens(lm, ids) != want
+
+
+@pytest.mark.parametrize("name", ["sink", "h2o"])
+def test_mistral_too(tmp_path_factory, name):
+    lm, hf, ids = make_pair("mistral", tmp_path_factory)
+    assert hf_tokens(hf, ids, policy=policy(name)) == engine_tokens(lm, ids, policy(name))
 
 
 @pytest.mark.parametrize("name", ["knorm", "streaming_llm", "snapkv", "tova", "expected_attention", "h2o"])
