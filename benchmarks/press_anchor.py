@@ -107,6 +107,9 @@ def merge(ours: str, theirs: str, out: str) -> None:
     from attnlab.eval.ruler_run import full_by_task, plot, table
     from attnlab.io import write_json, write_text
     a, b = json.loads(Path(ours).read_text()), json.loads(Path(theirs).read_text())
+    key = lambda r: (r["press"], r["ratio"], r["task"], r["index"])  # noqa: E731
+    both = {key(r) for r in a["results"]} & {key(r) for r in b["results"]}  # a run cut short: what both did
+    a["results"], b["results"] = [r for r in a["results"] if key(r) in both], [r for r in b["results"] if key(r) in both]
     acc: dict = {}
     for lib, data in (("attnlab", a), ("kvpress", b)):
         for r in data["results"]:
