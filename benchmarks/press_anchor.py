@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 
-def run(samples_path: str, out: str, presses: list[str], ratios: list[float], model: str, extra: list[str]) -> None:
+def run(samples_path: str, out: str, presses: list[str], ratios: list[float], model: str, extra: list[str],
+        question: str = "out") -> None:
     import attnlab
     from attnlab.eval.ruler_run import answer_batch
     from attnlab.io import write_json
@@ -34,7 +35,7 @@ def run(samples_path: str, out: str, presses: list[str], ratios: list[float], mo
     results = []
     for s in samples:
         start = time.process_time()
-        n = s["context_tokens"]
+        n = s["context_tokens"] if question == "out" else len(s["ids"])  # in: the press sees the question
         made = {(name, r): make_press(name, r) for name, r in cells if name != "full"}
         # one recorder per press configuration (window / statistics) is enough: they read, never write
         recorders = {name: PressRecorder(p, None) for (name, r), p in made.items() if r == ratios[0]}
@@ -143,6 +144,7 @@ def main() -> int:
     p.add_argument("--presses", default="knorm,streaming_llm,snapkv,tova,expected_attention")
     p.add_argument("--extra", default="", help="our presses kvpress has not (h2o, sink_h2o)")
     p.add_argument("--ratios", default="0.25,0.5,0.75")
+    p.add_argument("--question", default="out", choices=["out", "in"], help="in: press the question too")
     p.add_argument("--out", default=None)
     p.add_argument("--compare-kept", default=None, metavar="KVPRESS_PT", help="compare kept indices with kvpress's")
     a = p.parse_args()
@@ -152,7 +154,7 @@ def main() -> int:
         merge(*a.merge, a.out)
     else:
         run(a.samples, a.out, a.presses.split(","), [float(r) for r in a.ratios.split(",")], a.model,
-            [x for x in a.extra.split(",") if x])
+            [x for x in a.extra.split(",") if x], a.question)
     return 0
 
 
