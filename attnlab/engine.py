@@ -152,14 +152,22 @@ class LM:
 
     @torch.inference_mode()
     def prefill(self, ids: torch.Tensor, cache: KVCache, chunk: int = 512, all_logits: bool = False,
-                progress=None, observers=()) -> torch.Tensor:
+                progress=None, observers=(), press=None) -> torch.Tensor:
         """Feed ids [B, T] in chunks (bounded activation memory; a policy may evict between chunks).
 
-        Returns the last position's logits [B, vocab], or all logits [B, T, vocab] if all_logits.
+        press: compress the cache once the whole of ids is in (`attnlab.kv.press`; the cache must have no
+        policy). Returns the last position's logits [B, vocab], or all logits [B, T, vocab] if all_logits.
         """
         ids = _as_ids(ids)
         if chunk < 1:
             raise AttnlabError(f"chunk must be >= 1, got {chunk}")
+        if press is not None:
+            from attnlab.kv.press import PressRecorder, check_cache, compress
+            check_cache(cache)
+            recorder = PressRecorder(press, cache.layers)
+            logits = self.prefill(ids, cache, chunk, all_logits, progress, (*observers, recorder))
+            compress(cache, press, recorder)
+            return logits
         chunk = min(chunk, cache.max_chunk or chunk)
         outs = []
         for start in range(0, ids.shape[1], chunk):

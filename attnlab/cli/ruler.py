@@ -26,6 +26,8 @@ def _command(args, tasks, lengths, policies, ratios) -> str:
              "--policies", ",".join(policies), "--ratios", ",".join(f"{r:g}" for r in ratios), "--samples",
              str(args.samples), "--seed", str(args.seed), "--haystack", args.haystack, "--chunk", str(args.chunk),
              "--positions", args.positions, "--n-sink", str(args.n_sink)]
+    if args.presses:
+        parts += ["--presses", args.presses, "--question", args.question]
     for opt in ("quant", "kv_dtype", "rope", "sparsity"):
         if getattr(args, opt, None) is not None:
             parts += [f"--{opt.replace('_', '-')}", str(getattr(args, opt))]
@@ -36,7 +38,8 @@ def _command(args, tasks, lengths, policies, ratios) -> str:
 
 def cmd_ruler(args) -> int:
     from attnlab.eval.ruler import TASKS
-    from attnlab.eval.ruler_run import build_cell_policy, cells, full_by_task, plan, plot, run_ruler, table
+    from attnlab.eval.ruler_run import (PRESS, build_cell_policy, build_cell_press, cells, full_by_task, plan, plot,
+                                        run_ruler, table)
 
     tasks = list(TASKS) if args.tasks == "all" else _list(args.tasks, str, "tasks")
     for t in tasks:
@@ -48,7 +51,11 @@ def cmd_ruler(args) -> int:
     ratios = _list(args.ratios, float, "ratios")
     if any(not 0 < r < 1 for r in ratios):
         raise UserError("--ratios must be in (0, 1): the share of the prompt's KV pairs dropped")
-    policies = [p for p in policy_list(args.policies) if p != "full"]
+    policies = [p for p in policy_list(args.policies) if p != "full"] if args.policies else []
+    presses = _list(args.presses, str, "presses") if args.presses else []
+    for p in presses:
+        build_cell_press(PRESS + p, ratios[0])  # unknown names fail before the model load
+    policies += [PRESS + p for p in presses]
     for p in policies:  # every budget is valid before the model load
         for n in lengths:
             for r in ratios:
@@ -60,7 +67,8 @@ def cmd_ruler(args) -> int:
     identity = run_identity(args, "")
     with progress(len(plan(lengths, policies, ratios, args.samples)), "ruler", unit="unit") as bar:
         units = run_ruler(lambda: load_lm(args), tasks, lengths, policies, ratios, args.samples, out, identity, args.seed, args.haystack,
-                          args.chunk, args.positions, args.n_sink, args.force, bar.update, compute=not args.table_only)
+                          args.chunk, args.positions, args.n_sink, args.force, bar.update, compute=not args.table_only,
+                          question=args.question)
     if not units:
         raise UserError(f"no finished units in {out} for these options")
     rows = cells(units)
@@ -69,6 +77,7 @@ def cmd_ruler(args) -> int:
                "units_done": len(units), "units_planned": len(plan(lengths, policies, ratios, args.samples)),
                "lengths": lengths, "policies": ["full"] + policies, "ratios": ratios, "samples": args.samples,
                "seed": args.seed, "haystack": args.haystack, "chunk": args.chunk, "positions": args.positions,
+               "question": args.question if presses else None,
                "unit_wall_seconds": seconds, "cells": rows}
     write_json(out / "summary.json", summary)
     cut = "" if len(units) == summary["units_planned"] else \
@@ -94,8 +103,15 @@ def add_parser(sub) -> None:
                                                   "niah_multiquery, vt, cwe, fwe (default: all)")
     p.add_argument("--lengths", default="512,1024,2048", help="prompt lengths in tokens, comma list")
     p.add_argument("--policies", default="window,sink,h2o,sink_h2o,snapkv",
-                   help="KV policies scored beside the full cache (the control)")
-    p.add_argument("--ratios", default="0.5,0.75", help="compression ratios: share of the prompt's KV pairs dropped")
+                   help="KV policies scored beside the full cache (the control); '' for none")
+    p.add_argument("--presses", "--press", default="",
+                   help="presses scored too, each compressing once after the prompt (knorm, streaming_llm, snapkv, "
+                        "tova, expected_attention, h2o, sink_h2o; comma list); table rows press:NAME")
+    p.add_argument("--question", default="out", choices=["out", "in"],
+                   help="out: a press compresses the context only, the question is fed after (kvpress's protocol); "
+                        "in: the whole prompt, question included")
+    p.add_argument("--ratios", "--ratio", default="0.5,0.75",
+                   help="compression ratios: share of the prompt's KV pairs dropped")
     p.add_argument("--samples", type=positive_int, default=2, help="samples per (task, length, policy, ratio)")
     p.add_argument("--seed", type=int, default=0, help="seed of every sample")
     p.add_argument("--haystack", default="plays", help="NIAH haystack: plays (held-out test plays) or noise")

@@ -274,7 +274,20 @@ def make_sample(task: str, encode: Callable[[str], list[int]], length: int, seed
         meta = {}
     ids = encode(text)
     return {"task": task, "length": length, "seed": seed, "index": index, "prompt": text, "ids": ids,
-            "tokens": len(ids), "answers": answers, "max_new": MAX_NEW[task], **extra, **meta}
+            "tokens": len(ids), "context_tokens": context_tokens(text, ids, encode), "answers": answers,
+            "max_new": MAX_NEW[task], **extra, **meta}
+
+
+def context_tokens(text: str, ids: list[int], encode: Callable[[str], list[int]]) -> int:
+    """How many leading tokens of the prompt are its context: the rest is the question (from the last
+    "Question:" or NIAH's "What ..." line on, answer prefix included). kvpress's question protocol
+    compresses the context only; the prompt's tokens are split, never re-tokenised."""
+    cut = max(text.rfind("\nQuestion:"), text.rfind("\nWhat ")) + 1
+    head = encode(text[:cut]) if cut > 0 else ids
+    n = 0
+    while n < min(len(head), len(ids)) and head[n] == ids[n]:
+        n += 1
+    return n
 
 
 def string_match_all(pred: str, answers: list[str]) -> float:

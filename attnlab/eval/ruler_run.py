@@ -33,29 +33,56 @@ def budget_for(length: int, ratio: float) -> int:
     return max(8, round((1 - ratio) * length))
 
 
+PRESS = "press:"  # a cell named press:NAME compresses once after the prompt (attnlab.kv.press)
+
+
+def build_cell_press(name: str, ratio: float):
+    """The press of a press:NAME cell (None for a policy cell); its ratio is kvpress's, of the pressed tokens."""
+    from attnlab.kv.press import make_press
+    return make_press(name[len(PRESS):], ratio) if name.startswith(PRESS) else None
+
+
 def build_cell_policy(name: str, length: int, ratio: float, chunk: int, positions: str, n_sink: int):
     from attnlab.kv.policies import make_policy
-    if name == "full":
+    if name == "full" or name.startswith(PRESS):
         return None
     return make_policy(name, budget_for(length, ratio), positions=positions, n_sink=n_sink, chunk=chunk)
 
 
 @torch.inference_mode()
-def generate_batch(lm, prompts: list[list[int]], max_new: list[int], policy=None, chunk: int = 128) -> list[str]:
+def generate_batch(lm, prompts: list[list[int]], max_new: list[int], policy=None, chunk: int = 128, press=None,
+                   context: list[int] | None = None) -> list[str]:
     """Greedy continuations of left-padded prompts; a row stops at EOS, at a newline after some text, or
-    after its own max_new tokens (the batch stops when every row has)."""
-    width, steps = max(len(p) for p in prompts), max(max_new)
+    after its own max_new tokens (the batch stops when every row has).
+
+    press: compress the prefilled cache once (`attnlab.kv.press`). context: the question protocol, per row
+    the number of leading prompt tokens that are prefilled (and pressed); the rest, the question, is fed
+    after, token by token in the same batch (a row starts answering once its own question is in)."""
+    context = context or [len(p) for p in prompts]
+    heads, questions = [p[:c] for p, c in zip(prompts, context)], [list(p[c:]) for p, c in zip(prompts, context)]
+    width, steps = max(len(p) for p in heads), max(max_new) + max(len(q) for q in questions)
     pad_id = lm.cfg.eos_token_ids[0] if lm.cfg.eos_token_ids else 0
-    ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts])
+    ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in heads])
     cache = lm.new_cache(len(prompts), capacity=width + steps, policy=policy, positions="original")
-    cache.pad = torch.tensor([width - len(p) for p in prompts])
-    logits = lm.prefill(ids, cache, chunk=chunk)
-    out: list[list[int]] = [[] for _ in prompts]
-    done = [False] * len(prompts)
+    cache.pad = torch.tensor([width - len(p) for p in heads])
+    logits = lm.prefill(ids, cache, chunk=chunk, press=press)
+    return answer_batch(lm, cache, logits, questions, max_new)
+
+
+@torch.inference_mode()
+def answer_batch(lm, cache, logits: torch.Tensor, questions: list[list[int]], max_new: list[int]) -> list[str]:
+    """After the prefill: feed each row's question tokens (if any), then decode greedily (generate_batch's rule)."""
+    questions = [list(q) for q in questions]
+    steps = max(max_new) + max(len(q) for q in questions)
+    out: list[list[int]] = [[] for _ in questions]
+    done = [False] * len(questions)
     eos = lm.eos_ids
     for step in range(steps):
         token = logits.argmax(-1)
         for b, t in enumerate(token.tolist()):
+            if questions[b]:
+                token[b] = questions[b].pop(0)
+                continue
             if done[b]:
                 continue
             if t in eos:
@@ -75,16 +102,23 @@ def unit_key(identity: dict, length: int, policy: str, ratio: float, index: int)
     return keyed_name(f"{length}-{policy}-{ratio:g}-s{index}", ident), ident
 
 
-def run_unit(lm, samples: list[dict], name: str, ratio: float, chunk: int, positions: str, n_sink: int) -> dict:
+def run_unit(lm, samples: list[dict], name: str, ratio: float, chunk: int, positions: str, n_sink: int,
+             question: str = "in") -> dict:
+    """question: "out" presses the context only and feeds the question after (kvpress's protocol); "in"
+    presses the whole prompt, question included (a query-aware press sees the question)."""
     length = samples[0]["length"]
+    press = build_cell_press(name, ratio)
     policy = build_cell_policy(name, length, ratio, chunk, positions, n_sink)
+    context = [s["context_tokens"] for s in samples] if press is not None and question == "out" else None
     start = time.perf_counter()
-    preds = generate_batch(lm, [s["ids"] for s in samples], [s["max_new"] for s in samples], policy, chunk)
+    preds = generate_batch(lm, [s["ids"] for s in samples], [s["max_new"] for s in samples], policy, chunk,
+                           press, context)
     results = [{"task": s["task"], "score": 100 * string_match_all(p, s["answers"]), "pred": p,
                 "answers": s["answers"], "tokens": s["tokens"], **({"depths": s["depths"]} if "depths" in s else {})}
                for s, p in zip(samples, preds)]
     return {"length": length, "policy": name, "ratio": ratio if name != "full" else 0.0,
-            "budget": policy.tokens if policy else None, "index": samples[0]["index"],
+            "budget": policy.tokens if policy else None, **({"question": question} if press else {}),
+            "index": samples[0]["index"],
             "seconds": time.perf_counter() - start, "results": results}
 
 
@@ -97,7 +131,7 @@ def plan(lengths: list[int], policies: list[str], ratios: list[float], samples: 
 def run_ruler(lm, tasks: list[str], lengths: list[int], policies: list[str], ratios: list[float], samples: int,
               out: str | Path, identity: dict, seed: int = 0, haystack: str = "plays", chunk: int = 128,
               positions: str = "original", n_sink: int = 4, force: bool = False, progress=None,
-              compute: bool = True) -> list[dict]:
+              compute: bool = True, question: str = "in") -> list[dict]:
     """Run (or read back) every unit; returns the units' records. lm may be a function that loads the
     model: it is called only if some unit is not on disk yet (a finished run is tabled without a load).
     compute=False only reads the finished units back (the table of a run cut short)."""
@@ -114,7 +148,8 @@ def run_ruler(lm, tasks: list[str], lengths: list[int], policies: list[str], rat
         return loaded[0]
 
     for index, length, name, ratio in plan(lengths, policies, ratios, samples):
-        key, ident = unit_key(identity, length, name, ratio, index)
+        base = {**identity, "question": question} if name.startswith(PRESS) else identity
+        key, ident = unit_key(base, length, name, ratio, index)
         path = Path(out) / "units" / f"{key}.json"
         record = None
         if path.exists() and not force:
@@ -130,7 +165,8 @@ def run_ruler(lm, tasks: list[str], lengths: list[int], policies: list[str], rat
             if (length, index) not in cached_samples:
                 cached_samples = {(length, index): [make_sample(t, model().encode, length, seed, index, haystack)
                                                     for t in tasks]}
-            record = run_unit(model(), cached_samples[(length, index)], name, ratio, chunk, positions, n_sink)
+            record = run_unit(model(), cached_samples[(length, index)], name, ratio, chunk, positions, n_sink,
+                              question)
             record["identity"] = ident
             write_json(path, record)
         units.append(record)
@@ -169,7 +205,8 @@ def table(rows: list[dict]) -> str:
     keys = sorted({(r["policy"], r["ratio"]) for r in rows}, key=lambda k: (k[0] != "full", k[0], k[1]))
     short = {"niah_single": "single", "niah_multikey": "mkey", "niah_multivalue": "mvalue",
              "niah_multiquery": "mquery"}
-    head = f"{'policy':<9} {'ratio':>5} " + " ".join(f"{short.get(t, t):>6}" for t in tasks) + " | " + \
+    width = max([9] + [len(r["policy"]) for r in rows])
+    head = f"{'policy':<{width}} {'ratio':>5} " + " ".join(f"{short.get(t, t):>6}" for t in tasks) + " | " + \
         " ".join(f"{n:>6}" for n in lengths) + f" | {'avg':>5}"
     lines = [head, "-" * len(head)]
     for p, r in keys:
@@ -177,7 +214,7 @@ def table(rows: list[dict]) -> str:
         inner = [x for x in sel if x["length"] in common]
         by_task = [_mean([x["score"] for x in inner if x["task"] == t]) for t in tasks]
         by_len = [_mean([x["score"] for x in sel if x["length"] == n]) for n in lengths]
-        lines.append(f"{p:<9} {r:>5.2f} " + " ".join(f"{v:>6.1f}" for v in by_task) + " | " +
+        lines.append(f"{p:<{width}} {r:>5.2f} " + " ".join(f"{v:>6.1f}" for v in by_task) + " | " +
                      " ".join(f"{v:>6.1f}" if v == v else f"{'-':>6}" for v in by_len) +
                      f" | {_mean([x['score'] for x in inner]):>5.1f}")
     if common != lengths:

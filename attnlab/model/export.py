@@ -46,7 +46,7 @@ def hf_state(model: Transformer) -> dict[str, torch.Tensor]:
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def hf_config(model: Transformer) -> dict:
+def hf_config(model: Transformer, dtype: torch.dtype = torch.float32) -> dict:
     cfg = model.cfg
     arch = cfg.arch if cfg.arch in ("llama", "mistral", "qwen2") else "llama"
     out = {
@@ -57,7 +57,8 @@ def hf_config(model: Transformer) -> dict:
         "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
         "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_base, "max_position_embeddings": cfg.context_length,
         "rope_scaling": cfg.rope_scaling, "tie_word_embeddings": cfg.tie_embeddings,
-        "attention_bias": cfg.qkv_bias and arch != "qwen2", "hidden_act": "silu", "torch_dtype": "float32",
+        "attention_bias": cfg.qkv_bias and arch != "qwen2", "hidden_act": "silu",
+        "torch_dtype": str(dtype).removeprefix("torch."),
         "bos_token_id": cfg.bos_token_id,
         "eos_token_id": cfg.eos_token_ids[0] if len(cfg.eos_token_ids) == 1 else (cfg.eos_token_ids or None),
     }
@@ -66,12 +67,13 @@ def hf_config(model: Transformer) -> dict:
     return out
 
 
-def save_hf_folder(model: Transformer, path: str | Path, tokenizer=None) -> Path:
-    """Write config.json, model.safetensors and (if given) the transformers tokenizer into path."""
+def save_hf_folder(model: Transformer, path: str | Path, tokenizer=None, dtype: torch.dtype = torch.float32) -> Path:
+    """Write config.json, model.safetensors (float32 or float16) and (if given) the tokenizer into path."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    save_file(hf_state(model), str(path / "model.safetensors"), metadata={"format": "pt"})
-    (path / "config.json").write_text(json.dumps(hf_config(model), indent=2) + "\n")
+    state = {k: v.to(dtype).contiguous() for k, v in hf_state(model).items()}
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(hf_config(model, dtype), indent=2) + "\n")
     if tokenizer is not None:
         tokenizer.save_pretrained(str(path))
     return path

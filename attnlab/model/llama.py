@@ -133,7 +133,8 @@ class Pass:
     whose policy scores by attention), called at the named points below. sparsity: a plan
     deciding per layer which MLP neurons and heads run (see `attnlab.sparsity.plan`).
 
-    Recorded names: "attn_in" [B, T, dim] (normed attention input), "probs" [B, Hq, T, L]
+    Recorded names: "attn_in" [B, T, dim] (normed attention input), "q" [B, Hq, T, D] (queries before RoPE,
+    after the cache stored the chunk), "probs" [B, Hq, T, L]
     (only if some observer needs_probs), "heads" [B, Hq, T, D] (per-head outputs before wo),
     "mlp_in" [B, T, dim] (normed MLP input), "mlp_act" [B, T, hidden] (silu(gate) * up).
     """
@@ -184,6 +185,7 @@ class Attention(nn.Module):
             mask = "causal" if ctx.mask is None else ctx.mask[None, None]
         else:
             k, v, mask = kv.update(k, v, ctx.step)
+        ctx.record(i, "q", qk[:, :self.n_heads])  # pre-RoPE queries (a press's scorer reads them)
         out, probs = attend(q, k, v, mask, need_probs=ctx.needs_probs, window=self.cfg.sliding_window)
         if ctx.needs_probs:
             ctx.record(i, "probs", probs)

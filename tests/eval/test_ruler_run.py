@@ -70,7 +70,40 @@ def test_units_resume_and_tables(lm, tmp_path, monkeypatch):
     assert plot(rows, tmp_path / "r.png") and (tmp_path / "r.png").stat().st_size > 1000
 
 
+def test_question_protocol(lm):
+    """Feeding the question after the prefill (token by token, rows of unequal questions in one batch) is
+    exact: with nothing pressed it decodes like the whole prompt; pressed, each row as it would alone."""
+    from attnlab.kv import make_press
+    prompts = [lm.encode("To be, or not to be: that is the question"), lm.encode("Whether tis nobler in the mind")]
+    context = [len(prompts[0]) - 9, len(prompts[1]) - 4]
+    assert generate_batch(lm, prompts, [8, 8], press=make_press("knorm", 0.0), context=context) == \
+        generate_batch(lm, prompts, [8, 8])
+    press = make_press("snapkv", 0.5, window_size=8)
+    batch = generate_batch(lm, prompts, [8, 8], press=press, context=context)
+    assert batch == [generate_batch(lm, [p], [8], press=press, context=[c])[0] for p, c in zip(prompts, context)]
+
+
+def test_context_tokens_split_before_the_question(lm):
+    from attnlab.eval.ruler import make_sample
+    for task in ("niah_single", "vt", "cwe", "fwe"):
+        s = make_sample(task, lm.encode, 4096)  # characters: the list tasks need room
+        question = lm.tokenizer.decode(s["ids"][s["context_tokens"]:]).lstrip()
+        assert question.startswith("What" if task.startswith("niah") else "Question:"), (task, question[:30])
+        assert 10 < s["tokens"] - s["context_tokens"] < 400  # characters here
+
+
+def test_press_cells_run_and_table(lm, tmp_path):
+    args = dict(tasks=["niah_single"], lengths=[512], policies=["press:knorm", "press:snapkv"], ratios=[0.5],
+                samples=1, out=tmp_path, identity={"model": "tiny"}, chunk=128)
+    units = run_ruler(lm, **args, question="out")
+    assert {u["policy"] for u in units} == {"full", "press:knorm", "press:snapkv"}
+    assert all(u["question"] == "out" for u in units if u["policy"] != "full")
+    assert len(run_ruler(lm, **args, question="in")) == 3 and len(list((tmp_path / "units").glob("*.json"))) == 5
+    assert "press:snapkv" in table(cells(units))
+
+
 @pytest.mark.parametrize("argv,message", [
+    (["ruler", "--presses", "nope"], "unknown press"),
     (["ruler", "--lengths", "100"], "at least 512"),
     (["ruler", "--tasks", "qa"], "unknown RULER task"),
     (["ruler", "--ratios", "1.2"], "--ratios"),
