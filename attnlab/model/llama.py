@@ -25,6 +25,7 @@ from torch import nn
 from attnlab.errors import AttnlabError
 from attnlab.kernels import ops
 from attnlab.kernels.reference import dequantize_int8_blocks
+from attnlab.model.quest import quest_mask
 from attnlab.rope import Rope, apply as rope_apply
 
 
@@ -131,7 +132,8 @@ class Pass:
     (analysis, e.g. StreamingLLM's banded masks); None = causal. observers: objects with
     `record(layer, name, tensor)` (and optionally `needs_probs = True`: recorders, and a cache
     whose policy scores by attention), called at the named points below. sparsity: a plan
-    deciding per layer which MLP neurons and heads run (see `attnlab.sparsity.plan`).
+    deciding per layer which MLP neurons and heads run (see `attnlab.sparsity.plan`). quest: Quest's token
+    budget: a single-token step over a cache with page summaries reads only its chosen pages (`model/quest.py`).
 
     Recorded names: "attn_in" [B, T, dim] (normed attention input), "probs" [B, Hq, T, L]
     (only if some observer needs_probs), "heads" [B, Hq, T, D] (per-head outputs before wo),
@@ -143,6 +145,7 @@ class Pass:
     mask: torch.Tensor | None = None
     observers: tuple = ()
     sparsity: Any = None
+    quest: int | None = None
 
     def __post_init__(self):
         self.observers = tuple(self.observers)
@@ -184,6 +187,8 @@ class Attention(nn.Module):
             mask = "causal" if ctx.mask is None else ctx.mask[None, None]
         else:
             k, v, mask = kv.update(k, v, ctx.step)
+            if ctx.quest is not None and T == 1 and kv.page:  # prefill stays exact
+                mask = quest_mask(q, kv, ctx.quest, ctx.step.start + 1, mask)
         out, probs = attend(q, k, v, mask, need_probs=ctx.needs_probs, window=self.cfg.sliding_window)
         if ctx.needs_probs:
             ctx.record(i, "probs", probs)
