@@ -142,14 +142,26 @@ class LayerKV:
         mask |= ~mask.any(-1, keepdim=True)  # padding queries see everything; their output is unused
         return K, V, mask
 
+    def _rows(self, name: str, idx: torch.Tensor) -> torch.Tensor:
+        """Rows idx [B, H_kv, m] of the per-slot buffer `name`: whole rows by index_select on a flat view,
+        several times faster than an elementwise gather."""
+        t = getattr(self, name)
+        B, H, C = t.shape[:3]
+        flat = (idx + torch.arange(B * H).view(B, H, 1) * C).reshape(-1)
+        return t.flatten(0, 2).index_select(0, flat).view(B, H, idx.shape[-1], -1)
+
+    def read(self, slots: torch.Tensor):
+        """K, V at slots [B, H_kv, m], in `update`'s form (int8: (codes, scales) pairs): what a decode step that
+        reads only some slots attends to (Quest, `attnlab.model.quest`)."""
+        k, v = (self._rows(name, slots) for name in ("k", "v"))
+        if self.k_scale is None:
+            return k, v
+        return (k, self._rows("k_scale", slots)), (v, self._rows("v_scale", slots))
+
     def keep(self, idx: torch.Tensor) -> None:
         """Compact the cache to the slots idx: [B, H_kv, m] (ascending), freeing the rest for reuse."""
-        B, H, C, _ = self.k.shape
         m = idx.shape[-1]
-        # whole rows by index_select on a flat view: several times faster than an elementwise gather
-        flat = (idx + torch.arange(B * H).view(B, H, 1) * C).reshape(-1)
-        kept = {name: getattr(self, name).flatten(0, 2).index_select(0, flat).view(B, H, m, -1)
-                for name in self.buffers()}
+        kept = {name: self._rows(name, idx) for name in self.buffers()}
         if self.positions == "cache":  # a key moved from slot idx to slot j: rotate it on by j - idx <= 0
             turn = self.rope.tables(idx - torch.arange(m)).conj() / self.rope.attention_factor  # unit rotations
             if self.k_scale is None:
@@ -186,8 +198,9 @@ class LayerKV:
             self.page_max = torch.cat([self.page_max[:, :, :p0], hi], 2)
 
     def nbytes(self) -> int:
-        """Bytes of the allocated key/value buffers (scales included)."""
-        return sum(getattr(self, name).numel() * getattr(self, name).element_size() for name in self.buffers())
+        """Bytes of the allocated key/value buffers (scales and Quest's page summaries included)."""
+        pages = [t for t in (self.page_min, self.page_max) if t is not None]
+        return sum(t.numel() * t.element_size() for t in (*(getattr(self, name) for name in self.buffers()), *pages))
 
 
 class KVCache:

@@ -25,7 +25,7 @@ from torch import nn
 from attnlab.errors import AttnlabError
 from attnlab.kernels import ops
 from attnlab.kernels.reference import dequantize_int8_blocks
-from attnlab.model.quest import quest_mask
+from attnlab.model.quest import read_pages, spread
 from attnlab.rope import Rope, apply as rope_apply
 
 
@@ -183,15 +183,16 @@ class Attention(nn.Module):
         qk, v = qkv.split([self.n_heads + self.n_kv, self.n_kv], dim=1)  # [B, H, T, D] views
         q, k = rope_apply(qk, ctx.rot).split([self.n_heads, self.n_kv], dim=1)  # q and k in one pass
         kv = ctx.kvs[i] if ctx.kvs is not None else None
+        slots = None
         if kv is None:
             mask = "causal" if ctx.mask is None else ctx.mask[None, None]
         else:
             k, v, mask = kv.update(k, v, ctx.step)
-            if ctx.quest is not None and T == 1 and kv.page:  # prefill stays exact
-                mask = quest_mask(q, kv, ctx.quest, ctx.step.start + 1, mask)
+            if ctx.quest is not None and T == 1 and kv.page:  # Quest: read the chosen pages; prefill stays exact
+                k, v, mask, slots = read_pages(q, kv, ctx.quest, k, v, mask)
         out, probs = attend(q, k, v, mask, need_probs=ctx.needs_probs, window=self.cfg.sliding_window)
         if ctx.needs_probs:
-            ctx.record(i, "probs", probs)
+            ctx.record(i, "probs", probs if slots is None else spread(probs, slots, ctx.step.start + 1))
         if sp is not None:
             out = sp.heads(i, x, out)
         ctx.record(i, "heads", out)

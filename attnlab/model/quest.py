@@ -23,23 +23,37 @@ def page_bounds(q: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor)
 
 
 def select_pages(bounds: torch.Tensor, budget: int, page: int) -> torch.Tensor | None:
-    """bounds [B, Hkv, P] -> chosen pages [B, Hkv, P] bool: the first (sink) and the last (most recent) page,
-    then the highest bounds, budget // page pages in all; None when every page fits in the budget."""
+    """bounds [B, Hkv, P] -> the pages to read [B, Hkv, budget // page], ascending: the first (sink) and the last
+    (most recent) page, then the highest bounds; None when every page fits in the budget."""
     P = bounds.shape[-1]
     k = budget // page
     if P <= k:
         return None
     ranked = bounds.clone()
     ranked[..., 0] = ranked[..., -1] = float("inf")
-    top = ranked.topk(k, dim=-1).indices
-    return torch.zeros_like(bounds, dtype=torch.bool).scatter_(-1, top, True)
+    return ranked.topk(k, dim=-1).indices.sort(-1).values
 
 
-def quest_mask(q: torch.Tensor, kv, budget: int, n: int, mask):
-    """The key mask of one decode step over a cache layer `kv` with page summaries (`LayerKV.page_min/page_max`):
-    the cache's own mask (None or bool [B, Hkv, 1, n]) narrowed to the chosen pages' slots."""
-    chosen = select_pages(page_bounds(q, kv.page_min, kv.page_max), budget, kv.page)
-    if chosen is None:
-        return mask
-    slots = chosen.repeat_interleave(kv.page, dim=-1)[..., :n][:, :, None]  # [B, Hkv, 1, n]
-    return slots if mask is None else mask & slots
+def read_pages(q: torch.Tensor, kv, budget: int, k, v, mask):
+    """One decode step's keys and values narrowed to Quest's pages (exact attention over them follows).
+
+    q [B, Hq, 1, D]; kv: a cache layer with page summaries (`LayerKV.page`, `page_min`, `page_max`) and `read`; k, v, mask:
+    what `kv.update` returned (K, V [B, Hkv, n, D] or int8 pairs; mask None or bool [B, Hkv, 1, n]).
+    Returns (k, v, mask, slots): the chosen slots' rows, in cache order, and slots [B, Hkv, m] (None: all read).
+    Every KV head reads the same number m of slots: the same number of pages, the last (partial) one included."""
+    pages = select_pages(page_bounds(q, kv.page_min, kv.page_max), budget, kv.page)
+    if pages is None:
+        return k, v, mask, None
+    n = (k[0] if isinstance(k, tuple) else k).shape[2]
+    last = n - (kv.page_min.shape[2] - 1) * kv.page  # tokens in the most recent page
+    m = (pages.shape[-1] - 1) * kv.page + last
+    slots = (pages[..., None] * kv.page + torch.arange(kv.page)).flatten(-2)[..., :m]
+    mask = None if mask is None else mask.gather(3, slots[:, :, None])
+    return (*kv.read(slots), mask, slots)
+
+
+def spread(probs: torch.Tensor, slots: torch.Tensor, n: int) -> torch.Tensor:
+    """Attention probabilities over the read slots [B, Hq, 1, m] -> over the whole cache [B, Hq, 1, n] (zeros
+    elsewhere), what an observer scoring by attention (H2O) expects."""
+    G = probs.shape[1] // slots.shape[1]
+    return probs.new_zeros(*probs.shape[:3], n).scatter_(-1, slots.repeat_interleave(G, 1)[:, :, None], probs)

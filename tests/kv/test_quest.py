@@ -48,6 +48,26 @@ def test_spec_parsing_and_errors():
             Options(attention=bad)
 
 
+def test_every_model_command_takes_attention(capsys):
+    """--attention sits with the model options (add_model_args): each command that loads a model parses it."""
+    import argparse
+
+    from attnlab.cli import build_parser
+    from tests.test_cli import run
+    parser = build_parser()
+    commands = [name for action in parser._actions if isinstance(action, argparse._SubParsersAction)
+                for name, sub in action.choices.items()
+                if any("--kv-dtype" in a.option_strings for a in sub._actions)]
+    assert "generate" in commands and "passkey" in commands
+    args = parser.parse_args(["generate", "--prompt", "x", "--attention", "quest:64:8"])
+    assert Options.from_args(args).attention == QuestSpec(64, 8)
+    for name in commands:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
+        assert any("--attention" in a.option_strings for a in sub._actions), name
+    code, _, err = run(capsys, "generate", "--prompt", "x", "--attention", "quest:8")
+    assert code == 2 and "two pages" in err
+
+
 def test_budget_covering_the_context_is_full_attention():
     lm = tiny_lm()
     ids = torch.randint(1, 97, (2, 48))
@@ -105,6 +125,29 @@ def test_small_budget_equals_masked_full_attention(budget, page):
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
     full, _ = decode_all(lm, ids, 12)
     assert (got[:, 12 + budget:] - full[:, 12 + budget:]).abs().max() > 1e-2  # the selection changed the output
+
+
+def test_observers_see_probabilities_over_the_whole_cache():
+    """A pass that records attention (an H2O policy, the analysis recorders) gets [B, Hq, 1, n] probabilities:
+    zero outside the read pages, summing to one, and the step's logits do not change."""
+    lm = tiny_lm(seed=2)
+    view = with_attention(lm, "quest:16:4")
+    ids = torch.randint(1, 97, (1, 41))
+    seen = []
+    recorder = type("R", (), {"needs_probs": True,
+                              "record": lambda self, i, name, t: seen.append(t) if name == "probs" else None})()
+
+    def step(observers):
+        cache = view.new_cache()
+        view.prefill(ids[:, :40], cache)
+        return view.forward(ids[:, 40:], cache, observers=observers)
+
+    torch.testing.assert_close(step((recorder,)), step(()), atol=1e-5, rtol=1e-5)
+    probs = seen[-1]  # the last layer's, [1, 4, 1, 41]
+    assert probs.shape == (1, 4, 1, 41)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(1, 4, 1))
+    # 41 slots in pages of 4: three whole pages (the first among them) and the last page, slot 40 alone
+    assert ((probs > 0).sum(-1) == 13).all() and (probs[..., :4] > 0).all() and (probs[..., 40] > 0).all()
 
 
 @pytest.mark.parametrize("kv_dtype", ["float16", "int8"])
