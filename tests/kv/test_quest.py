@@ -169,6 +169,16 @@ def test_page_summaries_follow_growth_and_eviction(kv_dtype):
             assert torch.equal(layer.page_min, lo) and torch.equal(layer.page_max, hi)
 
 
+def test_a_saved_cache_gets_its_summaries_back():
+    from attnlab.kv.cache import cache_state, load_cache_state
+    view = with_attention(tiny_lm(), "quest:16:4")
+    _, cache = decode_all(view, torch.randint(1, 97, (1, 30)), 10)
+    fresh = view.new_cache()
+    load_cache_state(fresh, cache_state(cache))
+    for a, b in zip(cache.layers, fresh.layers):
+        assert torch.equal(a.page_min, b.page_min) and torch.equal(a.page_max, b.page_max)
+
+
 def test_load_warns_and_decodes_eagerly():
     import attnlab
     with pytest.warns(UserWarning, match="eager decode step"):
