@@ -17,9 +17,10 @@ def page_bounds(q: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor)
     (the largest over the query heads of the KV head's group)."""
     B, Hq, _, D = q.shape
     Hkv = page_min.shape[1]
-    qg = q.float().reshape(B, Hkv, Hq // Hkv, 1, D)
-    per_head = torch.maximum(qg * page_min[:, :, None], qg * page_max[:, :, None]).sum(-1)  # [B, Hkv, G, P]
-    return per_head.amax(2)
+    qg = q.float().reshape(B, Hkv, Hq // Hkv, D).transpose(-1, -2)  # [B, Hkv, D, G]
+    # max(q_c min_c, q_c max_c) is q_c max_c where q_c >= 0 and q_c min_c where not: two matmuls
+    per_head = page_max @ qg.clamp(min=0) + page_min @ qg.clamp(max=0)  # [B, Hkv, P, G]
+    return per_head.amax(-1)
 
 
 def select_pages(bounds: torch.Tensor, budget: int, page: int) -> torch.Tensor | None:
