@@ -51,7 +51,7 @@ class LM:
     def load(cls, spec: str | Path = DEFAULT_MODEL, options: Options | None = None, tokenizer: bool = True,
              **fields) -> "LM":
         """Load a model under `options` (or the same fields as keywords: dtype, threads, quant, compile, rope,
-        sparsity, kv_dtype, policy; see `attnlab.options.Options`). Bad options fail before the slow load."""
+        sparsity, kv_dtype, policy, attention; see `attnlab.options.Options`). Bad options fail before the slow load."""
         opts = Options(**fields) if options is None else options.but(**fields) if fields else options
         set_threads(opts.threads)
         model, _, path = load_model(spec, opts.weights_dtype, opts.quant, rope=opts.rope)
@@ -69,7 +69,10 @@ class LM:
             from attnlab.sparsity.plan import plan_from_spec
             plan = plan_from_spec(opts.sparsity, model)
         lm = cls(model, tok, path, why, opts.torch_kv_dtype, opts, plan)
-        if opts.compile is not False:  # the default wherever it applies
+        if opts.attention is not None and opts.compile is not False:
+            warnings.warn(f"attnlab: --attention {opts.attention} runs in the eager decode step for now (the native "
+                          "step does not select pages yet); decoding eagerly")
+        elif opts.compile is not False:  # the default wherever it applies
             lm.compile_decode()
         return lm
 
@@ -118,7 +121,8 @@ class LM:
         """An empty cache; a policy with a budget sets its size, otherwise it grows up to max_capacity."""
         cfg = self.cfg
         return KVCache(cfg.n_layers, batch, cfg.n_kv_heads, cfg.head_dim, self.model.rope, self.kv_dtype or self.dtype,
-                       capacity, positions, max_capacity, policy, window=cfg.sliding_window, pad=pad)
+                       capacity, positions, max_capacity, policy, window=cfg.sliding_window, pad=pad,
+                       page=self.options.attention.page if self.options.attention is not None else None)
 
     def default_policy(self, length: int | None = None):
         """A fresh policy of the options' default (None = full); a fractional budget needs `length`."""
@@ -141,11 +145,13 @@ class LM:
         ids = _as_ids(ids)
         T = ids.shape[1]
         observers = (*observers, *cache.observers)
-        fast = self.compiled is not None and T == 1 and not observers and self.sparsity is None
+        quest = self.options.attention
+        fast = self.compiled is not None and T == 1 and not observers and self.sparsity is None and quest is None
         step = cache.begin(T, self.model.rope, real=fast)
         logits = self.compiled(ids, step, cache.layers) if fast and not step.padded else None
         if logits is None:  # not a step the native one covers (batch, padding, cache layout): eager
-            ctx = Pass(step.rot, step, cache.layers, observers=observers, sparsity=self.sparsity)
+            ctx = Pass(step.rot, step, cache.layers, observers=observers, sparsity=self.sparsity,
+                       quest=quest.budget if quest is not None else None)
             logits = self.model(ids, ctx, last_only)
         cache.advance(T)
         return logits
@@ -288,5 +294,5 @@ def load(spec: str | Path = DEFAULT_MODEL, options: Options | None = None, **fie
     """Load a model: the embedded name 'smollm2-135m', a .gguf file, or a Hugging Face folder (or a
     quantized folder written by `attnlab quantize`), under `options` or the same fields as keywords:
     dtype, threads, quant ('int4:32'), compile, rope ('yarn:4'), sparsity ('runs/dejavu:0.5',
-    'lowbit:0.5'), kv_dtype ('float16'), policy ('sink:1024'). See `attnlab.options.Options`."""
+    'lowbit:0.5'), kv_dtype ('float16'), policy ('sink:1024'), attention ('quest:1024'). See `attnlab.options.Options`."""
     return LM.load(spec, options, **fields)

@@ -1,7 +1,7 @@
 """How to run a model: one object, parsed and checked once, shared by the CLI, the server and `attnlab.load`.
 
-Why: the same choices (weight format, compile, RoPE override, Deja Vu sparsity, KV-cache dtype and
-eviction policy) reach the engine from three front ends; each used to parse and check them itself,
+Why: the same choices (weight format, compile, RoPE override, Deja Vu sparsity, KV-cache dtype,
+eviction policy, Quest attention) reach the engine from three front ends; each used to parse and check them itself,
 some more than once. A bad value fails here, before the slow model load, with a one-line error.
 """
 from __future__ import annotations
@@ -77,7 +77,8 @@ class Options:
     sparsity: Deja Vu, 'PATH[:MLP[:HEADS]]', 'threshold@PATH:0.5', 'oracle:0.5', 'lowbit:0.5'
     or TEAL 'teal:0.3' (`attnlab.sparsity.plan.parse`). kv_dtype: KV-cache storage float32 | float16 | int8
     (default: float16 under float32 activations, half the memory and bytes read per token; else dtype).
-    policy: the default KV-cache policy of generation and serving ('sink:1024' or a PolicySpec; None = full)."""
+    policy: the default KV-cache policy of generation and serving ('sink:1024' or a PolicySpec; None = full).
+    attention: query-aware sparse decode attention, 'quest:BUDGET[:PAGE]' (`attnlab.kv.pages.QuestSpec`; None = full)."""
     dtype: str | None = None
     threads: int | None = None
     quant: object = None
@@ -86,6 +87,7 @@ class Options:
     sparsity: object = None  # a --sparsity string, parsed once into a SparsitySpec
     kv_dtype: str | None = None
     policy: PolicySpec | None = field(default=None)
+    attention: object = None  # a --attention string, parsed once into a QuestSpec
 
     def __post_init__(self):
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -107,6 +109,8 @@ class Options:
             from attnlab.rope import parse_rope
             parse_rope(self.rope, 2048)
         object.__setattr__(self, "policy", PolicySpec.parse(self.policy))
+        from attnlab.kv.pages import QuestSpec
+        object.__setattr__(self, "attention", QuestSpec.parse(self.attention))
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -141,4 +145,4 @@ class Options:
             policy = PolicySpec(args.policy, args.budget, args.n_sink, args.positions, args.block)
         return cls(dtype=args.dtype, threads=args.threads, quant=getattr(args, "quant", None),
                    compile=getattr(args, "compile", None), rope=args.rope, sparsity=getattr(args, "sparsity", None),
-                   kv_dtype=getattr(args, "kv_dtype", None), policy=policy)
+                   kv_dtype=getattr(args, "kv_dtype", None), policy=policy, attention=getattr(args, "attention", None))

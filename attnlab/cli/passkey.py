@@ -41,13 +41,14 @@ def cmd_passkey(args) -> int:
         except ValueError as e:
             raise UserError(str(e)) from None
     result = {"model": str(args.model), "policy": policy.describe() if policy else "full",
+              "attention": str(lm.options.attention or "full"),
               "rope": lm.cfg.rope_scaling, "trials": args.trials, "seed": args.seed, "results": rows}
     if args.out:
         write_json(args.out, result)
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"passkey retrieval, {result['policy']}, rope {args.rope or 'as trained'}: accuracy over {args.trials} keys")
+    print(f"passkey retrieval, {result['policy']}, attention {result['attention']}, rope {args.rope or 'as trained'}: accuracy over {args.trials} keys")
     print(f"{'length':>8} " + " ".join(f"{'depth ' + format(d, 'g'):>10}" for d in depths))
     for length in lengths:
         accs = [r["accuracy"] for r in rows if r["length"] == length]

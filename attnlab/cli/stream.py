@@ -75,7 +75,7 @@ def run_identity(args, text: str) -> dict:
             "text_sha256": hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest(),
             "tokens": args.tokens, "streams": args.streams, "offset": args.offset, "chunk": args.chunk,
             # settings that change the numbers, named only when set (older runs' keys stay valid)
-            **{k: str(v) for k in ("rope", "kv_dtype", "sparsity") if (v := getattr(args, k, None)) is not None}}
+            **{k: str(v) for k in ("rope", "kv_dtype", "sparsity", "attention") if (v := getattr(args, k, None)) is not None}}
 
 
 def run_key(identity: dict, name: str, policy, mode: str) -> tuple[str, dict]:

@@ -35,6 +35,7 @@ import torch
 from attnlab.errors import AttnlabError
 from attnlab.kernels import ops
 from attnlab.kernels.reference import dequantize_int8_blocks
+from attnlab.kv.pages import summarize
 from attnlab.rope import Rope, apply as rope_apply
 
 POSITIONS = ("original", "cache")
@@ -57,12 +58,14 @@ class CacheFullError(AttnlabError, RuntimeError):
 
 class LayerKV:
     """One layer's slots. k, v: [B, H_kv, C, D]; pos: [B, H_kv, C] (absolute position, -1 = empty);
-    an int8 cache adds k_scale, v_scale: [B, H_kv, C, D/32] (None otherwise)."""
+    an int8 cache adds k_scale, v_scale: [B, H_kv, C, D/32] (None otherwise). page: Quest's page size; the
+    layer then keeps page_min, page_max [B, H_kv, ceil(n/page), D] of its stored keys (`attnlab.kv.pages`)."""
 
     def __init__(self, batch: int, heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
                  rope: Rope, positions: str = "original", max_capacity: int | None = None,
-                 window: int | None = None):
+                 window: int | None = None, page: int | None = None):
         self.rope, self.positions, self.max_capacity = rope, positions, max_capacity
+        self.page, self.page_min, self.page_max = page, None, None
         self.window = window  # sliding-window attention: keys more than window - 1 tokens back are masked
         if dtype == torch.int8 and head_dim % 32:
             raise AttnlabError(f"an int8 KV cache needs a head size that is a multiple of 32, not {head_dim}")
@@ -123,6 +126,8 @@ class LayerKV:
             self.v[:, :, s], self.v_scale[:, :, s] = ops.quantize_kv(v)
             K, V = (self.k[:, :, :n], self.k_scale[:, :, :n]), (self.v[:, :, :n], self.v_scale[:, :, :n])
         self.pos[:, :, s] = step.pos[:, None, :]
+        if self.page:
+            self._summarize(step.start, n)
         windowed = self.window is not None and int(step.pos.max()) - int(self.pos[:, :, :n].clamp_min(0).min()) >= self.window
         if T == 1 and not self.padded and not windowed:
             return K, V, None
@@ -137,14 +142,26 @@ class LayerKV:
         mask |= ~mask.any(-1, keepdim=True)  # padding queries see everything; their output is unused
         return K, V, mask
 
+    def _rows(self, name: str, idx: torch.Tensor) -> torch.Tensor:
+        """Rows idx [B, H_kv, m] of the per-slot buffer `name`: whole rows by index_select on a flat view,
+        several times faster than an elementwise gather."""
+        t = getattr(self, name)
+        B, H, C = t.shape[:3]
+        flat = (idx + torch.arange(B * H).view(B, H, 1) * C).reshape(-1)
+        return t.flatten(0, 2).index_select(0, flat).view(B, H, idx.shape[-1], -1)
+
+    def read(self, slots: torch.Tensor):
+        """K, V at slots [B, H_kv, m], in `update`'s form (int8: (codes, scales) pairs): what a decode step that
+        reads only some slots attends to (Quest, `attnlab.model.quest`)."""
+        k, v = (self._rows(name, slots) for name in ("k", "v"))
+        if self.k_scale is None:
+            return k, v
+        return (k, self._rows("k_scale", slots)), (v, self._rows("v_scale", slots))
+
     def keep(self, idx: torch.Tensor) -> None:
         """Compact the cache to the slots idx: [B, H_kv, m] (ascending), freeing the rest for reuse."""
-        B, H, C, _ = self.k.shape
         m = idx.shape[-1]
-        # whole rows by index_select on a flat view: several times faster than an elementwise gather
-        flat = (idx + torch.arange(B * H).view(B, H, 1) * C).reshape(-1)
-        kept = {name: getattr(self, name).flatten(0, 2).index_select(0, flat).view(B, H, m, -1)
-                for name in self.buffers()}
+        kept = {name: self._rows(name, idx) for name in self.buffers()}
         if self.positions == "cache":  # a key moved from slot idx to slot j: rotate it on by j - idx <= 0
             turn = self.rope.tables(idx - torch.arange(m)).conj() / self.rope.attention_factor  # unit rotations
             if self.k_scale is None:
@@ -164,10 +181,26 @@ class LayerKV:
                 value[..., :m] = kept
         self.n = m
         self.natural = False
+        if self.page:  # slots moved (and `cache` keys turned): every page changed
+            self._summarize(0, m)
+
+    def _summarize(self, first: int, n: int) -> None:
+        """Recompute the page summaries from the page holding slot `first` up to slot n (pages before stay)."""
+        p0 = first // self.page
+        a = p0 * self.page
+        keys = self.k[:, :, a:n].float() if self.k_scale is None else \
+            dequantize_int8_blocks(self.k[:, :, a:n], self.k_scale[:, :, a:n])
+        lo, hi = summarize(keys, self.pos[:, :, a:n] >= 0, self.page)
+        if self.page_min is None:
+            self.page_min, self.page_max = lo, hi
+        else:
+            self.page_min = torch.cat([self.page_min[:, :, :p0], lo], 2)
+            self.page_max = torch.cat([self.page_max[:, :, :p0], hi], 2)
 
     def nbytes(self) -> int:
-        """Bytes of the allocated key/value buffers (scales included)."""
-        return sum(getattr(self, name).numel() * getattr(self, name).element_size() for name in self.buffers())
+        """Bytes of the allocated key/value buffers (scales and Quest's page summaries included)."""
+        pages = [t for t in (self.page_min, self.page_max) if t is not None]
+        return sum(t.numel() * t.element_size() for t in (*(getattr(self, name) for name in self.buffers()), *pages))
 
 
 class KVCache:
@@ -175,19 +208,20 @@ class KVCache:
 
     A policy with a budget fixes the cache's size (`policy.capacity`) and position convention; without
     one the cache grows (amortised doubling) up to max_capacity. pad: the left padding of each row of
-    a batch of prompts of unequal length (its slots hold position -1 and are never attended).
+    a batch of prompts of unequal length (its slots hold position -1 and are never attended). page: keep
+    Quest's page summaries of this size in every layer (None: none).
     """
 
     def __init__(self, n_layers: int, batch: int, heads: int, head_dim: int, rope: Rope,
                  dtype: torch.dtype = torch.float32, capacity: int = 256, positions: str = "original",
                  max_capacity: int | None = None, policy=None, window: int | None = None,
-                 pad: list[int] | None = None):
+                 pad: list[int] | None = None, page: int | None = None):
         if getattr(policy, "capacity", None):
             capacity = max_capacity = policy.capacity
             positions = policy.positions
         if positions not in POSITIONS:
             raise AttnlabError(f"unknown positions {positions!r}; choose from {', '.join(POSITIONS)}")
-        self.layers = [LayerKV(batch, heads, head_dim, capacity, dtype, rope, positions, max_capacity, window)
+        self.layers = [LayerKV(batch, heads, head_dim, capacity, dtype, rope, positions, max_capacity, window, page)
                        for _ in range(n_layers)]
         self.batch, self.policy, self.positions = batch, policy, positions
         self.seen = 0                                   # tokens fed per row, padding included
@@ -274,4 +308,6 @@ def load_cache_state(cache: KVCache, state: dict) -> None:
         layer.pos[:, :, n:] = -1
         layer.n, layer.natural, layer.padded = n, s["natural"], s["padded"]
         layer.policy_state = dict(s["policy_state"])
+        if layer.page and n:
+            layer._summarize(0, n)
     cache.seen, cache.pad = state["seen"], state["pad"].clone()

@@ -25,6 +25,7 @@ from torch import nn
 from attnlab.errors import AttnlabError
 from attnlab.kernels import ops
 from attnlab.kernels.reference import dequantize_int8_blocks
+from attnlab.model.quest import read_pages, spread
 from attnlab.rope import Rope, apply as rope_apply
 
 
@@ -131,7 +132,8 @@ class Pass:
     (analysis, e.g. StreamingLLM's banded masks); None = causal. observers: objects with
     `record(layer, name, tensor)` (and optionally `needs_probs = True`: recorders, and a cache
     whose policy scores by attention), called at the named points below. sparsity: a plan
-    deciding per layer which MLP neurons and heads run (see `attnlab.sparsity.plan`).
+    deciding per layer which MLP neurons and heads run (see `attnlab.sparsity.plan`). quest: Quest's token
+    budget: a single-token step over a cache with page summaries reads only its chosen pages (`model/quest.py`).
 
     Recorded names: "attn_in" [B, T, dim] (normed attention input), "q" [B, Hq, T, D] (queries before RoPE,
     after the cache stored the chunk), "probs" [B, Hq, T, L]
@@ -144,6 +146,7 @@ class Pass:
     mask: torch.Tensor | None = None
     observers: tuple = ()
     sparsity: Any = None
+    quest: int | None = None
 
     def __post_init__(self):
         self.observers = tuple(self.observers)
@@ -181,14 +184,17 @@ class Attention(nn.Module):
         qk, v = qkv.split([self.n_heads + self.n_kv, self.n_kv], dim=1)  # [B, H, T, D] views
         q, k = rope_apply(qk, ctx.rot).split([self.n_heads, self.n_kv], dim=1)  # q and k in one pass
         kv = ctx.kvs[i] if ctx.kvs is not None else None
+        slots = None
         if kv is None:
             mask = "causal" if ctx.mask is None else ctx.mask[None, None]
         else:
             k, v, mask = kv.update(k, v, ctx.step)
+            if ctx.quest is not None and T == 1 and kv.page:  # Quest: read the chosen pages; prefill stays exact
+                k, v, mask, slots = read_pages(q, kv, ctx.quest, k, v, mask)
         ctx.record(i, "q", qk[:, :self.n_heads])  # pre-RoPE queries (a press's scorer reads them)
         out, probs = attend(q, k, v, mask, need_probs=ctx.needs_probs, window=self.cfg.sliding_window)
         if ctx.needs_probs:
-            ctx.record(i, "probs", probs)
+            ctx.record(i, "probs", probs if slots is None else spread(probs, slots, ctx.step.start + 1))
         if sp is not None:
             out = sp.heads(i, x, out)
         ctx.record(i, "heads", out)

@@ -1,0 +1,65 @@
+"""Quest's page summaries: per page of PAGE cache slots and per KV head, the per-channel min and max of the keys.
+
+Why: Quest (Tang et al., ICML 2024) keeps every key but reads, per decode step, only the pages whose
+upper bound on q.k could be large. The bound needs, per page, the smallest and largest value of each key
+channel; the cache keeps them (over the keys as stored: rotated, float16 or int8-dequantised) and the
+network's decode step picks the pages (`attnlab.model.quest`). The spec lives here because the cache
+must know the page size when it is built.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from attnlab.errors import AttnlabError
+
+
+@dataclass(frozen=True)
+class QuestSpec:
+    """budget: keys read per decode step, in tokens (whole pages: budget // page of them);
+    page: slots per page (16, Quest's default)."""
+    budget: int
+    page: int = 16
+
+    def __post_init__(self):
+        for name in ("budget", "page"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise AttnlabError(f"quest {name} must be a positive integer, got {value!r}")
+        if self.budget < 2 * self.page:
+            raise AttnlabError(f"quest budget {self.budget} must hold at least two pages of {self.page} "
+                               "(the first and the most recent page are always read)")
+
+    @classmethod
+    def parse(cls, text: "str | QuestSpec | None") -> "QuestSpec | None":
+        """'quest:1024', 'quest:1024:16', 'full' or None (= full attention) -> a spec."""
+        if text is None or isinstance(text, QuestSpec):
+            return text
+        parts = str(text).strip().split(":")
+        if parts == ["full"]:
+            return None
+        if parts[0] != "quest" or not 2 <= len(parts) <= 3:
+            raise AttnlabError(f"unknown attention {text!r}; use quest:BUDGET[:PAGE] (e.g. quest:1024) or full")
+        try:
+            numbers = [int(p) for p in parts[1:]]
+        except ValueError:
+            raise AttnlabError(f"attention {text!r}: BUDGET and PAGE must be integers") from None
+        return cls(*numbers)
+
+    def __str__(self) -> str:
+        return f"quest:{self.budget}:{self.page}"
+
+
+def summarize(keys: torch.Tensor, valid: torch.Tensor, page: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """keys [B, H, n, D] (float32), valid [B, H, n] bool -> per-page channel min and max [B, H, ceil(n/page), D].
+
+    Invalid slots (left padding) are left out; a page with no valid slot gets zeros (its slots are masked anyway)."""
+    B, H, n, D = keys.shape
+    pad = -n % page
+    keys = torch.nn.functional.pad(keys, (0, 0, 0, pad)).view(B, H, -1, page, D)
+    ok = torch.nn.functional.pad(valid, (0, pad)).view(B, H, -1, page, 1)
+    lo = keys.masked_fill(~ok, float("inf")).amin(3)
+    hi = keys.masked_fill(~ok, float("-inf")).amax(3)
+    some = ok.any(3)
+    return torch.where(some, lo, 0.0), torch.where(some, hi, 0.0)

@@ -1,0 +1,218 @@
+"""Quest (query-aware page selection, `--attention quest:BUDGET[:PAGE]`), the eager reference.
+
+A budget covering the context is full attention; a small one is full attention with the unselected pages
+masked, the selection recomputed here from the definition; page summaries stay true under eviction; and on
+SmolLM2 the bound finds a passkey that a random choice of pages (same budget) loses."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import attnlab.model.quest as quest
+from attnlab import AttnlabError, Options
+from attnlab.eval.passkey import passkey_prompt, retrieve
+from attnlab.kernels.reference import dequantize_int8_blocks
+from attnlab.kv.pages import QuestSpec, summarize
+from attnlab.kv.policies import make_policy
+from attnlab.model.llama import attend
+from attnlab.rope import apply as rope_apply
+from attnlab.sampling import Sampler
+from tests.conftest import tiny_lm
+from tests.kv.kv_reference import _finish, _qkv
+
+
+def with_attention(lm, attention):
+    """The same weights under another --attention (what attnlab.load(..., attention=...) builds)."""
+    view = copy.copy(lm)
+    view.options = lm.options.but(attention=attention)
+    return view
+
+
+def decode_all(lm, ids, prefill, policy=None):
+    """Prefill ids[:, :prefill], then feed the rest one token at a time: all logits [B, N, V] and the cache."""
+    cache = lm.new_cache(ids.shape[0], policy=policy)
+    outs = [lm.prefill(ids[:, :prefill], cache, chunk=prefill, all_logits=True)]
+    outs += [lm.forward(ids[:, t:t + 1], cache) for t in range(prefill, ids.shape[1])]
+    return torch.cat(outs, 1), cache
+
+
+def test_spec_parsing_and_errors():
+    assert Options(attention="quest:1024").attention == QuestSpec(1024, 16)
+    assert Options(attention="quest:256:32").attention == QuestSpec(256, 32)
+    assert Options(attention="full").attention is None
+    for bad, why in [("quest:16:16", "two pages"), ("quest", "quest:BUDGET"), ("sparse:64", "unknown attention"),
+                     ("quest:a", "integers"), ("quest:64:0", "positive")]:
+        with pytest.raises(AttnlabError, match=why):
+            Options(attention=bad)
+
+
+def test_every_model_command_takes_attention(capsys):
+    """--attention sits with the model options (add_model_args): each command that loads a model parses it."""
+    import argparse
+
+    from attnlab.cli import build_parser
+    from tests.test_cli import run
+    parser = build_parser()
+    commands = [name for action in parser._actions if isinstance(action, argparse._SubParsersAction)
+                for name, sub in action.choices.items()
+                if any("--kv-dtype" in a.option_strings for a in sub._actions)]
+    assert "generate" in commands and "passkey" in commands
+    args = parser.parse_args(["generate", "--prompt", "x", "--attention", "quest:64:8"])
+    assert Options.from_args(args).attention == QuestSpec(64, 8)
+    for name in commands:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
+        assert any("--attention" in a.option_strings for a in sub._actions), name
+    code, _, err = run(capsys, "generate", "--prompt", "x", "--attention", "quest:8")
+    assert code == 2 and "two pages" in err
+
+
+def test_budget_covering_the_context_is_full_attention():
+    lm = tiny_lm()
+    ids = torch.randint(1, 97, (2, 48))
+    full, _ = decode_all(lm, ids, 20)
+    for spec in ("quest:48:4", "quest:64:16"):
+        got, cache = decode_all(with_attention(lm, spec), ids, 20)
+        assert torch.equal(got, full)
+        assert cache.layers[0].page_min.shape[2] == -(-48 // int(spec.split(":")[2]))
+
+
+def reference_logits(lm, ids, prefill, budget, page):
+    """Brute force from the definition: one causal pass over all tokens where each decode query t sees only
+    its chosen pages (per KV head: bound = max over the group's heads of sum_c max(q_c min_c, q_c max_c) over
+    the page's keys 0..t; the first and last page, then the highest bounds, budget // page pages)."""
+    model, cfg = lm.model, lm.cfg
+    B, N = ids.shape
+    G = cfg.n_heads // cfg.n_kv_heads
+    x = model.embed(ids)
+    rot = model.rope.rotation(torch.arange(N).expand(B, -1))
+    chosen_any = False
+    for layer in model.layers:
+        q, k, v = _qkv(layer, x, cfg)
+        q, k = rope_apply(q, rot), rope_apply(k, rot)
+        mask = torch.ones(N, N, dtype=torch.bool).tril().expand(B, cfg.n_kv_heads, N, N).clone()
+        for t in range(prefill, N):
+            n_pages = t // page + 1
+            if n_pages <= budget // page:
+                continue
+            for b in range(B):
+                for h in range(cfg.n_kv_heads):
+                    bounds = []
+                    for p in range(n_pages):
+                        keys = k[b, h, p * page:min((p + 1) * page, t + 1)]
+                        lo, hi = keys.min(0).values, keys.max(0).values
+                        bounds.append(max(float(torch.maximum(q[b, g, t] * lo, q[b, g, t] * hi).sum())
+                                          for g in range(h * G, (h + 1) * G)))
+                    middle = sorted(range(1, n_pages - 1), key=lambda p: -bounds[p])[:budget // page - 2]
+                    keep = torch.zeros(N, dtype=torch.bool)
+                    for p in [0, n_pages - 1, *middle]:
+                        keep[p * page:(p + 1) * page] = True
+                    mask[b, h, t] &= keep
+                    chosen_any = True
+        out, _ = attend(q, k, v, mask)
+        x = _finish(layer, x, out)
+    assert chosen_any  # the budget really cut pages
+    return model.lm_head(model.norm(x)).float()
+
+
+@pytest.mark.parametrize("budget,page", [(16, 4), (24, 8)])
+def test_small_budget_equals_masked_full_attention(budget, page):
+    lm = tiny_lm(seed=1)
+    ids = torch.randint(1, 97, (2, 56))
+    got, _ = decode_all(with_attention(lm, f"quest:{budget}:{page}"), ids, 12)
+    ref = reference_logits(lm, ids, 12, budget, page)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    full, _ = decode_all(lm, ids, 12)
+    assert (got[:, 12 + budget:] - full[:, 12 + budget:]).abs().max() > 1e-2  # the selection changed the output
+
+
+def test_observers_see_probabilities_over_the_whole_cache():
+    """A pass that records attention (an H2O policy, the analysis recorders) gets [B, Hq, 1, n] probabilities:
+    zero outside the read pages, summing to one, and the step's logits do not change."""
+    lm = tiny_lm(seed=2)
+    view = with_attention(lm, "quest:16:4")
+    ids = torch.randint(1, 97, (1, 41))
+    seen = []
+    recorder = type("R", (), {"needs_probs": True,
+                              "record": lambda self, i, name, t: seen.append(t) if name == "probs" else None})()
+
+    def step(observers):
+        cache = view.new_cache()
+        view.prefill(ids[:, :40], cache)
+        return view.forward(ids[:, 40:], cache, observers=observers)
+
+    torch.testing.assert_close(step((recorder,)), step(()), atol=1e-5, rtol=1e-5)
+    probs = seen[-1]  # the last layer's, [1, 4, 1, 41]
+    assert probs.shape == (1, 4, 1, 41)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(1, 4, 1))
+    # 41 slots in pages of 4: three whole pages (the first among them) and the last page, slot 40 alone
+    assert ((probs > 0).sum(-1) == 13).all() and (probs[..., :4] > 0).all() and (probs[..., 40] > 0).all()
+
+
+@pytest.mark.parametrize("kv_dtype", ["float16", "int8"])
+def test_page_summaries_follow_growth_and_eviction(kv_dtype):
+    """Summaries kept up to date step by step (and rebuilt after a policy compacts the cache, keys turned to
+    their new slots) equal summaries computed from scratch over what the cache holds."""
+    lm = tiny_lm(dim=128, n_heads=4, n_kv_heads=2)  # head size 32: what an int8 cache needs
+    lm.kv_dtype = getattr(torch, kv_dtype)
+    view = with_attention(lm, "quest:16:4")
+    ids = torch.randint(1, 97, (1, 70))
+    for policy in (None, make_policy("sink_h2o", 40, positions="cache", n_sink=4, chunk=8)):
+        _, cache = decode_all(view, ids, 9, policy)
+        assert policy is None or len(cache) < 70  # eviction happened
+        for layer in cache.layers:
+            n = layer.n
+            keys = layer.k[:, :, :n].float() if layer.k_scale is None else \
+                dequantize_int8_blocks(layer.k[:, :, :n], layer.k_scale[:, :, :n])
+            lo, hi = summarize(keys, layer.pos[:, :, :n] >= 0, 4)
+            assert torch.equal(layer.page_min, lo) and torch.equal(layer.page_max, hi)
+
+
+def test_a_saved_cache_gets_its_summaries_back():
+    from attnlab.kv.cache import cache_state, load_cache_state
+    view = with_attention(tiny_lm(), "quest:16:4")
+    _, cache = decode_all(view, torch.randint(1, 97, (1, 30)), 10)
+    fresh = view.new_cache()
+    load_cache_state(fresh, cache_state(cache))
+    for a, b in zip(cache.layers, fresh.layers):
+        assert torch.equal(a.page_min, b.page_min) and torch.equal(a.page_max, b.page_max)
+
+
+def test_load_warns_and_decodes_eagerly():
+    import attnlab
+    with pytest.warns(UserWarning, match="eager decode step"):
+        lm = attnlab.load("smollm2-135m", attention="quest:64", tokenizer=False)
+    assert lm.compiled is None and lm.new_cache().layers[0].page == 16
+
+
+def test_bound_finds_the_passkey_a_random_selection_loses(smollm2, monkeypatch):
+    """SmolLM2, a 500-token passkey prompt, the needle early: quest at 64 tokens (1/8 of the context) answers,
+    the same budget over random pages (sink and recent page still in) does not. One exact prefill for both."""
+    view = with_attention(smollm2, "quest:64")
+    key = "58203"
+    ids = torch.tensor([passkey_prompt(smollm2, 512, 0.1, key)])
+    cache = view.new_cache(capacity=ids.shape[1] + 8)
+    logits = view.prefill(ids, cache)
+
+    def answer(cache):
+        out = [int(t) for t in view.decode(cache, logits, Sampler(), 7)]
+        return smollm2.tokenizer.decode(out).strip()
+
+    assert answer(copy.deepcopy(cache)).startswith(key)
+    g = torch.Generator().manual_seed(0)
+    monkeypatch.setattr(quest, "page_bounds", lambda q, lo, hi: torch.rand(lo.shape[:3], generator=g))
+    assert not answer(cache).startswith(key)
+
+
+@pytest.mark.slow
+def test_passkey_beyond_a_sink_window(monkeypatch):
+    """2,000 tokens, needle 1,800 back: quest:256 finds it; random pages at 256 and sink:1024 do not."""
+    import attnlab
+    lm = attnlab.load("smollm2-135m", compile=False, attention="quest:256")
+    ids = passkey_prompt(lm, 2048, 0.1, "58203")
+    assert retrieve(lm, ids, "58203")[0]
+    assert not retrieve(with_attention(lm, None), ids, "58203", policy=make_policy("sink", 1024))[0]
+    g = torch.Generator().manual_seed(0)
+    monkeypatch.setattr(quest, "page_bounds", lambda q, lo, hi: torch.rand(lo.shape[:3], generator=g))
+    assert not retrieve(lm, ids, "58203")[0]
