@@ -24,7 +24,7 @@ def mistral(tmp_path_factory):
             layer.self_attn.k_proj.weight.normal_(0, 0.3)
     path = tmp_path_factory.mktemp("mistral")
     model.save_pretrained(path, safe_serialization=True)
-    return model, attnlab.load(path)
+    return model, attnlab.load(path, compile=False, kv_dtype="float32")  # the fp32 reference path
 
 
 def _ids(T, seed=0):
