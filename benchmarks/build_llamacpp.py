@@ -1,7 +1,7 @@
 """Build llama.cpp (the speed and quality peer) two ways so that it runs on this machine: `make bench-llamacpp`.
 
 Source: the llama-cpp-python source package on PyPI (its vendor/llama.cpp). CMake + Ninja, static
-binaries llama-bench, llama-perplexity, llama-quantize, llama-simple, built once per configuration in
+binaries llama-bench, llama-perplexity, llama-quantize, llama-simple, llama-tokenize, built once per configuration in
 ~/.cache/attnlab/llamacpp and copied to `<prefix>/{native,generic}/bin` with a build.json (CMake flags,
 whether batches above one token need `-ub 1`: see llamacpp.plan_builds and the AMX probe).
 
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llamacpp  # noqa: E402
 
 CACHE = Path(os.environ.get("ATTNLAB_LLAMACPP_CACHE", Path.home() / ".cache" / "attnlab" / "llamacpp"))
-TARGETS = ["llama-bench", "llama-perplexity", "llama-quantize", "llama-simple"]
+TARGETS = ["llama-bench", "llama-perplexity", "llama-quantize", "llama-simple", "llama-tokenize"]
 COMMON = ["-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF",
           "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF"]
 
@@ -39,7 +39,7 @@ def source(version: str | None) -> Path:
         sdists = [s for s in sdists if s.name == f"llama_cpp_python-{version}.tar.gz"]
     if not sdists:
         spec = f"llama-cpp-python=={version}" if version else "llama-cpp-python"
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", spec,
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python", spec,
                         "-d", str(src)], check=True)
         sdists = sorted(src.glob("llama_cpp_python-*.tar.gz"))
     sdist = sdists[-1]

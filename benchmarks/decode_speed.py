@@ -22,6 +22,8 @@ A compiled variant runs the native single-token step (`--compile`, `attnlab/kern
         --threads 1 --no-transformers --no-llamacpp   # no flags against the fastest flags and the old default
     python benchmarks/decode_speed.py --variants fp32 --compile int4:32 --kv float32,float16,int8 \
         --llamacpp-kv f16,q8_0   # KV-cache formats, ours and llama.cpp's
+    python benchmarks/decode_speed.py --model qwen2.5-coder-0.5b --variants '' --compile file --kv float16 \
+        --no-transformers --threads 1 --repeats 3   # the real Qwen2.5-0.5B Q4_K_M file (attnlab fetch), own formats
 """
 from __future__ import annotations
 
@@ -204,7 +206,8 @@ def kv_slot_elems(path) -> int:
     """Numbers one cached token holds (K and V, every layer), from the GGUF's metadata."""
     import gguf
     f = gguf.GGUFReader(str(path)).fields
-    get = lambda k: int(f[f"llama.{k}"].contents())  # noqa: E731
+    arch = f["general.architecture"].contents()  # llama, qwen2: the keys are prefixed by it
+    get = lambda k: int(f[f"{arch}.{k}"].contents())  # noqa: E731
     return 2 * get("block_count") * get("attention.head_count_kv") * (get("embedding_length") // get("attention.head_count"))
 
 

@@ -16,9 +16,11 @@ weights.
     python benchmarks/load.py --model ~/.cache/attnlab/bench/llama1b-q4_0.gguf --variants default
     python benchmarks/load.py --variants default,float32,int4:32 --repeats 5 --json load.json
     python benchmarks/load.py --attnlab /work/main,. --repeats 5     # two checkouts, interleaved
+    python benchmarks/load.py --model qwen2.5-coder-0.5b --variants compiled --repeats 3   # the real 0.5B file
 
-Variants: `default` (the file's own formats), `float32` (`--dtype float32`: every weight expanded, the
-old default) and any `--quant` spec. llama.cpp's binaries are looked for under build/llamacpp/*/bin of
+Variants: `default` (the file's own formats), `compiled` (the file's formats, `compile=True,
+kv_dtype="float16"`: the native step built at load), `float32` (`--dtype float32`: every weight expanded,
+the old default) and any `--quant` spec. `--model` also takes a fetched model's name (`attnlab fetch`). llama.cpp's binaries are looked for under build/llamacpp/*/bin of
 this checkout (`make bench-llamacpp`) and ~/.cache/attnlab/llamacpp/build/*/bin, or given by --llamacpp.
 """
 from __future__ import annotations
@@ -140,7 +142,8 @@ def main(argv=None) -> int:
         tag = "" if len(checkouts) == 1 else f" [{Path(checkout).name}]"
         print(f"attnlab{tag} from {checkout}")
         for v in [v.strip() for v in args.variants.split(",") if v.strip()]:
-            options = {} if v == "default" else {"dtype": v} if v in ("float32", "bfloat16") else {"quant": v}
+            options = ({} if v == "default" else {"dtype": v} if v in ("float32", "bfloat16")
+                       else {"compile": True, "kv_dtype": "float16"} if v == "compiled" else {"quant": v})
             k = f"attnlab {v}{tag}"
             cmds[k] = [sys.executable, "-c", CHILD.format(threads=args.threads, path=str(path), options=options)]
             envs[k] = (dict(os.environ, PYTHONPATH=checkout + os.pathsep + os.environ.get("PYTHONPATH", "")), checkout)

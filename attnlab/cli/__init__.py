@@ -24,7 +24,7 @@ from attnlab.textstream import TextStream
 SUBSYSTEMS = ["attnlab.cli.dynamics", "attnlab.cli.stream", "attnlab.cli.analysis", "attnlab.cli.quantize",
               "attnlab.cli.serve", "attnlab.cli.passkey", "attnlab.cli.extend",
               "attnlab.cli.dejavu", "attnlab.cli.sweep", "attnlab.cli.ruler", "attnlab.cli.lmeval",
-              "attnlab.cli.report", "attnlab.cli.export"]
+              "attnlab.cli.report", "attnlab.cli.export", "attnlab.cli.fetch"]
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -185,6 +185,8 @@ def cmd_ppl(args) -> int:
 
     if args.tokens is not None and args.tokens < 2:
         raise UserError(f"--tokens must be at least 2, got {args.tokens}")
+    if args.scoring == "llamacpp" and args.window is not None and (args.window < 4 or args.window % 2):
+        raise UserError(f"--window must be an even number >= 4 with --scoring llamacpp, got {args.window}")
     text = corpus(args.text)
     if args.tokens is not None:
         check_tokens_fit(args.tokens, text, "--tokens")
@@ -197,6 +199,8 @@ def cmd_ppl(args) -> int:
     if len(ids) < 2:
         raise UserError(f"text {args.text!r} has fewer than 2 tokens")
     window = args.window or min(lm.cfg.context_length, 2048)
+    if args.scoring == "llamacpp":
+        return _ppl_llamacpp(args, lm, ids, window)
     with progress(len(ids) - 1, "perplexity") as bar:
         result = perplexity(lm, ids, window=window, chunk=args.chunk, progress=bar.update)
     result.update(model=str(args.model), text=args.text, window=window)
@@ -205,6 +209,25 @@ def cmd_ppl(args) -> int:
     else:
         print(f"perplexity {result['ppl']:.3f}  (nll {result['nll']:.4f}, {result['tokens']} tokens, "
               f"window {window}, {result['seconds']:.1f}s, {result['tokens'] / result['seconds']:.0f} tok/s)")
+    return 0
+
+
+def _ppl_llamacpp(args, lm, ids, n_ctx: int) -> int:
+    """`--scoring llamacpp`: the number `llama-perplexity -f TEXT -c WINDOW [--chunks N]` prints for this text."""
+    from attnlab.eval.perplexity import adds_bos, llamacpp_perplexity
+
+    if len(ids) < 2 * n_ctx:
+        raise UserError(f"--scoring llamacpp needs at least 2 * window = {2 * n_ctx} tokens "
+                        f"(as llama-perplexity does); text {args.text!r} has {len(ids)}")
+    n = len(ids) // n_ctx if args.n_chunks is None else min(args.n_chunks, len(ids) // n_ctx)
+    with progress(n * (n_ctx - 1 - n_ctx // 2), "perplexity") as bar:
+        result = llamacpp_perplexity(lm, ids, n_ctx, args.n_chunks, args.path, adds_bos(lm.tokenizer), bar.update)
+    result.update(model=str(args.model), text=args.text, scoring="llamacpp", path=args.path)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"perplexity {result['ppl']:.4f}  (llama-perplexity scoring: {result['chunks']} chunks of {n_ctx}, "
+              f"second halves, {result['tokens']} tokens scored, {args.path} path, {result['seconds']:.1f}s)")
     return 0
 
 
@@ -242,6 +265,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=positive_int, default=None,
                    help="tokens per evaluation window (default: the context length, at most 2048)")
     p.add_argument("--chunk", type=positive_int, default=512, help="prefill chunk size")
+    p.add_argument("--scoring", choices=["windows", "llamacpp"], default="windows",
+                   help="windows: every token scored once in disjoint windows; llamacpp: as `llama-perplexity -c "
+                        "WINDOW` scores (chunks of WINDOW tokens, BOS in front where the vocabulary adds one, the "
+                        "second half of each scored), so the two numbers compare directly")
+    p.add_argument("--n-chunks", type=positive_int, default=None,
+                   help="--scoring llamacpp: score at most N chunks (llama-perplexity's --chunks; default: all)")
+    p.add_argument("--path", choices=["prefill", "decode"], default="prefill",
+                   help="--scoring llamacpp: prefill (each chunk as one batch, as llama.cpp runs it) or decode "
+                        "(the scored half one token per step, as generation runs)")
     p.add_argument("--json", action="store_true", help="print a JSON result")
     add_sparsity_arg(p)
     p.set_defaults(func=cmd_ppl)

@@ -5,11 +5,15 @@ a fixed-context model), so `window` must stay within the model's trained positio
 to be fair; every token but the very first is scored once, each window's first
 token being context only. Logits are reduced to NLL chunk by
 chunk: the [tokens, vocab] matrix of a long window is never held whole.
+
+`llamacpp_perplexity` scores instead as llama.cpp's `llama-perplexity` does (only the second half of each
+n_ctx chunk, BOS in front of each), so its number and llama.cpp's are the same quantity on the same tokens.
 """
 from __future__ import annotations
 
 import math
 import time
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -46,3 +50,45 @@ def perplexity(lm, ids: list[int] | torch.Tensor, window: int = 2048, chunk: int
                 progress(part.numel())
     mean = total / count
     return {"ppl": math.exp(mean), "nll": mean, "tokens": count, "seconds": time.perf_counter() - start}
+
+
+def adds_bos(tokenizer) -> int | None:
+    """The BOS id when the tokenizer prepends one to encoded text (llama.cpp's add_bos), else None."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return None
+    ids = tokenizer.encode("a", add_special_tokens=True)
+    return bos if len(ids) > len(tokenizer.encode("a", add_special_tokens=False)) and ids[0] == bos else None
+
+
+@torch.inference_mode()
+def llamacpp_perplexity(lm, ids: list[int] | torch.Tensor, n_ctx: int = 512, chunks: int | None = None,
+                        path: str = "prefill", bos: int | None = None, progress=None) -> dict:
+    """Perplexity scored as `llama-perplexity -c n_ctx [--chunks N]` scores it, so the two are comparable.
+
+    ids: the text tokenized as llama.cpp does (with the BOS where the vocabulary adds one). It is cut into
+    disjoint n_ctx-token chunks (the remainder dropped); each chunk is evaluated from an empty cache with its
+    first token replaced by `bos` (llama.cpp does so when the vocabulary adds a BOS); only the second half
+    is scored (logits at positions n_ctx/2 .. n_ctx-2), and the result is exp of the mean NLL over all
+    scored tokens. path "prefill": each chunk as one batch (as llama.cpp runs it); "decode": the first half
+    prefilled, the rest one token per step. Like llama-perplexity, fewer than 2 * n_ctx tokens is an error.
+    -> {"ppl", "nll", "tokens", "chunks", "n_ctx", "seconds"}"""
+    from attnlab.eval.decode_kl import chunks_of, scored_logprobs
+
+    ids = torch.as_tensor(ids, dtype=torch.long).flatten()
+    if ids.numel() < 2 * n_ctx:
+        raise AttnlabError(f"llama-perplexity scoring needs at least 2 * n_ctx = {2 * n_ctx} tokens, "
+                           f"the text has {ids.numel()}")
+    parts = chunks_of(ids, n_ctx, chunks)
+    first, total, count, start = n_ctx // 2, 0.0, 0, time.perf_counter()
+    bar = SimpleNamespace(update=progress) if progress is not None else None
+    for chunk in parts:
+        if bos is not None:
+            chunk = chunk.clone()
+            chunk[0] = bos
+        logprobs = scored_logprobs(lm, chunk, path, bar)
+        total -= float(logprobs.gather(1, chunk[first + 1:, None]).sum())
+        count += n_ctx - 1 - first
+    mean = total / count
+    return {"ppl": math.exp(mean), "nll": mean, "tokens": count, "chunks": len(parts), "n_ctx": n_ctx,
+            "seconds": time.perf_counter() - start}

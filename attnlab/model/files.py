@@ -21,7 +21,8 @@ class ModelLoadError(AttnlabError):
 
 
 def resolve(spec: str | Path) -> Path:
-    """An embedded model name, a .gguf file or a Hugging Face folder -> a path that exists."""
+    """An embedded model name, a fetched model's name (`attnlab fetch`), a .gguf file or a Hugging Face
+    folder -> a path that exists."""
     spec = str(spec)
     if spec in EMBEDDED:
         package, filename = EMBEDDED[spec]
@@ -32,10 +33,17 @@ def resolve(spec: str | Path) -> Path:
         if not path.is_file():
             raise ModelLoadError(f"embedded model file missing: {path}")
         return path
+    from attnlab.model.fetch import FETCHABLE, model_path
+    if spec in FETCHABLE:
+        path = model_path(spec)
+        if not path.is_file():
+            raise ModelLoadError(f"model {spec!r} is not fetched yet: run `attnlab fetch {spec}` (about 470 MiB)")
+        return path
     path = Path(spec).expanduser()
     if not path.exists():
         names = ", ".join(EMBEDDED)
-        raise ModelLoadError(f"no such model file or folder: {spec} (embedded models: {names})")
+        raise ModelLoadError(f"no such model file or folder: {spec} (embedded models: {names}; "
+                             f"fetchable: {', '.join(FETCHABLE)})")
     return path
 
 
