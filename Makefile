@@ -26,7 +26,10 @@ $(KERNELS): $(STAMP) $(wildcard attnlab/kernels/*.cpp attnlab/kernels/*.h) attnl
 	touch $(KERNELS)
 
 setup: $(KERNELS)
-kernels: $(KERNELS)
+
+kernels: $(STAMP)  # always asks ninja: also restores a library that was deleted
+	$(TOOLS) $(BIN)/python setup.py -q build_ext --inplace
+	touch $(KERNELS)
 
 demo: $(KERNELS)
 	$(BIN)/python -m attnlab.cli.demo --threads $(THREADS)
