@@ -204,11 +204,14 @@ def cmd_ppl(args) -> int:
     with progress(len(ids) - 1, "perplexity") as bar:
         result = perplexity(lm, ids, window=window, chunk=args.chunk, progress=bar.update)
     result.update(model=str(args.model), text=args.text, window=window)
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(f"perplexity {result['ppl']:.3f}  (nll {result['nll']:.4f}, {result['tokens']} tokens, "
-              f"window {window}, {result['seconds']:.1f}s, {result['tokens'] / result['seconds']:.0f} tok/s)")
+    return _emit(args, result, f"perplexity {result['ppl']:.3f}  (nll {result['nll']:.4f}, {result['tokens']} tokens, "
+                               f"window {window}, {result['seconds']:.1f}s, "
+                               f"{result['tokens'] / result['seconds']:.0f} tok/s)")
+
+
+def _emit(args, result: dict, line: str) -> int:
+    """A command's result: the JSON with --json, else its one line."""
+    print(json.dumps(result) if args.json else line)
     return 0
 
 
@@ -223,12 +226,9 @@ def _ppl_llamacpp(args, lm, ids, n_ctx: int) -> int:
     with progress(n * (n_ctx - 1 - n_ctx // 2), "perplexity") as bar:
         result = llamacpp_perplexity(lm, ids, n_ctx, args.n_chunks, args.path, adds_bos(lm.tokenizer), bar.update)
     result.update(model=str(args.model), text=args.text, scoring="llamacpp", path=args.path)
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(f"perplexity {result['ppl']:.4f}  (llama-perplexity scoring: {result['chunks']} chunks of {n_ctx}, "
-              f"second halves, {result['tokens']} tokens scored, {args.path} path, {result['seconds']:.1f}s)")
-    return 0
+    return _emit(args, result, f"perplexity {result['ppl']:.4f}  (llama-perplexity scoring: {result['chunks']} chunks "
+                               f"of {n_ctx}, second halves, {result['tokens']} tokens scored, {args.path} path, "
+                               f"{result['seconds']:.1f}s)")
 
 
 # ---------------------------------------------------------------- parser
