@@ -157,6 +157,41 @@ class LM:
         return logits
 
     @torch.inference_mode()
+    def step_batch(self, tokens, caches: list[KVCache]) -> torch.Tensor:
+        """One decode step of B conversations: token b appended to caches[b] (each its own batch-1 cache, with its
+        own length, policy, budget and dtype; nothing padded) -> logits [B, vocab].
+
+        The linear layers read each weight once for the B rows; attention runs per conversation over its own
+        cache. Rows the native step covers run in one native call, the others (policies that score by
+        attention, Quest, a sparsity plan) in one eager pass; a batch of one is `forward`'s step."""
+        ids = _as_ids(tokens).reshape(-1, 1)
+        if ids.shape[0] != len(caches) or not caches:
+            raise AttnlabError(f"step_batch takes one token per cache, got {ids.shape[0]} tokens for {len(caches)} caches")
+        if any(c.batch != 1 for c in caches) or len({id(c) for c in caches}) != len(caches):
+            raise AttnlabError("step_batch takes distinct caches of one conversation each (batch 1)")
+        if self.sparsity is not None:  # a plan chooses neurons per pass: rows one at a time
+            return torch.cat([self.forward(ids[b:b + 1], c, last_only=True)[:, -1] for b, c in enumerate(caches)])
+        quest = self.options.attention
+        fast = [self.compiled is not None and not c.observers and quest is None for c in caches]
+        steps = [c.begin(1, self.model.rope, real=f) for c, f in zip(caches, fast)]
+        native = [b for b, f in enumerate(fast) if f and not steps[b].padded]
+        logits = torch.empty(len(caches), self.cfg.vocab_size)
+        out = self.compiled.batch(ids[native], [steps[b] for b in native], [caches[b].layers for b in native]) \
+            if native else None
+        if out is None:
+            native = []
+        else:
+            logits[native] = out[:, -1]
+        rest = [b for b in range(len(caches)) if b not in set(native)]
+        if rest:
+            rows = [Pass(steps[b].rot, steps[b], caches[b].layers, observers=caches[b].observers,
+                         quest=quest.budget if quest is not None else None) for b in rest]
+            logits[rest] = self.model(ids[rest], Pass(None, rows=rows), last_only=True)[:, -1]
+        for c in caches:
+            c.advance(1)
+        return logits
+
+    @torch.inference_mode()
     def prefill(self, ids: torch.Tensor, cache: KVCache, chunk: int = 512, all_logits: bool = False,
                 progress=None, observers=(), press=None) -> torch.Tensor:
         """Feed ids [B, T] in chunks (bounded activation memory; a policy may evict between chunks).

@@ -135,6 +135,10 @@ class Pass:
     deciding per layer which MLP neurons and heads run (see `attnlab.sparsity.plan`). quest: Quest's token
     budget: a single-token step over a cache with page summaries reads only its chosen pages (`model/quest.py`).
 
+    rows: a step of B conversations, one token each over its own cache (`LM.step_batch`): the linear layers run
+    on the B rows together (one read of each weight), and RoPE, the cache and attention run per row under that
+    row's own pass (its rot, step, kvs, observers, quest); rot, step and kvs of the batch's pass are then unused.
+
     Recorded names: "attn_in" [B, T, dim] (normed attention input), "q" [B, Hq, T, D] (queries before RoPE,
     after the cache stored the chunk), "probs" [B, Hq, T, L]
     (only if some observer needs_probs), "heads" [B, Hq, T, D] (per-head outputs before wo),
@@ -147,6 +151,7 @@ class Pass:
     observers: tuple = ()
     sparsity: Any = None
     quest: int | None = None
+    rows: list | None = None
 
     def __post_init__(self):
         self.observers = tuple(self.observers)
@@ -181,6 +186,19 @@ class Attention(nn.Module):
         sp = ctx.sparsity  # a plan may threshold the projections' inputs (TEAL)
         qkv = (sp.project(i, "wqkv", self.wqkv, x) if sp is not None else self.wqkv(x))
         qkv = qkv.view(B, T, self.n_heads + 2 * self.n_kv, self.head_dim).transpose(1, 2)
+        if ctx.rows is None:
+            out = self._attend(qkv, ctx, i)
+        else:  # B conversations: each row's attention over its own cache
+            out = torch.cat([self._attend(qkv[b:b + 1], row, i) for b, row in enumerate(ctx.rows)])
+        if sp is not None:
+            out = sp.heads(i, x, out)
+        ctx.record(i, "heads", out)
+        out = out.transpose(1, 2).reshape(B, T, self.q_size)
+        return sp.project(i, "wo", self.wo, out) if sp is not None else self.wo(out)
+
+    def _attend(self, qkv: torch.Tensor, ctx: Pass, i: int) -> torch.Tensor:
+        """qkv [B, Hq + 2 Hkv, T, D] -> the heads' outputs [B, Hq, T, D]: RoPE, the cache, attention."""
+        T = qkv.shape[2]
         qk, v = qkv.split([self.n_heads + self.n_kv, self.n_kv], dim=1)  # [B, H, T, D] views
         q, k = rope_apply(qk, ctx.rot).split([self.n_heads, self.n_kv], dim=1)  # q and k in one pass
         kv = ctx.kvs[i] if ctx.kvs is not None else None
@@ -195,11 +213,7 @@ class Attention(nn.Module):
         out, probs = attend(q, k, v, mask, need_probs=ctx.needs_probs, window=self.cfg.sliding_window)
         if ctx.needs_probs:
             ctx.record(i, "probs", probs if slots is None else spread(probs, slots, ctx.step.start + 1))
-        if sp is not None:
-            out = sp.heads(i, x, out)
-        ctx.record(i, "heads", out)
-        out = out.transpose(1, 2).reshape(B, T, self.q_size)
-        return sp.project(i, "wo", self.wo, out) if sp is not None else self.wo(out)
+        return out
 
 
 class FeedForward(nn.Module):

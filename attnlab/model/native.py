@@ -167,6 +167,12 @@ class NativeStep:
         x = None if self.embed is None else self.embed(ids).reshape(-1).contiguous()
         return self.step.run(int(ids), slot, int(step.pos), first, rot, x)
 
+    def batch(self, ids: torch.Tensor, steps: list, kvs: list[list]) -> torch.Tensor | None:
+        """Logits [B, 1, vocab] of B conversations' next tokens ids [B, 1], each at its own cache's step, or None
+        where not covered."""
+        outs = [self(ids[b:b + 1], step, layers) for b, (step, layers) in enumerate(zip(steps, kvs))]
+        return None if any(o is None for o in outs) else torch.cat(outs)
+
     def _bind(self, kvs: list) -> None:
         """Hand the cache's buffers to the step (a new cache, or one whose buffers grew)."""
         int8 = kvs[0].k_scale is not None
