@@ -174,7 +174,7 @@ class LM:
         quest = self.options.attention
         fast = [self.compiled is not None and not c.observers and quest is None for c in caches]
         steps = [c.begin(1, self.model.rope, real=f) for c, f in zip(caches, fast)]
-        native = [b for b, f in enumerate(fast) if f and not steps[b].padded]
+        native = [b for b, f in enumerate(fast) if f and self.compiled.first(steps[b], caches[b].layers) is not None]
         logits = torch.empty(len(caches), self.cfg.vocab_size)
         out = self.compiled.batch(ids[native], [steps[b] for b in native], [caches[b].layers for b in native]) \
             if native else None
@@ -182,7 +182,7 @@ class LM:
             native = []
         else:
             logits[native] = out[:, -1]
-        rest = [b for b in range(len(caches)) if b not in set(native)]
+        rest = sorted(set(range(len(caches))) - set(native))
         if rest:
             rows = [Pass(steps[b].rot, steps[b], caches[b].layers, observers=caches[b].observers,
                          quest=quest.budget if quest is not None else None) for b in rest]

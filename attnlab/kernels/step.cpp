@@ -1,4 +1,5 @@
-// The single-token decode step of a Llama-family network in one native call (`attnlab::DecodeStep`).
+// The decode step of a Llama-family network in one native call (`attnlab::DecodeStep`): one token each for B
+// conversations, every one over its own cache (continuous batching; B = 1 is the single-stream step).
 //
 // Why: a decode step of SmolLM2-135M is ~150 kernel calls of a few microseconds to a millisecond
 // each. Run from Python, or from a compiled graph with ~500 tensor inputs, the glue between them
@@ -20,8 +21,12 @@
 // elementwise glue runs on one thread or is shared. Barriers separate the phases: ~6 per layer, against
 // a fork/join per kernel call before (~150 per step).
 //
-// The Python side (`attnlab/model/native.py`) decides which steps come here (batch 1, one token, no
-// padding, float32 activations, a float32 / float16 / int8 cache) and keeps the cache's bookkeeping
+// Batching: the linear phases run on the B activation rows together, so each weight is read once per step for
+// every conversation (the quantized kernels' M = B path, the one prefill uses); RoPE, the K/V write and attention
+// run per row over that row's own bound cache (`bind_rows`: its own capacity, dtype and length, nothing padded).
+//
+// The Python side (`attnlab/model/native.py`) decides which steps come here (one token per conversation, no
+// padding, float32 activations, float32 / float16 / int8 caches) and keeps the caches' bookkeeping
 // (positions, growth, eviction) around the call.
 #include <torch/extension.h>
 #include <torch/custom_class.h>
@@ -86,7 +91,10 @@ struct DecodeStep : torch::CustomClassHolder {
   int64_t embed_group = 0;
   std::vector<at::Tensor> norms;    // attn_norm, mlp_norm per layer, then the final norm
   std::vector<std::vector<Linear>> linears;  // wqkv, wo, w13, w2 per layer, then the head: segments in row order
-  std::vector<at::Tensor> k, v, k_scale, v_scale, pos;  // the bound cache's per-layer buffers
+  struct Bound {  // one conversation's cache: per-layer buffers
+    std::vector<at::Tensor> k, v, k_scale, v_scale, pos;
+  };
+  std::vector<Bound> bound;  // row b of a batch reads bound[b]
   // Phase timings when profiling (`profile(true)`): seconds per thread and phase of its own work ("busy"), and
   // of the phase until its barrier released thread 0 ("wall"), summed over the calls since.
   static constexpr const char* kPhases[] = {"wqkv", "attention", "wo", "w13", "silu", "w2", "head"};
@@ -185,10 +193,12 @@ struct DecodeStep : torch::CustomClassHolder {
     linears.back().push_back(std::move(l));
   }
 
-  // The cache's buffers per layer: k, v [1, Hkv, C, D] float32 / float16 / int8, pos [1, Hkv, C] int64,
-  // and for int8 the scales [1, Hkv, C, D/32] float32 (empty lists otherwise).
-  void bind(std::vector<at::Tensor> k_, std::vector<at::Tensor> v_, std::vector<at::Tensor> ks,
-            std::vector<at::Tensor> vs, std::vector<at::Tensor> p) {
+  // Conversation b's cache buffers per layer (row b of the next batches): k, v [1, Hkv, C, D] float32 / float16 /
+  // int8, pos [1, Hkv, C] int64, and for int8 the scales [1, Hkv, C, D/32] float32 (empty lists otherwise).
+  void bind_rows(int64_t row, std::vector<at::Tensor> k_, std::vector<at::Tensor> v_, std::vector<at::Tensor> ks,
+                 std::vector<at::Tensor> vs, std::vector<at::Tensor> p) {
+    TORCH_CHECK(row >= 0 && row <= static_cast<int64_t>(bound.size()), "bind rows in order: row ", row, " after ",
+                bound.size());
     const size_t L = norms.size() / 2;
     TORCH_CHECK(k_.size() == L && v_.size() == L && p.size() == L, "one k, v and pos buffer per layer");
     const auto dt = k_[0].scalar_type();
@@ -208,50 +218,70 @@ struct DecodeStep : torch::CustomClassHolder {
                     ks[i].scalar_type() == at::kFloat && vs[i].scalar_type() == at::kFloat,
                     "scales: contiguous float32 [1, Hkv, C, D/32], k and v alike");
     }
-    k = std::move(k_), v = std::move(v_), k_scale = std::move(ks), v_scale = std::move(vs), pos = std::move(p);
+    if (row == static_cast<int64_t>(bound.size())) bound.emplace_back();
+    bound[row] = Bound{std::move(k_), std::move(v_), std::move(ks), std::move(vs), std::move(p)};
   }
 
-  // One token at cache slot `slot` (absolute position `position`), attending to slots [first, slot];
-  // rot: its RoPE row as (cos, sin) pairs [.., D/2, 2] float32; embedded: the token's embedding row [dim]
-  // float32 where no table was set (a head repacked by the kernels looks its rows up in Python, see
-  // `QuantLinear.embed_rows`). Returns logits [1, 1, V] float32.
+  // One token at cache slot `slot` (absolute position `position`), attending to slots [first, slot] of bound row
+  // 0: the batch of one (see run_batch).
   at::Tensor run(int64_t token, int64_t slot, int64_t position, int64_t first, at::Tensor rot,
                  std::optional<at::Tensor> embedded) {
-    const int64_t L = static_cast<int64_t>(norms.size() / 2);
+    return run_batch({token}, {slot}, {position}, {first}, rot,
+                     embedded ? std::optional<at::Tensor>(embedded->view({1, -1})) : std::nullopt);
+  }
+
+  // B conversations, one token each: row b's token at its cache's slot slots[b] (absolute position positions[b]),
+  // attending to slots [firsts[b], slots[b]] of bound row b. rots: the rows' RoPE rows as (cos, sin) pairs
+  // [B, D/2, 2] float32; embedded: the tokens' embedding rows [B, dim] float32 where no table was set (a head
+  // repacked by the kernels looks its rows up in Python, see `QuantLinear.embed_rows`). Returns logits [B, 1, V].
+  at::Tensor run_batch(std::vector<int64_t> tokens, std::vector<int64_t> slots, std::vector<int64_t> positions,
+                       std::vector<int64_t> firsts, at::Tensor rots, std::optional<at::Tensor> embedded) {
+    const int64_t L = static_cast<int64_t>(norms.size() / 2), B = static_cast<int64_t>(tokens.size());
     TORCH_CHECK(L > 0 && static_cast<int64_t>(linears.size()) == 4 * L + 1, "step not built");
-    TORCH_CHECK(embedded ? embedded->scalar_type() == at::kFloat && embedded->is_contiguous() && embedded->numel() == dim
-                         : embed_w.defined(), "no embedding table: pass the token's embedding row, float32 [dim]");
-    TORCH_CHECK(static_cast<int64_t>(k.size()) == L, "no cache bound");
-    TORCH_CHECK(slot >= 0 && slot < k[0].size(2) && first >= 0 && first <= slot, "slot outside the cache");
-    TORCH_CHECK(embedded || (token >= 0 && token < embed_w.size(0)), "token id out of range");
-    TORCH_CHECK(rot.scalar_type() == at::kFloat && rot.is_contiguous() && rot.numel() == head_dim,
-                "rot: float32 (cos, sin) [D/2, 2]");
+    TORCH_CHECK(B >= 1 && static_cast<int64_t>(slots.size()) == B && static_cast<int64_t>(positions.size()) == B &&
+                static_cast<int64_t>(firsts.size()) == B, "one token, slot, position and first per row");
+    TORCH_CHECK(B <= static_cast<int64_t>(bound.size()), "rows ", bound.size(), " to ", B - 1, " have no cache bound");
+    TORCH_CHECK(embedded ? embedded->scalar_type() == at::kFloat && embedded->is_contiguous() &&
+                           embedded->numel() == B * dim
+                         : embed_w.defined(), "no embedding table: pass the tokens' embedding rows, float32 [B, dim]");
+    for (int64_t r = 0; r < B; ++r) {
+      TORCH_CHECK(slots[r] >= 0 && slots[r] < bound[r].k[0].size(2) && firsts[r] >= 0 && firsts[r] <= slots[r],
+                  "row ", r, ": slot outside its cache");
+      TORCH_CHECK(embedded || (tokens[r] >= 0 && tokens[r] < embed_w.size(0)), "row ", r, ": token id out of range");
+    }
+    TORCH_CHECK(rots.scalar_type() == at::kFloat && rots.is_contiguous() && rots.numel() == B * head_dim,
+                "rots: float32 (cos, sin) [B, D/2, 2]");
     const auto f32 = at::TensorOptions().dtype(at::kFloat);
     const int64_t V = linears.back().back().row0 + linears.back().back().rows, HD = n_heads * head_dim;
-    Buffers b{at::empty({dim}, f32), at::empty({(n_heads + 2 * n_kv) * head_dim}, f32), at::empty({2 * hidden}, f32),
-              at::empty({hidden}, f32), at::empty({1, 1, V}, f32), at::empty({threads, 1, dim}, f32),
-              at::empty({threads, 1, HD}, f32), at::empty({threads, (n_heads + n_kv) * head_dim}, f32),
-              at::empty({threads, HD}, f32), at::empty({threads, n_heads}, f32)};
+    Buffers b{at::empty({B, dim}, f32), at::empty({B, (n_heads + 2 * n_kv) * head_dim}, f32),
+              at::empty({B, 2 * hidden}, f32), at::empty({B, hidden}, f32), at::empty({B, 1, V}, f32),
+              at::empty({threads, B, dim}, f32), at::empty({threads, B, HD}, f32),
+              at::empty({threads, (n_heads + n_kv) * head_dim}, f32), at::empty({threads, B, HD}, f32),
+              at::empty({threads, B, n_heads}, f32)};
     float* X = b.x.data_ptr<float>();
-    if (embedded) {
-      std::copy_n(embedded->data_ptr<float>(), dim, X);
-    } else if (embed_scale.defined()) {
-      const int8_t* q = embed_w.data_ptr<int8_t>() + token * dim;
-      const float* s = embed_scale.data_ptr<float>() + token * (dim / embed_group);
-      for (int64_t i = 0; i < dim; ++i) X[i] = static_cast<float>(q[i]) * s[i / embed_group];
-    } else {
-      std::copy_n(embed_w.data_ptr<float>() + token * dim, dim, X);
+    for (int64_t r = 0; r < B; ++r, X += dim) {
+      const int64_t token = tokens[r];
+      if (embedded) {
+        std::copy_n(embedded->data_ptr<float>() + r * dim, dim, X);
+      } else if (embed_scale.defined()) {
+        const int8_t* q = embed_w.data_ptr<int8_t>() + token * dim;
+        const float* s = embed_scale.data_ptr<float>() + token * (dim / embed_group);
+        for (int64_t i = 0; i < dim; ++i) X[i] = static_cast<float>(q[i]) * s[i / embed_group];
+      } else {
+        std::copy_n(embed_w.data_ptr<float>() + token * dim, dim, X);
+      }
     }
+    const Rows rows{B, slots.data(), positions.data(), firsts.data(), rots.data_ptr<float>()};
     std::atomic<bool> failed{false};
     std::exception_ptr error;
     if (threads == 1) {
-      body(b, 0, slot, position, first, rot.data_ptr<float>(), failed, error);
+      body(b, 0, rows, failed, error);
     } else {
 #ifdef _OPENMP
 #pragma omp parallel num_threads(threads)
       {
         c10::InferenceMode guard;
-        body(b, omp_get_thread_num(), slot, position, first, rot.data_ptr<float>(), failed, error);
+        body(b, omp_get_thread_num(), rows, failed, error);
       }
 #endif
     }
@@ -262,17 +292,22 @@ struct DecodeStep : torch::CustomClassHolder {
 
  private:
   struct Buffers {
-    at::Tensor x, qkv, gu, act, logits;  // shared by the team
-    at::Tensor h, o, qk, part, lse;      // one row per thread: normed input, merged attention, its rotated q and k,
-                                         // stretch out + lse
+    at::Tensor x, qkv, gu, act, logits;  // shared by the team, one row per conversation
+    at::Tensor h, o, qk, part, lse;      // per thread: normed inputs and merged attention [B, ..], one row's rotated
+                                         // q and k, each row's stretch out + lse
+  };
+  struct Rows {  // what differs per conversation
+    int64_t n;
+    const int64_t *slot, *position, *first;
+    const float* rot;  // [n, D/2, 2]
   };
 
   // The step as thread tid of a team of `threads` (alone: tid 0 of 1). Phases are separated by barriers
   // (an orphaned `omp barrier` is a no-op outside a parallel region); after an error every thread still
   // reaches every barrier, doing no more work, so the team never waits forever.
-  void body(Buffers& b, int64_t tid, int64_t slot, int64_t position, int64_t first, const float* R,
-            std::atomic<bool>& failed, std::exception_ptr& error) {
-    const int64_t L = static_cast<int64_t>(norms.size() / 2), D = head_dim, HD = n_heads * D, n = slot + 1;
+  void body(Buffers& b, int64_t tid, const Rows& rows, std::atomic<bool>& failed, std::exception_ptr& error) {
+    const int64_t L = static_cast<int64_t>(norms.size() / 2), D = head_dim, HD = n_heads * D, B = rows.n;
+    const int64_t QKV_N = (n_heads + 2 * n_kv) * D;
     using clock = std::chrono::steady_clock;
     auto phase = [&](int id, auto&& work) {
       const auto t0 = profiling ? clock::now() : clock::time_point();
@@ -294,10 +329,13 @@ struct DecodeStep : torch::CustomClassHolder {
     float* A = b.act.data_ptr<float>();
     at::Tensor h = b.h[tid], o = b.o[tid];
     float* H = h.data_ptr<float>();
+    auto norm_rows = [&](const at::Tensor& w) {  // every thread its own copy of the B normed rows
+      for (int64_t r = 0; r < B; ++r) rms_norm(X + r * dim, w.data_ptr<float>(), H + r * dim, dim, eps);
+    };
     for (int64_t l = 0; l < L; ++l) {
       phase(0, [&] {
-        rms_norm(X, norms[2 * l].data_ptr<float>(), H, dim, eps);
-        linear(4 * l, tid, h, QKV, false);  // [(Hq + 2 Hkv) D]: q heads, k heads, v heads
+        norm_rows(norms[2 * l]);
+        linear(4 * l, tid, h, QKV, QKV_N, false);  // [B, (Hq + 2 Hkv) D]: q heads, k heads, v heads
       });
       // RoPE, the K/V write and attention in one phase (a barrier fewer per layer, no thread idle while one
       // rotates): every thread rotates its own copy of q, and the last one, whose stretch holds the new slot
@@ -306,80 +344,89 @@ struct DecodeStep : torch::CustomClassHolder {
         const bool last = tid == threads - 1;
         const int64_t heads = last ? n_heads + n_kv : n_heads;  // q and k heads are adjacent
         float* Q = b.qk[tid].data_ptr<float>();
-        std::copy_n(QKV, heads * D, Q);
-        rope(Q, R, heads, D);
-        if (last) write_kv(l, slot, position, Q + HD, QKV + HD + n_kv * D);
-        attend_stretch(b, l, tid, first, n, Q);
+        for (int64_t r = 0; r < B; ++r) {
+          const float* row = QKV + r * QKV_N;
+          std::copy_n(row, heads * D, Q);
+          rope(Q, rows.rot + r * D, heads, D);
+          if (last) write_kv(bound[r], l, rows.slot[r], rows.position[r], Q + HD, row + HD + n_kv * D);
+          attend_stretch(b, bound[r], l, tid, r, rows.first[r], rows.slot[r] + 1, Q);
+        }
       });
       phase(2, [&] {
-        merge(b, o.data_ptr<float>());
-        linear(4 * l + 1, tid, o, X, true);
+        for (int64_t r = 0; r < B; ++r) merge(b, r, o.data_ptr<float>() + r * HD);
+        linear(4 * l + 1, tid, o, X, dim, true);
       });
       phase(3, [&] {
-        rms_norm(X, norms[2 * l + 1].data_ptr<float>(), H, dim, eps);
-        linear(4 * l + 2, tid, h, GU, false);  // [2 hidden]: gate, then up
+        norm_rows(norms[2 * l + 1]);
+        linear(4 * l + 2, tid, h, GU, 2 * hidden, false);  // [B, 2 hidden]: gate, then up
       });
       phase(4, [&] {  // SiLU(gate) x up, 8 at a time, in slices of 8 per thread
         const int64_t i0 = hidden / 8 * tid / threads * 8, i1 = tid + 1 == threads ? hidden : hidden / 8 * (tid + 1) / threads * 8;
-        attnlab_simd::silu_mul_row(GU, A, i0, i1, hidden);
+        for (int64_t r = 0; r < B; ++r) attnlab_simd::silu_mul_row(GU + r * 2 * hidden, A + r * hidden, i0, i1, hidden);
       });
-      phase(5, [&] { linear(4 * l + 3, tid, b.act.view({1, hidden}), X, true); });
+      phase(5, [&] { linear(4 * l + 3, tid, b.act, X, dim, true); });
     }
     phase(6, [&] {
-      rms_norm(X, norms[2 * L].data_ptr<float>(), H, dim, eps);
-      linear(4 * L, tid, h, b.logits.data_ptr<float>(), false);
+      norm_rows(norms[2 * L]);
+      linear(4 * L, tid, h, b.logits.data_ptr<float>(), b.logits.size(2), false);
     });
   }
 
-  // Thread tid's segments of linear i: out[rows] = (or +=) x W[rows]^T (+ b[rows]), each at its own rows.
-  void linear(size_t i, int64_t tid, const at::Tensor& x, float* out, bool accumulate) const {
+  // Thread tid's segments of linear i over the B rows of x: out[r, rows] = (or +=) x[r] W[rows]^T (+ b[rows]),
+  // each segment at its own rows; out's rows are N apart.
+  void linear(size_t i, int64_t tid, const at::Tensor& x, float* out, int64_t N, bool accumulate) const {
     for (const Linear& seg : linears[i]) {
       if (seg.thread != tid) continue;
-      const at::Tensor y = seg(x).contiguous();
+      const at::Tensor y = seg(x).contiguous();  // [B, seg.rows]
       const float* Y = y.data_ptr<float>();
-      float* O = out + seg.row0;
-      if (accumulate) add(O, Y, seg.rows);
-      else std::copy_n(Y, seg.rows, O);
+      for (int64_t r = 0; r < x.size(0); ++r, Y += seg.rows) {
+        float* O = out + r * N + seg.row0;
+        if (accumulate) add(O, Y, seg.rows);
+        else std::copy_n(Y, seg.rows, O);
+      }
     }
   }
 
   // Thread tid's stretch of the cache slots [first, n) for the rotated queries q: its attention output and
   // log-sum-exp per query head. The last thread's stretch ends at the new slot n - 1 (the others' before it).
-  void attend_stretch(Buffers& b, int64_t l, int64_t tid, int64_t first, int64_t n, const float* q) {
+  void attend_stretch(Buffers& b, const Bound& c_, int64_t l, int64_t tid, int64_t r, int64_t first, int64_t n,
+                      const float* q) {
     const int64_t s0 = first + (n - first) * tid / threads, s1 = first + (n - first) * (tid + 1) / threads;
-    float* lse = b.lse[tid].data_ptr<float>();
+    float* lse = b.lse[tid][r].data_ptr<float>();
     if (s1 <= s0) {
       std::fill_n(lse, n_heads, -INFINITY);
       return;
     }
-    const at::Tensor &K = k[l], &V = v[l];
+    const at::Tensor &K = c_.k[l], &V = c_.v[l];
+    const auto& k_scale = c_.k_scale;
+    const auto& v_scale = c_.v_scale;
     const bool int8 = !k_scale.empty();
     const int dtype = K.scalar_type() == at::kFloat ? 0 : K.scalar_type() == at::kHalf ? 1 : 2;
     const attnlab_attend::Cache c{K.data_ptr(), V.data_ptr(), int8 ? k_scale[l].data_ptr<float>() : nullptr,
                                   int8 ? v_scale[l].data_ptr<float>() : nullptr, K.stride(2), K.stride(1),
                                   int8 ? k_scale[l].stride(2) : 0, int8 ? k_scale[l].stride(1) : 0, dtype};
     attnlab_attend::stretch(q, c, n_kv, n_heads / n_kv, head_dim, s0, s1,
-                            static_cast<float>(scale), b.part[tid].data_ptr<float>(), lse);
+                            static_cast<float>(scale), b.part[tid][r].data_ptr<float>(), lse);
   }
 
-  // The stretches' outputs merged per query head, weighted by e^(lse_t - max lse) (every thread, into its own o).
-  void merge(const Buffers& b, float* o) const {
-    const int64_t D = head_dim;
-    const float* part = b.part.data_ptr<float>();
-    const float* lse = b.lse.data_ptr<float>();
+  // Row r's stretch outputs merged per query head, weighted by e^(lse_t - max lse) (every thread, into its own o).
+  void merge(const Buffers& b, int64_t r, float* o) const {
+    const int64_t D = head_dim, B = b.x.size(0);
+    const float* part = b.part.data_ptr<float>() + r * n_heads * D;  // thread t's row r at t * B * n_heads * D
+    const float* lse = b.lse.data_ptr<float>() + r * n_heads;
     if (threads == 1) {
       std::copy_n(part, n_heads * D, o);
       return;
     }
     for (int64_t g = 0; g < n_heads; ++g) {
       float top = -INFINITY, total = 0.f;
-      for (int64_t t = 0; t < threads; ++t) top = std::max(top, lse[t * n_heads + g]);
+      for (int64_t t = 0; t < threads; ++t) top = std::max(top, lse[t * B * n_heads + g]);
       std::fill_n(o + g * D, D, 0.f);
       for (int64_t t = 0; t < threads; ++t) {
-        if (lse[t * n_heads + g] == -INFINITY) continue;
-        const float w = std::exp(lse[t * n_heads + g] - top);
+        if (lse[t * B * n_heads + g] == -INFINITY) continue;
+        const float w = std::exp(lse[t * B * n_heads + g] - top);
         total += w;
-        const float* p = part + (t * n_heads + g) * D;
+        const float* p = part + (t * B * n_heads + g) * D;
         for (int64_t d = 0; d < D; ++d) o[g * D + d] += w * p[d];
       }
       for (int64_t d = 0; d < D; ++d) o[g * D + d] /= total;
@@ -391,7 +438,8 @@ struct DecodeStep : torch::CustomClassHolder {
   }
 
   // The new key (already rotated) and value into layer l's slot, in the cache's dtype, as LayerKV.update stores them.
-  void write_kv(int64_t l, int64_t slot, int64_t position, const float* K, const float* V) {
+  void write_kv(Bound& c, int64_t l, int64_t slot, int64_t position, const float* K, const float* V) {
+    auto &k = c.k, &v = c.v, &pos = c.pos, &k_scale = c.k_scale, &v_scale = c.v_scale;
     const int64_t C = k[l].size(2), D = head_dim;
     int64_t* P = pos[l].data_ptr<int64_t>();
     for (int64_t h = 0; h < n_kv; ++h) P[h * C + slot] = position;
@@ -433,6 +481,7 @@ TORCH_LIBRARY_FRAGMENT(attnlab, m) {
       .def("set_embedding", &DecodeStep::set_embedding)
       .def("add_norm", &DecodeStep::add_norm)
       .def("add_linear", &DecodeStep::add_linear)
-      .def("bind", &DecodeStep::bind)
-      .def("run", &DecodeStep::run);
+      .def("bind_rows", &DecodeStep::bind_rows)
+      .def("run", &DecodeStep::run)
+      .def("run_batch", &DecodeStep::run_batch);
 }

@@ -14,8 +14,9 @@ is ready the moment the model is loaded (walking the modules once, milliseconds)
 building the step and build it again (`LM.compile_decode()`). With torch's thread count above one,
 the step runs as one team of threads (each linear cut into a slice of rows per thread, or per thread and
 part for a layer whose parts keep different formats, see step.cpp);
-a changed thread count rebuilds it on the next call. A call covers batch 1, one token,
-no padding, a float32 / float16 / int8 cache, a sliding window over a cache that never evicted;
+a changed thread count rebuilds it on the next call. A call covers one token for each of B conversations
+(`batch`: each its own cache, bound per row; the linear layers read each weight once for all B), no padding,
+float32 / float16 / int8 caches, a sliding window over a cache that never evicted;
 anything else returns None and the engine's step runs the eager network instead (so do sparsity
 plans, observers and policies that score by attention: the engine never sends those here).
 """
@@ -143,40 +144,50 @@ class NativeStep:
                     raise ValueError(f"{op}: operands the native step cannot pass")
                 bias = None if bias is None else bias.detach()[r0:r1].float()
                 self.step.add_linear(op, tensors, ints, floats, bias, r0, r1 - r0, thread)
-        self._bound: tuple = ()
+        self._bound: list[tuple] = []  # per row: the bound cache's first and last key buffers
 
     def __call__(self, ids: torch.Tensor, step, kvs: list) -> torch.Tensor | None:
         """Logits [1, 1, vocab] of one token at the cache's step (`KVCache.begin`), or None where not covered."""
-        kv0 = kvs[0]
-        slot, window = step.start, kv0.window
-        if ids.shape != (1, 1) or kv0.padded or kv0.k.dtype not in KV_DTYPES or kv0.k.shape[0] != 1:
-            self.calls["eager"] += 1
-            return None
-        first = 0
-        if window is not None and slot + 1 > window:  # the window is the last slots only if none was evicted
-            if not all(layer.natural for layer in kvs):
-                self.calls["eager"] += 1
-                return None
-            first = slot + 1 - window
-        if torch.get_num_threads() != self.threads and self.team:
-            self._build(torch.get_num_threads())
-        if not self._bound or kv0.k is not self._bound[0] or kvs[-1].k is not self._bound[1]:
-            self._bind(kvs)
-        rot = step.rot if not step.rot.is_complex() else torch.view_as_real(step.rot)
-        self.calls["native"] += 1
-        x = None if self.embed is None else self.embed(ids).reshape(-1).contiguous()
-        return self.step.run(int(ids), slot, int(step.pos), first, rot, x)
+        return self.batch(ids, [step], [kvs])
 
     def batch(self, ids: torch.Tensor, steps: list, kvs: list[list]) -> torch.Tensor | None:
-        """Logits [B, 1, vocab] of B conversations' next tokens ids [B, 1], each at its own cache's step, or None
-        where not covered."""
-        outs = [self(ids[b:b + 1], step, layers) for b, (step, layers) in enumerate(zip(steps, kvs))]
-        return None if any(o is None for o in outs) else torch.cat(outs)
+        """Logits [B, 1, vocab] of B conversations' next tokens ids [B, 1], token b at steps[b] of the cache whose
+        layers are kvs[b] (each a batch-1 cache of its own), or None where any row is not covered."""
+        firsts = [self.first(step, layers) for step, layers in zip(steps, kvs)]
+        if any(f is None for f in firsts):
+            self.calls["eager"] += 1
+            return None
+        if ids.shape != (len(steps), 1):
+            raise ValueError(f"one token per row: ids {tuple(ids.shape)} for {len(steps)} rows")
+        if torch.get_num_threads() != self.threads and self.team:
+            self._build(torch.get_num_threads())
+        for b, layers in enumerate(kvs):
+            if b >= len(self._bound) or layers[0].k is not self._bound[b][0] or layers[-1].k is not self._bound[b][1]:
+                self._bind(b, layers)
+        rots = torch.cat([(s.rot if not s.rot.is_complex() else torch.view_as_real(s.rot)).reshape(1, -1)
+                          for s in steps])
+        self.calls["native"] += 1
+        x = None if self.embed is None else self.embed(ids).reshape(len(steps), -1).contiguous()
+        return self.step.run_batch(ids.view(-1).tolist(), [s.start for s in steps], [int(s.pos) for s in steps],
+                                   firsts, rots.contiguous(), x)
 
-    def _bind(self, kvs: list) -> None:
-        """Hand the cache's buffers to the step (a new cache, or one whose buffers grew)."""
+    @staticmethod
+    def first(step, layers: list) -> int | None:
+        """The first slot a step over this cache attends to (a sliding window's start), or None where the native
+        step does not cover it (padding, another dtype, a batch in one cache, an evicted windowed cache)."""
+        kv0 = layers[0]
+        if kv0.padded or kv0.k.dtype not in KV_DTYPES or kv0.k.shape[0] != 1 or step.pos.shape != (1, 1):
+            return None
+        if kv0.window is None or step.start + 1 <= kv0.window:
+            return 0
+        # the window is the last slots only if none was evicted
+        return step.start + 1 - kv0.window if all(layer.natural for layer in layers) else None
+
+    def _bind(self, row: int, kvs: list) -> None:
+        """Hand conversation `row`'s cache buffers to the step (a new cache, or one whose buffers grew)."""
         int8 = kvs[0].k_scale is not None
-        self.step.bind([layer.k for layer in kvs], [layer.v for layer in kvs],
-                       [layer.k_scale for layer in kvs] if int8 else [], [layer.v_scale for layer in kvs] if int8 else [],
-                       [layer.pos for layer in kvs])
-        self._bound = (kvs[0].k, kvs[-1].k)
+        self.step.bind_rows(row, [layer.k for layer in kvs], [layer.v for layer in kvs],
+                            [layer.k_scale for layer in kvs] if int8 else [],
+                            [layer.v_scale for layer in kvs] if int8 else [], [layer.pos for layer in kvs])
+        bound = (kvs[0].k, kvs[-1].k)
+        self._bound[row:row + 1] = [bound]
