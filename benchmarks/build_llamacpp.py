@@ -1,7 +1,8 @@
 """Build llama.cpp (the speed and quality peer) two ways so that it runs on this machine: `make bench-llamacpp`.
 
 Source: the llama-cpp-python source package on PyPI (its vendor/llama.cpp). CMake + Ninja, static
-binaries llama-bench, llama-perplexity, llama-quantize, llama-simple, llama-tokenize, built once per configuration in
+binaries llama-bench, llama-perplexity, llama-quantize, llama-simple, llama-tokenize and llama-server (the
+batching peer of `attnlab serve`), built once per configuration in
 ~/.cache/attnlab/llamacpp and copied to `<prefix>/{native,generic}/bin` with a build.json (CMake flags,
 whether batches above one token need `-ub 1`: see llamacpp.plan_builds and the AMX probe).
 
@@ -25,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llamacpp  # noqa: E402
 
 CACHE = Path(os.environ.get("ATTNLAB_LLAMACPP_CACHE", Path.home() / ".cache" / "attnlab" / "llamacpp"))
-TARGETS = ["llama-bench", "llama-perplexity", "llama-quantize", "llama-simple", "llama-tokenize"]
+TARGETS = ["llama-bench", "llama-perplexity", "llama-quantize", "llama-simple", "llama-tokenize", "llama-server"]
 COMMON = ["-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF",
-          "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF"]
+          "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_APP=OFF"]
 
 
 def source(version: str | None) -> Path:

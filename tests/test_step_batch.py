@@ -116,3 +116,37 @@ def test_step_batch_refuses_what_it_cannot_run():
         lm.step_batch(torch.tensor([1, 2]), [caches[0], caches[0]])
     with pytest.raises(AttnlabError, match="distinct caches"):
         lm.step_batch(torch.tensor([1]), [lm.new_cache(batch=2)])
+
+
+@pytest.mark.parametrize("native", [False, pytest.param(True, marks=needs_kernels)], ids=["eager", "native"])
+def test_each_conversation_keeps_its_own_cache_dtype_policy_and_window(native):
+    """One batch mixing float32, float16 and int8 caches, full and sink policies, under a sliding window (Mistral):
+    every row decodes what it decodes alone."""
+    lm = tiny_lm(dim=64, hidden_dim=128, head_dim=32, sliding_window=16)
+    if native:
+        lm.compile_decode()
+    kinds = [(torch.float32, None), (torch.float16, "sink"), (torch.int8, None), (torch.float16, None)]
+    prompts = _prompts()[:4]
+
+    def start(b):
+        lm.kv_dtype = kinds[b][0]
+        return _start(lm, prompts[b], kinds[b][1])
+
+    alone = []
+    for b in range(4):
+        cache, logits = start(b)
+        out = []
+        for _ in range(STEPS):
+            out.append(int(logits.argmax(-1)))
+            logits = lm.forward(torch.tensor([[out[-1]]]), cache, last_only=True)[:, -1]
+        alone.append(out)
+    started = [start(b) for b in range(4)]
+    caches, logits = [c for c, _ in started], torch.cat([lg for _, lg in started])
+    got = [[] for _ in range(4)]
+    for _ in range(STEPS):
+        tokens = logits.argmax(-1)
+        for b, t in enumerate(tokens.tolist()):
+            got[b].append(t)
+        logits = lm.step_batch(tokens, caches)
+    assert got == alone
+    assert {c.layers[0].k.dtype for c in caches} == {torch.float32, torch.float16, torch.int8}

@@ -1,0 +1,244 @@
+"""Many conversations at once: `attnlab serve` against `llama-server -np N` on the same GGUF, in one run.
+
+For each thread count and each concurrency N, both servers get the same N streamed chat conversations at once
+through the official `openai` client (the same prompts of --prompt-words words of the Shakespeare test plays
+plus a question, the same max_tokens, temperature 0), R rounds each, the two servers alternating round by round.
+Recorded per round: aggregate generated tokens per second (every stream's content chunks over the round's wall
+time), time to first token and inter-token latency (p50 / p99 over every stream), errors, and each server's peak
+RSS. llama-server's slots are fixed at start (`-np N`, context N x --ctx), so it is restarted per N; attnlab
+serves every N from one process (`--max-batch`). Writes a JSON record and a Markdown table (atomically).
+
+    python benchmarks/serve_batch.py --concurrency 1,2,4,8,16 --threads 1,2 --rounds 3 --out docs/figures/serve/batch
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shlex
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).parent))
+import llamacpp  # noqa: E402
+from serve import free_port, passages, rss_mib, start_server  # noqa: E402
+
+from attnlab.io import provenance, write_json, write_text  # noqa: E402
+
+QUESTION = "\n\nRetell this passage in your own words, in detail."
+
+
+def start_llama_server(binary: Path, model: str, threads: int, slots: int, ctx: int) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [str(binary), "-m", model, "-t", str(threads), "-tb", str(threads), "-np", str(slots),
+           "-c", str(ctx * slots), "--port", str(port), "--host", "127.0.0.1", "-cb", "--no-webui"]
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return server, url
+        except httpx.HTTPError:
+            pass
+        if server.poll() is not None or time.time() > deadline:
+            server.kill()
+            raise RuntimeError(f"llama-server did not start: {server.stderr.read()[-2000:]}")
+        time.sleep(0.5)
+
+
+async def one_stream(client, model: str, prompt: str, max_tokens: int) -> dict:
+    """One streamed chat request: its chunk arrival times (relative to the request) or its error."""
+    t0 = time.perf_counter()
+    times = []
+    try:
+        stream = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
+                                                      max_tokens=max_tokens, temperature=0.0, stream=True)
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                times.append(time.perf_counter() - t0)
+    except Exception as e:  # noqa: BLE001 - an error is a result here
+        return {"error": f"{type(e).__name__}: {e}"[:300], "times": times}
+    return {"times": times}
+
+
+async def round_(url: str, model: str, prompts: list[str], max_tokens: int, key: str) -> dict:
+    from openai import AsyncOpenAI
+    async with AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=1800) as client:
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(one_stream(client, model, p, max_tokens) for p in prompts))
+        wall = time.perf_counter() - t0
+    tokens = sum(len(r["times"]) for r in results)
+    ttft = [r["times"][0] for r in results if r["times"]]
+    gaps = [b - a for r in results for a, b in zip(r["times"], r["times"][1:])]
+    return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, "errors": [r["error"] for r in results
+                                                                                 if "error" in r],
+            "ttft": ttft, "itl": gaps}
+
+
+async def fairness(url: str, model: str, prompts: list[str], long_prompt: str, max_tokens: int, key: str,
+                   delay: float) -> dict:
+    """4 streams alone, then the same 4 with a long prompt arriving `delay` s in: their inter-token latencies."""
+    from openai import AsyncOpenAI
+    async with AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=1800) as client:
+        solo = await asyncio.gather(*(one_stream(client, model, p, max_tokens) for p in prompts))
+
+        async def late():
+            await asyncio.sleep(delay)
+            return await one_stream(client, model, long_prompt, 8)
+        *mixed, newcomer = await asyncio.gather(*(one_stream(client, model, p + " Again.", max_tokens)
+                                                  for p in prompts), late())
+    gaps = [[b - a for r in rs for a, b in zip(r["times"], r["times"][1:])] for rs in (solo, mixed)]
+    return {"itl_p99_solo": pct(gaps[0], 0.99), "itl_p99_with_long_prompt": pct(gaps[1], 0.99),
+            "itl_max_with_long_prompt": max(gaps[1], default=float("nan")),
+            "newcomer_ttft": newcomer["times"][0] if newcomer["times"] else None,
+            "errors": [r["error"] for r in (*solo, *mixed, newcomer) if "error" in r]}
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+class Peak:
+    """A server process's peak RSS, sampled every 0.5 s while the rounds run."""
+
+    def __init__(self, pid: int):
+        self.pid, self.peak, self.stop = pid, rss_mib(pid), threading.Event()
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def _watch(self):
+        while not self.stop.wait(0.5):
+            try:
+                self.peak = max(self.peak, rss_mib(self.pid))
+            except OSError:
+                return
+
+
+def summarize(rounds: list[dict]) -> dict:
+    ttft = [t for r in rounds for t in r["ttft"]]
+    itl = [t for r in rounds for t in r["itl"]]
+    return {"tok_s": statistics.median(r["tok_s"] for r in rounds), "tok_s_all": [r["tok_s"] for r in rounds],
+            "ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99), "itl_p50": pct(itl, 0.5),
+            "itl_p99": pct(itl, 0.99), "errors": sum(len(r["errors"]) for r in rounds),
+            "error_examples": [e for r in rounds for e in r["errors"]][:3],
+            "tokens": sum(r["tokens"] for r in rounds)}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="GGUF file (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--concurrency", default="1,2,4,8,16")
+    p.add_argument("--threads", default="1,2")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompt-words", default="75,750", help="prompt lengths: words drawn evenly in [lo, hi]")
+    p.add_argument("--ctx", type=int, default=2048, help="llama-server context per slot")
+    p.add_argument("--servers", default="attnlab,llama-server")
+    p.add_argument("--attnlab-args", default="", help="extra `attnlab serve` arguments")
+    p.add_argument("--fairness", type=int, default=0, metavar="TOKENS",
+                   help="instead: 4 streams, then the same with a prompt of about TOKENS tokens arriving (attnlab only)")
+    p.add_argument("--out", type=Path, default=Path("docs/figures/serve/batch"))
+    args = p.parse_args(argv)
+    from attnlab.model.files import resolve
+    model = str(resolve(args.model or "smollm2-135m"))
+    levels = [int(n) for n in args.concurrency.split(",")]
+    servers = args.servers.split(",")
+    lo, hi = (int(w) for w in args.prompt_words.split(","))
+    header = llamacpp.header()
+    print(header, flush=True)
+    builds = llamacpp.find_builds()
+    binary = Path(builds["native"]["bin"]) / "llama-server" if "native" in builds else None
+    if "llama-server" in servers and (binary is None or not binary.exists()):
+        raise SystemExit("no llama-server build: run `make bench-llamacpp` first")
+    top = max(levels)
+    texts = passages(hi, top)
+    prompts = [" ".join(t.split()[:lo + (hi - lo) * i // max(1, top - 1)]) + QUESTION for i, t in enumerate(texts)]
+    key = "batch-bench-key-0001"
+    record = {**provenance(None), "command": "python " + shlex.join(["benchmarks/serve_batch.py", *sys.argv[1:]]),
+              "seed": 0, "cpu": header, "model": model, "max_tokens": args.max_tokens,
+              "prompt_words": [lo, hi], "rounds": args.rounds, "cells": []}
+    if args.fairness:
+        words = " ".join(passages(args.fairness, 1)[0].split()[:int(args.fairness * 0.75)])
+        for threads in (int(t) for t in args.threads.split(",")):
+            ours, url = start_server([model, "--threads", str(threads), "--name", "m", "--api-key", key,
+                                      "--max-prompt-tokens", str(2 * args.fairness), *args.attnlab_args.split()],
+                                     free_port(), 600)
+            try:
+                cell = {"threads": threads, **asyncio.run(fairness(url, "m", prompts[:4], words + QUESTION,
+                                                                   args.max_tokens, key, 2.0))}
+            finally:
+                ours.terminate()
+                ours.wait(30)
+            record["cells"].append(cell)
+            print(cell, flush=True)
+        write_json(args.out / "fairness.json", record)
+        return
+    for threads in (int(t) for t in args.threads.split(",")):
+        ours = ours_url = None
+        if "attnlab" in servers:
+            ours, ours_url = start_server([model, "--threads", str(threads), "--name", "m", "--api-key", key,
+                                           "--max-batch", str(top), "--max-sessions", str(4 * top),
+                                           "--max-active", str(top), *args.attnlab_args.split()],
+                                          free_port(), 600)
+        try:
+            for n in levels:
+                peer = peer_url = None
+                if "llama-server" in servers:
+                    peer, peer_url = start_llama_server(binary, model, threads, n, args.ctx)
+                runs = {s: [] for s in servers}
+                peaks = {"attnlab": Peak(ours.pid) if ours else None, "llama-server": Peak(peer.pid) if peer else None}
+                try:
+                    for r in range(args.rounds):
+                        order = servers if r % 2 == 0 else servers[::-1]
+                        for s in order:
+                            url = ours_url if s == "attnlab" else peer_url
+                            # a round's prompts: the same N for both servers, different each round (no cached prefix)
+                            chosen = [prompts[(r * n + i) % top] + f" (round {r}, reader {i})" for i in range(n)]
+                            runs[s].append(asyncio.run(round_(url, "m", chosen, args.max_tokens, key)))
+                finally:
+                    for pk in peaks.values():
+                        if pk:
+                            pk.stop.set()
+                    if peer:
+                        peer.terminate()
+                        peer.wait(30)
+                for s in servers:
+                    cell = {"server": s, "threads": threads, "n": n, **summarize(runs[s]),
+                            "peak_rss_mib": peaks[s].peak if peaks[s] else None}
+                    record["cells"].append(cell)
+                    print(f"threads {threads} N {n:>2} {s:<12} {cell['tok_s']:7.1f} tok/s  ttft p50 "
+                          f"{cell['ttft_p50']:.2f} s  itl p50/p99 {cell['itl_p50'] * 1e3:.0f}/{cell['itl_p99'] * 1e3:.0f} "
+                          f"ms  errors {cell['errors']}  rss {cell['peak_rss_mib'] or 0:.0f} MiB", flush=True)
+                write_json(args.out / "serve_batch.json", record)
+        finally:
+            if ours:
+                ours.terminate()
+                ours.wait(30)
+    write_text(args.out / "serve_batch.md", table(record))
+    print(table(record))
+
+
+def table(record: dict) -> str:
+    rows = ["| threads | N | server | tok/s (median) | x N=1 | TTFT p50 / p99 s | ITL p50 / p99 ms | errors | peak RSS MiB |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    base = {(c["server"], c["threads"]): c["tok_s"] for c in record["cells"] if c["n"] == 1}
+    for c in record["cells"]:
+        one = base.get((c["server"], c["threads"]))
+        rows.append(f"| {c['threads']} | {c['n']} | {c['server']} | {c['tok_s']:.1f} | "
+                    f"{c['tok_s'] / one:.2f} |" if one else f"| {c['threads']} | {c['n']} | {c['server']} | "
+                    f"{c['tok_s']:.1f} | - |")
+        rows[-1] += (f" {c['ttft_p50']:.2f} / {c['ttft_p99']:.2f} | {c['itl_p50'] * 1e3:.0f} / "
+                     f"{c['itl_p99'] * 1e3:.0f} | {c['errors']} | {c['peak_rss_mib'] or 0:.0f} |")
+    return "\n".join([f"`{record['command']}` at {record['commit'][:10]}", "", record["cpu"], "", *rows]) + "\n"
+
+
+if __name__ == "__main__":
+    main()
