@@ -150,3 +150,19 @@ def test_each_conversation_keeps_its_own_cache_dtype_policy_and_window(native):
         logits = lm.step_batch(tokens, caches)
     assert got == alone
     assert {c.layers[0].k.dtype for c in caches} == {torch.float32, torch.float16, torch.int8}
+
+
+@needs_kernels
+@pytest.mark.parametrize("threads", [2, 3])
+def test_a_team_of_threads_decodes_the_batch_as_one_thread_does(threads):
+    """Each row's cache cut into one stretch per thread, merged by log-sum-exp, and each linear's rows per thread."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        lm = _lm(True, torch.int8, "int4:32")
+        prompts = _prompts()
+        alone = [_alone(lm, p, "sink") for p in prompts]
+        assert _batched(lm, prompts, "sink") == alone
+        assert lm.compiled.threads == threads and lm.compiled.calls["eager"] == 0
+    finally:
+        torch.set_num_threads(before)
