@@ -124,6 +124,11 @@ class Router:
                 log.warning("replica status unavailable: %s", e)
             await asyncio.sleep(1.0)
 
+    def view(self) -> dict:
+        """What the router knows (for operators and tests): replicas up, requests each answered, keys moved."""
+        return {"up": sorted(self.up), "served": dict(self.served), "moved": len(self.moved),
+                "failed": sorted(self.failed)}
+
     def order(self, key: str) -> list[str]:
         """Replicas to try: where the key moved (if that one is up), else its ranking over those up first."""
         now = time.monotonic()
@@ -275,6 +280,7 @@ class ReplicaSet:
             last = [line for line in str(e).splitlines() if line.strip()][-1:] or [type(e).__name__]
             raise AttnlabError(f"the replicas did not start: {last[0].strip()[:300]}") from None
         self.replicas = {n: serve.get_deployment_handle(n, app_name=name) for n in names}
+        self.router = serve.get_deployment_handle("router", app_name=name)
 
     def where(self, replica: str) -> dict:
         """{actor: the Ray actor now holding `replica` (e.g. to kill it), node: the id of its node}."""
@@ -283,8 +289,6 @@ class ReplicaSet:
 
     def close(self) -> None:
         try:
-            self.serve.delete(self.name)
-            if self.backend._owned:
-                self.serve.shutdown()
+            self.serve.delete(self.name)  # waits for the replicas to finish; a local instance then stops whole
         finally:
             self.backend.close()

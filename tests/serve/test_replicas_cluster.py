@@ -12,6 +12,7 @@ left, and the conversations that replica held keep their caches.
 """
 from __future__ import annotations
 
+import json
 import os
 import socket
 import time
@@ -29,7 +30,7 @@ openai = pytest.importorskip("openai")
 from tests.serve.conftest import running  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-MODEL, KEY = "smollm2-135m", "replica-test-key"
+MODEL, KEY, ADMIN = "smollm2-135m", "replica-test-key", "replica-admin-key"
 OPENERS = ["Name a colour.", "What is two plus two?", "Say hello in French.", "Name a fruit.",
            "What day comes after Monday?", "Name an animal that swims.", "What is the opposite of hot?",
            "Name a planet."]
@@ -44,7 +45,8 @@ def make_app():
     from attnlab.serve import PolicySpec, create_app
     torch.set_num_threads(1)
     lm = attnlab.load(MODEL, dtype="float32", compile=False, kv_dtype="float32")
-    return create_app(lm, MODEL, PolicySpec("sink", 256, 4, "cache"), chunk=64, max_tokens=8, api_keys=[KEY])
+    return create_app(lm, MODEL, PolicySpec("sink", 256, 4, "cache"), chunk=64, max_tokens=8, api_keys=[KEY],
+                      admin_keys=[ADMIN])
 
 
 def free_port() -> int:
@@ -75,9 +77,19 @@ def replicas():
     c.shutdown()
 
 
-def turn(client, messages, stream: bool):
+def active(rs, replica: str) -> int:
+    """Requests the replica is serving now (its /health for an admin key, asked of that replica directly)."""
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET", "scheme": "http",
+             "path": "/health", "raw_path": b"/health", "root_path": "", "query_string": b"",
+             "headers": [(b"host", b"127.0.0.1"), (b"authorization", f"Bearer {ADMIN}".encode())],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    messages = list(rs.replicas[replica].options(stream=True).remote(scope, b""))
+    return json.loads(b"".join(m.get("body", b"") for m in messages if m["type"] == "http.response.body"))["active"]
+
+
+def turn(client, messages, stream: bool, max_tokens: int = 8):
     """(reply text, attnlab extension, cached tokens, replica name) of one greedy turn."""
-    kw = dict(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    kw = dict(model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0)
     if not stream:
         raw = client.chat.completions.with_raw_response.create(**kw)
         r = raw.parse()
@@ -112,9 +124,14 @@ def test_replica_killed_mid_conversation(replicas):
     victim = homes[0]
     lost = [i for i in range(8) if homes[i] == victim]
     kept = [i for i in range(8) if homes[i] != victim]
-    ray.kill(replicas.where(victim)["actor"], no_restart=True)
-    second = list(pool.map(lambda i: turn(client, history(OPENERS[i], first[i][0]), i % 2 == 0), range(8)))
-    print(f"16 turns through 2 replicas (one killed after the first 8) in {time.perf_counter() - t0:.1f} s; "
+    actor = replicas.where(victim)["actor"]
+    pending = [pool.submit(turn, client, history(OPENERS[i], first[i][0]), i in kept and i % 2 == 0, 24)
+               for i in range(8)]
+    while active(replicas, victim) == 0:  # the victim's turns have arrived: kill it with them in flight
+        assert not all(pending[i].done() for i in lost), "the victim answered before it could be killed"
+    ray.kill(actor, no_restart=True)
+    second = [p.result() for p in pending]
+    print(f"16 turns through 2 replicas (one killed during the second 8) in {time.perf_counter() - t0:.1f} s; "
           f"homes {homes}, second turns on {[s[3] for s in second]}")
 
     for i in kept:  # the survivors' caches were continued, never rebuilt
@@ -134,9 +151,16 @@ def test_replica_killed_mid_conversation(replicas):
     gone = homes[kept[0]]
     replicas.cluster.remove_node(replicas.nodes[replicas.where(gone)["node"]], allow_graceful=False)
     t1 = time.perf_counter()
+    while replicas.router.view.remote().result(timeout_s=60)["up"] != [victim]:  # the router sees it gone
+        assert time.perf_counter() - t1 < 60, replicas.router.view.remote().result(timeout_s=60)
+        time.sleep(0.5)
+    print(f"the router saw {gone} gone after {time.perf_counter() - t1:.1f} s")
+    t1 = time.perf_counter()
     third = list(pool.map(lambda i: turn(client, history(OPENERS[i], first[i][0], second[i][0]), False), range(8)))
     print(f"8 third turns with {gone}'s node removed in {time.perf_counter() - t1:.1f} s, on {[t[3] for t in third]}")
     assert all(t[3] != gone for t in third)
+    view = replicas.router.view.remote().result(timeout_s=60)
+    assert sum(view["served"].values()) == 24 and view["moved"] == len(kept), view  # listings are not relayed
     for i in range(8):  # those already on the replica left continue their caches, the others start fresh
         ext, cached, stayed = third[i][1], third[i][2], second[i][3] == third[i][3]
         assert (ext["session"] == second[i][1]["session"]) == stayed and (cached > 0) == stayed, (i, third[i])
@@ -144,7 +168,7 @@ def test_replica_killed_mid_conversation(replicas):
     with running(make_app()) as url:  # the single server, same messages, same order of turns
         single = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=300)
         ref1 = [turn(single, history(o), False)[0] for o in OPENERS]
-        ref2 = [turn(single, history(OPENERS[i], ref1[i]), False)[0] for i in range(8)]
+        ref2 = [turn(single, history(OPENERS[i], ref1[i]), False, 24)[0] for i in range(8)]
         ref3 = [turn(single, history(OPENERS[i], ref1[i], ref2[i]), False)[0] for i in range(8)]
     assert [f[0] for f in first] == ref1
     assert [s[0] for s in second] == ref2  # every conversation answered, as one server answers it
