@@ -190,9 +190,13 @@ class Router:
             self.served[name] += 1
             if first["type"] == "http.response.start":
                 first = {**first, "headers": [*first.get("headers", []), (b"x-attnlab-replica", name.encode())]}
-            await send(first)
-            async for message in stream:
-                await send(message)
+            try:
+                await send(first)
+                async for message in stream:
+                    await send(message)
+            except BaseException:  # the client left (Serve cancels this request) or the replica died mid-answer:
+                getattr(stream, "cancel", lambda: None)()  # the replica sees a disconnect and stops generating
+                raise
             return
         body = json.dumps({"error": {"message": "no replica is up; retry later", "type": "server_error",
                                      "param": None, "code": "no_replica"}}).encode()

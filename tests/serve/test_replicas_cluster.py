@@ -8,7 +8,8 @@ must answer, equal to what a single server answers for the same messages (float3
 survivors' turns must continue their caches (same session, only the new tokens fed, 2 turns on the
 session), and the lost ones must start fresh caches on a live replica. Then the other replica's node is
 removed (Serve cannot place its replacement: no CPU left): every third turn is answered by the replica
-left, and the conversations that replica held keep their caches.
+left, and the conversations that replica held keep their caches. Last, a client that leaves mid-stream
+stops its replica's generation.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
 
 pytestmark = pytest.mark.cluster
@@ -164,6 +166,21 @@ def test_replica_killed_mid_conversation(replicas):
     for i in range(8):  # those already on the replica left continue their caches, the others start fresh
         ext, cached, stayed = third[i][1], third[i][2], second[i][3] == third[i][3]
         assert (ext["session"] == second[i][1]["session"]) == stayed and (cached > 0) == stayed, (i, third[i])
+
+    # a client that leaves mid-stream: the replica stops generating (2000 tokens would take minutes here)
+    body = {"model": MODEL, "prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "max_tokens": 2000, "temperature": 0,
+            "stream": True}
+    with httpx.stream("POST", replicas.url + "/v1/completions", json=body, timeout=120,
+                      headers={"authorization": f"Bearer {KEY}"}) as r:
+        assert r.status_code == 200 and r.headers["x-attnlab-replica"] == victim
+        lines = r.iter_lines()
+        assert sum(1 for _, line in zip(range(6), lines) if line.startswith("data: {")) == 3  # 3 tokens so far
+        assert active(replicas, victim) == 1
+    t2 = time.perf_counter()
+    while active(replicas, victim):
+        assert time.perf_counter() - t2 < 20, "the replica kept generating for a client that left"
+        time.sleep(0.2)
+    print(f"a client left mid-stream: the replica stopped after {time.perf_counter() - t2:.1f} s")
 
     with running(make_app()) as url:  # the single server, same messages, same order of turns
         single = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=300)
