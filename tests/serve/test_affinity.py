@@ -190,3 +190,47 @@ def test_without_ray_a_clear_error(monkeypatch, capsys):
     assert code == 2 and "pip install 'attnlab[scale]'" in err and "Traceback" not in err, err
     code, out, err = run(capsys, "serve", "--ray", "127.0.0.1:6379")
     assert code == 2 and "--ray ADDRESS needs --replicas N" in err, err
+
+
+class FakeRequest:
+    """What Serve hands the router: the ASGI scope and the body as a stream of chunks."""
+
+    def __init__(self, method, path, chunks=()):
+        self.scope = {"type": "http", "method": method, "path": path, "headers": [], "app": object()}
+        self.chunks = chunks
+
+    async def stream(self):
+        for c in self.chunks:
+            yield c
+
+
+def answer(router, request) -> tuple[int, bytes]:
+    sent = []
+
+    async def main():
+        async def send(m):
+            sent.append(m)
+        response = await router(request)
+        await response({"type": "http"}, None, send)
+    asyncio.run(main())
+    return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
+
+
+def test_router_refuses_big_bodies_and_merges_session_lists():
+    ids = iter(range(100))
+
+    async def sessions(scope, receive, send):  # each replica lists its own, or 404s another's session id
+        await receive()
+        mine = {"data": [{"id": f"s{next(ids)}", "last_used": 1}], "requests": 2}
+        status, body = (200, mine) if scope["path"] == "/v1/sessions" else (404, {"error": {}})
+        await send({"type": "http.response.start", "status": status, "headers": []})
+        await send({"type": "http.response.body", "body": json.dumps(body).encode()})
+    handles = {n: FakeHandle(sessions) for n in ("replica-0", "replica-1")}
+    router = replicas.Router(handles, max_body=10)
+    router.watcher = "no Ray here"
+    status, body = answer(router, FakeRequest("POST", CHAT, [b"x" * 6, b"y" * 6]))
+    assert status == 413 and json.loads(body)["error"]["code"] == "request_too_large"
+    assert all(h.calls == 0 for h in handles.values())  # refused before any replica saw it
+    status, body = answer(router, FakeRequest("GET", "/v1/sessions"))
+    assert status == 200 and json.loads(body)["requests"] == 4 and len(json.loads(body)["data"]) == 2
+    assert answer(router, FakeRequest("GET", "/v1/sessions/abc"))[0] == 404  # on no replica
