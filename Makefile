@@ -46,10 +46,10 @@ test-real: $(KERNELS)
 	$(BIN)/python -m attnlab fetch qwen2.5-coder-0.5b
 	$(BIN)/python -m pytest -m real -s tests/real
 
-# Ray cluster (head + 2 loopback worker nodes: node loss, driver kill) and DDP (gloo) tests: a few minutes
+# Ray cluster (head + 2 loopback worker nodes: node loss, driver kill, serve replicas) and DDP (gloo) tests
 test-scale: $(KERNELS)
-	$(BIN)/pip install -q 'ray[default]>=2.60'
-	$(BIN)/python -m pytest -m cluster tests/scale
+	$(BIN)/pip install -q 'ray[default,serve]>=2.60'
+	$(BIN)/python -m pytest -m cluster tests/scale tests/serve/test_replicas_cluster.py
 
 fuzz: $(KERNELS)  # FUZZ_CASES (10000), FUZZ_SEED, FUZZ_WORKERS, FUZZ_REPORT=file
 	nice -n 19 $(BIN)/python -m pytest -m fuzz -s tests/test_fuzz_models.py

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import time
+from functools import partial
 from pathlib import Path
 
 from attnlab.cli.common import UserError, add_model_args, load_lm, model_options, positive_float, positive_int
@@ -10,10 +12,12 @@ from attnlab.cli.stream import add_policy_args
 
 def cmd_serve(args) -> int:
     try:
-        from attnlab.serve import PolicySpec, create_app
+        from attnlab.serve import PolicySpec
         from attnlab.serve.conn import GuardedServer, Limits, serve_config
     except ModuleNotFoundError as e:
         raise UserError(f"serving needs the 'serve' extra ({e.name} is missing): pip install 'attnlab[serve]'") from None
+    if args.ray and not args.replicas:
+        raise UserError("--ray ADDRESS needs --replicas N (the number of servers to run on that cluster)")
     if "," in args.policy:
         raise UserError("serve takes one --policy (requests may pick another through the attnlab field)")
     opts = model_options(args)
@@ -26,19 +30,9 @@ def cmd_serve(args) -> int:
         raise UserError(f"serving on {args.host} without --api-key lets anyone who can reach it use it: give "
                         f"--api-key (or ATTNLAB_API_KEYS / --api-keys-file), or --insecure-no-auth")
     hosts = ["127.0.0.1", "localhost", "::1"] + ([args.host] if args.host not in ("0.0.0.0", "::") else [])
-    lm = load_lm(args, options=opts)
     name = args.name or Path(str(args.model)).name.removesuffix(".gguf")
-    try:
-        app = create_app(lm, name, spec, max_sessions=args.max_sessions, max_bytes=args.max_cache_mib << 20,
-                         max_tokens=args.max_tokens, max_active=args.max_active, queue_timeout=args.queue_timeout,
-                         max_prompt_tokens=args.max_prompt_tokens, chunk=args.chunk,
-                         max_tokens_cap=args.max_tokens_cap, max_body=args.max_body_kib << 10,
-                         hosts=hosts + (args.allowed_host or []), api_keys=keys, admin_keys=admin_keys,
-                         openapi=args.openapi, cors_origins=args.cors_origin or [],
-                         key_sessions=args.max_sessions_per_key,
-                         key_bytes=args.max_cache_mib_per_key << 20 if args.max_cache_mib_per_key else None)
-    except ValueError as e:
-        raise UserError(str(e)) from None
+    build = partial(build_app, args, name, spec, hosts + (args.allowed_host or []), keys, admin_keys)
+    app = None if args.replicas else build()
     print(f"attnlab serve: {name} ({spec.name}{'' if spec.name == 'full' else f', budget {spec.budget}'}) on "
           f"http://{args.host}:{args.port}/  (OpenAI base_url http://{args.host}:{args.port}/v1)")
     if keys or admin_keys:
@@ -47,9 +41,45 @@ def cmd_serve(args) -> int:
     else:
         print("attnlab serve: no API keys: anyone who can reach this address can use the server and see every "
               "conversation" + (" (localhost only)" if loopback else " (--insecure-no-auth)"))
+    if args.replicas:
+        return serve_replicas(args, build)
     limits = Limits(header_timeout=args.header_timeout, body_timeout=args.body_timeout, keep_alive=args.keep_alive,
                     max_connections=args.max_connections, max_per_client=args.max_connections_per_client)
     GuardedServer(serve_config(app, args.host, args.port, limits, args.log_level)).run()
+    return 0
+
+
+def build_app(args, name, spec, hosts, keys, admin_keys):
+    """Load the model and build the server's app (in this process, or in each Ray Serve replica)."""
+    from attnlab.serve import create_app
+    lm = load_lm(args, options=model_options(args))
+    try:
+        return create_app(lm, name, spec, max_sessions=args.max_sessions, max_bytes=args.max_cache_mib << 20,
+                          max_tokens=args.max_tokens, max_active=args.max_active, queue_timeout=args.queue_timeout,
+                          max_prompt_tokens=args.max_prompt_tokens, chunk=args.chunk,
+                          max_tokens_cap=args.max_tokens_cap, max_body=args.max_body_kib << 10, hosts=hosts,
+                          api_keys=keys, admin_keys=admin_keys, openapi=args.openapi,
+                          cors_origins=args.cors_origin or [], key_sessions=args.max_sessions_per_key,
+                          key_bytes=args.max_cache_mib_per_key << 20 if args.max_cache_mib_per_key else None)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+
+def serve_replicas(args, build) -> int:
+    """--replicas N: N servers as a Ray Serve application behind an affinity router, until interrupted."""
+    from attnlab.serve.replicas import ReplicaSet
+    print(f"attnlab serve: starting {args.replicas} replica(s) on Ray ({args.ray or 'a local instance'}), "
+          f"{args.threads} CPU(s) each; each conversation is routed to the replica holding its cache")
+    replicas = ReplicaSet(build, args.replicas, args.host, args.port, args.ray, cpus=args.threads,
+                          max_body=args.max_body_kib << 10)
+    print(f"attnlab serve: {args.replicas} replica(s) up")
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        replicas.close()
     return 0
 
 
@@ -106,6 +136,11 @@ def add_parser(sub) -> None:
                    help="extra Host header name to answer (default: the bound address and localhost; '*': any)")
     p.add_argument("--openapi", action="store_true", help="serve the API schema at /openapi.json")
     p.add_argument("--cors-origin", action="append", metavar="ORIGIN", help="allow browser calls from this origin")
+    p.add_argument("--replicas", type=positive_int, default=None, metavar="N",
+                   help="N servers as a Ray Serve application (pip install 'attnlab[scale]'), each conversation "
+                        "routed to the replica holding its cache")
+    p.add_argument("--ray", default=None, metavar="ADDRESS",
+                   help="with --replicas: the Ray cluster to join (HOST:PORT or auto; default: a local instance)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="server log verbosity")
     p.set_defaults(func=cmd_serve)

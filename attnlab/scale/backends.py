@@ -21,6 +21,7 @@ from attnlab.errors import AttnlabError
 from attnlab.scale.cells import execute
 
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+NEED_RAY = "--backend ray needs Ray: pip install 'attnlab[scale]' (or pip install 'ray[default]')"
 
 
 def _fail(errors: list[tuple[str, str]]) -> None:
@@ -63,14 +64,15 @@ def is_loopback(address: str | None) -> bool:
         return False
 
 
-def import_ray(loopback: bool = True):
-    """`ray`, with the loopback switch set first when this process starts or joins a local instance."""
+def import_ray(loopback: bool = True, need: str = NEED_RAY):
+    """`ray`, with the loopback switch set first when this process starts or joins a local instance;
+    AttnlabError(need) when Ray is not installed."""
     if loopback:
         os.environ.setdefault(LOOPBACK_ENV, "0")
     try:
         import ray
     except ImportError:
-        raise AttnlabError("--backend ray needs Ray: pip install 'attnlab[scale]' (or pip install 'ray[default]')") from None
+        raise AttnlabError(need) from None
     if loopback:  # imported before the variable was set: the constant Ray read at import decides
         from ray._private import ray_constants
         ray_constants.ENABLE_RAY_CLUSTER = False
