@@ -13,6 +13,7 @@ import csv
 import hashlib
 import io
 import json
+import shlex
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -54,6 +55,7 @@ def run_cli(argv: list[str], family: str) -> dict:
     """One cell (what a worker runs): `attnlab ARGV` in this process -> {stdout_json, files, stdout}."""
     from attnlab.cli import main
     fam = FAMILIES.get(family, Family(out=None))
+    asked = "attnlab " + shlex.join(argv)  # what the results name: the cell's command, not its scratch folder
     argv = list(argv)
     tmp = Path(tempfile.mkdtemp(prefix="attnlab-cell-"))
     try:
@@ -77,6 +79,9 @@ def run_cli(argv: list[str], family: str) -> dict:
             tail = " ".join((err.getvalue() or out.getvalue()).split())[-400:]
             raise AttnlabError(f"`attnlab {' '.join(argv)}` exited {rc}: {tail}")
         files = {name: json.loads((tmp / name).read_text()) for name in fam.files if (tmp / name).is_file()}
+        for record in files.values():
+            if isinstance(record, dict) and "command" in record:
+                record["command"] = asked
         text = out.getvalue()
         parsed = None
         if fam.json_flag:
