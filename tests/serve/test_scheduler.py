@@ -247,3 +247,46 @@ def test_stop_strings_cut_the_reply_and_end_it(smollm2):
     said = [tok.decode(tokens[:k], skip_special_tokens=True) for k in (n - 1, n)]
     assert stop not in said[0] and stop in said[1]  # it ended at the token that completed the stop
     assert cut[1:] == plain[1:]
+
+
+def test_the_model_thread_ends_a_request_before_its_last_events_and_cancels_between_steps():
+    """`ModelThread` (the server's): calls and cancels run between steps, in order; a request's end(keep) runs
+    before its last events are handed over (keep: the prompt was in), and nothing is handed over after a cancel."""
+    import threading
+    import time
+
+    from attnlab.serve.worker import ModelThread
+    lm = _lm()
+    worker = ModelThread(Scheduler(lm, max_batch=4, chunk=CHUNK))
+    log, finished = [], threading.Event()
+
+    def deliver(events):
+        log.append([(e.kind, e.token) for e in events])
+        if events[-1].kind == "done":
+            finished.set()
+
+    def request(prompt, n):
+        return dict(session=_session(lm, 0), prompt=prompt, sampler=Sampler(0.0), max_tokens=n, stop_ids=())
+    try:
+        prompt = _prompts(1)[0]
+        worker.submit(deliver, lambda keep: log.append(("end", keep)), **request(prompt, 6)).result(30)
+        assert finished.wait(30)
+        assert log[-2] == ("end", True) and log[-1][-1][0] == "done"
+        assert [t for step in log if step[0] != "end" for kind, t in step if kind == "token"] == \
+            _alone(lm, 0, prompt, 6, eos=False)
+        gate, ends = threading.Event(), []  # hold the thread: submit and cancel then run before any step
+        worker.call(gate.wait, 30)
+        second = worker.submit(deliver, ends.append, **request(prompt, 6))
+        cancelled = worker.cancel(1)  # the id it gets: the scheduler numbers its requests 0, 1, ...
+        gate.set()
+        assert second.result(30) == 1 and cancelled.result(30) is None and ends == [False]
+        log.clear()
+        rid = worker.submit(deliver, ends.append, **request(prompt, 10_000)).result(30)
+        while len(log) < 3:
+            time.sleep(0.01)
+        worker.cancel(rid).result(30)
+        seen = len(log)
+        time.sleep(0.2)
+        assert ends == [False, True] and len(log) == seen and worker.scheduler.idle
+    finally:
+        worker.close()
