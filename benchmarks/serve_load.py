@@ -26,7 +26,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).parent))
 from serve import QUESTIONS, free_port, passages, rss_mib, start_server  # noqa: E402
 
-from attnlab.io import write_json, write_text  # noqa: E402
+from attnlab.io import provenance, write_json, write_text  # noqa: E402
 
 KEY = "load-test-key-0001"
 
@@ -134,6 +134,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="write OUT.json and OUT.md")
     args = p.parse_args(argv)
     levels = [int(x) for x in args.concurrency.split(",")]
+    made = {**provenance(None), "command": "python " + " ".join(sys.argv)}
     port = free_port()
     cmd = [args.model, "--policy", args.policy, "--budget", str(args.budget), "--threads", str(args.threads),
            "--max-cache-mib", str(args.max_cache_mib), "--max-sessions", str(2 * max(levels)),
@@ -149,7 +150,7 @@ def main(argv=None) -> int:
     md = table(rows)
     print(md)
     if args.out:
-        meta = {"command": " ".join(sys.argv), "args": vars(args), "rows": rows}
+        meta = {**made, "args": vars(args), "rows": rows}
         write_json(args.out + ".json", meta)
         write_text(args.out + ".md", md)
     return 0
