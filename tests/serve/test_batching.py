@@ -35,10 +35,14 @@ def widths(int4_lm, monkeypatch):
     return seen
 
 
-def _serve(lm, **limits):
+def _app(lm, **limits):
     from attnlab.serve import PolicySpec, create_app
+    return create_app(lm, MODEL, PolicySpec("sink", 128, 4, "cache"), chunk=32, max_tokens=16, **limits)
+
+
+def _serve(lm, **limits):
     from tests.serve.conftest import running
-    return running(create_app(lm, MODEL, PolicySpec("sink", 128, 4, "cache"), chunk=32, max_tokens=16, **limits))
+    return running(_app(lm, **limits))
 
 
 def _client(url):
@@ -91,3 +95,24 @@ def test_max_batch_bounds_the_decode_step(int4_lm, widths):
         widths.clear()
         together = _together(client, QUESTIONS[:4])
     assert together == alone and max(widths) == 2
+
+
+def test_a_client_that_leaves_a_whole_answer_is_cancelled(int4_lm):
+    """Not streamed: the server notices the disconnect while it decodes and drops the request from the batch."""
+    import time
+
+    import httpx
+    from tests.serve.conftest import running
+    app = _app(int4_lm, max_tokens_cap=2000)
+    stats = app.state.stats
+    body = {"model": MODEL, "prompt": "1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": 2000, "temperature": 0}
+    with running(app) as url:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/completions", json=body, timeout=1.5)
+        deadline = time.monotonic() + 10
+        while stats["active"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        settled = stats["tokens_generated"]
+        time.sleep(0.5)
+        assert stats["active"] == 0 and stats["tokens_generated"] == settled < 2000
+        assert app.state.server.scheduler.idle and not app.state.store.loose
