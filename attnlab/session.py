@@ -79,17 +79,25 @@ class Session:
             raise AttnlabError("nothing to continue from: empty prompt")
         eos = self.lm.eos_ids if stop_at_eos else set()
         reply: list[int] = []
-        start = self.fed
         try:
             for token in self.lm.decode(self.cache, self.logits[None] if max_new_tokens else None, sampler,
                                         max_new_tokens, eos):
                 if reply:
-                    self.ids.append(reply[-1])
-                self.fed = start + len(reply)  # every reply token but this one is in the cache
+                    self.record(reply[-1])  # every reply token but this one is in the cache
                 reply.append(int(token[0]))
                 yield reply[-1]
         finally:
-            if reply:
-                self.logits = None
-            if len(reply) > 1 and self.lm.tokenizer is not None:
-                self.text += self.lm.tokenizer.decode(reply[:-1], skip_special_tokens=False)
+            self.end_reply(reply)
+
+    def record(self, token: int) -> None:
+        """A reply token the caller fed into this cache itself (the server's batched step, `LM.step_batch`)."""
+        self.ids.append(token)
+        self.fed += 1
+
+    def end_reply(self, reply: list[int]) -> None:
+        """A reply is over: every token of it but the last was fed (and recorded); `text` gains those, and the
+        session waits for its next feed, which starts with the last one."""
+        if reply:
+            self.logits = None
+        if len(reply) > 1 and self.lm.tokenizer is not None:
+            self.text += self.lm.tokenizer.decode(reply[:-1], skip_special_tokens=False)

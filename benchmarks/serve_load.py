@@ -4,7 +4,8 @@ Starts `attnlab serve` as a subprocess (with an API key, as a shared deployment 
 then for each concurrency level N keeps N conversations going with asyncio + httpx for
 --minutes: every turn sends the whole history plus a user message of realistic length (a
 passage of 10-60 words from the Shakespeare test plays and a question), streams the reply
-(max_tokens --max-tokens) and records time to first token and the whole turn. A
+(max_tokens --max-tokens) and records time to first token, the gaps between content chunks
+(inter-token latency), the tokens generated (`usage`) and the whole turn. A
 conversation ends after --turns turns and a new one starts. The server's RSS is sampled
 every second. Writes a JSON record and a Markdown table (atomically).
 
@@ -25,7 +26,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).parent))
 from serve import QUESTIONS, free_port, passages, rss_mib, start_server  # noqa: E402
 
-from attnlab.io import write_json, write_text  # noqa: E402
+from attnlab.io import provenance, write_json, write_text  # noqa: E402
 
 KEY = "load-test-key-0001"
 
@@ -46,9 +47,9 @@ async def conversation(client, i: int, texts: list[str], args, deadline: float, 
                 return
             words = texts[rng.randrange(len(texts))].split()[:rng.randint(10, 60)]
             history.append({"role": "user", "content": " ".join(words) + "\n\n" + rng.choice(QUESTIONS)})
-            body = {"model": "m", "messages": history, "max_tokens": args.max_tokens, "temperature": 0.7,
-                    "seed": rng.randrange(1 << 30), "stream": True}
-            start, first, parts = time.perf_counter(), None, []
+            body = {"model": "m", "messages": history, "max_tokens": args.max_tokens, "temperature": args.temperature,
+                    "seed": rng.randrange(1 << 30), "stream": True, "stream_options": {"include_usage": True}}
+            start, first, parts, last = time.perf_counter(), None, [], None
             try:
                 async with client.stream("POST", "/v1/chat/completions", json=body) as r:
                     if r.status_code != 200:
@@ -56,9 +57,16 @@ async def conversation(client, i: int, texts: list[str], args, deadline: float, 
                     async for line in r.aiter_lines():
                         if not line.startswith("data: {"):
                             continue
-                        delta = json.loads(line[6:])["choices"][0].get("delta", {}).get("content")
+                        chunk = json.loads(line[6:])
+                        if chunk.get("usage"):
+                            rec["tokens"] += chunk["usage"]["completion_tokens"]
+                        delta = chunk["choices"][0].get("delta", {}).get("content") if chunk["choices"] else None
                         if delta:
-                            first = first or time.perf_counter()
+                            now = time.perf_counter()
+                            first = first or now
+                            if last is not None:
+                                rec["itl"].append(now - last)
+                            last = now
                             parts.append(delta)
                 end = time.perf_counter()
                 rec["turn"].append(end - start)
@@ -70,7 +78,8 @@ async def conversation(client, i: int, texts: list[str], args, deadline: float, 
 
 
 async def level(url: str, n: int, args, pid: int, texts: list[str]) -> dict:
-    rec = {"turn": [], "ttft": [], "errors": [], "rss": [rss_mib(pid)]}
+    rec = {"turn": [], "ttft": [], "itl": [], "tokens": 0, "errors": [], "rss": [rss_mib(pid)]}
+    began = time.monotonic()
     deadline = time.monotonic() + args.minutes * 60
     limits = httpx.Limits(max_connections=n + 2)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits,
@@ -84,23 +93,28 @@ async def level(url: str, n: int, args, pid: int, texts: list[str]) -> dict:
                       f"{max(0, left):.0f} s left   ", end="", file=sys.stderr, flush=True)
         await asyncio.gather(watch(), *(conversation(client, i, texts, args, deadline, rec) for i in range(n)))
     rec["rss"].append(rss_mib(pid))
+    elapsed = time.monotonic() - began
     print(file=sys.stderr)
     return {"concurrency": n, "minutes": args.minutes, "turns": len(rec["turn"]), "errors": len(rec["errors"]),
             "error_samples": rec["errors"][:5],
             **{f"turn_p{q}": pct(rec["turn"], q) for q in (50, 95, 99)},
             **{f"ttft_p{q}": pct(rec["ttft"], q) for q in (50, 95, 99)},
+            "tokens": rec["tokens"], "tok_per_s": rec["tokens"] / elapsed,
+            **{f"itl_p{q}": pct(rec["itl"], q) for q in (50, 99)},
             "rss_start_mib": rec["rss"][0], "rss_end_mib": rec["rss"][-1], "rss_peak_mib": max(rec["rss"])}
 
 
 def table(rows: list[dict]) -> str:
     def s(x):
         return "-" if x is None else f"{x:.2f}"
-    out = ["| conversations | turns | errors | turn p50 / p95 / p99 (s) | TTFT p50 / p95 / p99 (s) | RSS start / end / peak (MiB) |",
-           "|---:|---:|---:|---|---|---|"]
+    out = ["| conversations | turns | errors | generated tok/s | ITL p50 / p99 (ms) | turn p50 / p95 / p99 (s) | "
+           "TTFT p50 / p95 / p99 (s) | RSS start / end / peak (MiB) |", "|---:|---:|---:|---:|---|---|---|---|"]
     for r in rows:
-        out.append(f"| {r['concurrency']} | {r['turns']} | {r['errors']} | {s(r['turn_p50'])} / {s(r['turn_p95'])} / "
-                   f"{s(r['turn_p99'])} | {s(r['ttft_p50'])} / {s(r['ttft_p95'])} / {s(r['ttft_p99'])} | "
-                   f"{r['rss_start_mib']:.0f} / {r['rss_end_mib']:.0f} / {r['rss_peak_mib']:.0f} |")
+        itl = " / ".join("-" if r[k] is None else f"{1000 * r[k]:.0f}" for k in ("itl_p50", "itl_p99"))
+        out.append(f"| {r['concurrency']} | {r['turns']} | {r['errors']} | {r['tok_per_s']:.1f} | {itl} | "
+                   f"{s(r['turn_p50'])} / {s(r['turn_p95'])} / {s(r['turn_p99'])} | {s(r['ttft_p50'])} / "
+                   f"{s(r['ttft_p95'])} / {s(r['ttft_p99'])} | {r['rss_start_mib']:.0f} / {r['rss_end_mib']:.0f} / "
+                   f"{r['rss_peak_mib']:.0f} |")
     return "\n".join(out) + "\n"
 
 
@@ -111,6 +125,8 @@ def main(argv=None) -> int:
     p.add_argument("--minutes", type=float, default=3.0, help="duration of each level")
     p.add_argument("--turns", type=int, default=6, help="turns per conversation before a new one starts")
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--serve-args", default="", help="more `attnlab serve` options, e.g. '--max-batch 1 --eager'")
     p.add_argument("--policy", default="sink")
     p.add_argument("--budget", type=int, default=256)
     p.add_argument("--threads", type=int, default=1)
@@ -118,10 +134,12 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="write OUT.json and OUT.md")
     args = p.parse_args(argv)
     levels = [int(x) for x in args.concurrency.split(",")]
+    made = {**provenance(None), "command": "python " + " ".join(sys.argv)}
     port = free_port()
     cmd = [args.model, "--policy", args.policy, "--budget", str(args.budget), "--threads", str(args.threads),
            "--max-cache-mib", str(args.max_cache_mib), "--max-sessions", str(2 * max(levels)),
-           "--max-active", str(max(levels)), "--name", "m", "--api-key", KEY, "--max-prompt-tokens", "4096"]
+           "--max-active", str(max(levels)), "--name", "m", "--api-key", KEY, "--max-prompt-tokens", "4096",
+           *args.serve_args.split()]
     server, url = start_server(cmd, port, 900)
     try:
         texts = passages(60, 200)
@@ -132,7 +150,7 @@ def main(argv=None) -> int:
     md = table(rows)
     print(md)
     if args.out:
-        meta = {"command": " ".join(sys.argv), "args": vars(args), "rows": rows}
+        meta = {**made, "args": vars(args), "rows": rows}
         write_json(args.out + ".json", meta)
         write_text(args.out + ".md", md)
     return 0

@@ -55,7 +55,8 @@ def build_app(args, name, spec, hosts, keys, admin_keys):
     lm = load_lm(args, options=model_options(args))
     try:
         return create_app(lm, name, spec, max_sessions=args.max_sessions, max_bytes=args.max_cache_mib << 20,
-                          max_tokens=args.max_tokens, max_active=args.max_active, queue_timeout=args.queue_timeout,
+                          max_tokens=args.max_tokens, max_active=args.max_active, max_batch=args.max_batch,
+                          queue_timeout=args.queue_timeout,
                           max_prompt_tokens=args.max_prompt_tokens, chunk=args.chunk,
                           max_tokens_cap=args.max_tokens_cap, max_body=args.max_body_kib << 10, hosts=hosts,
                           api_keys=keys, admin_keys=admin_keys, openapi=args.openapi,
@@ -116,7 +117,9 @@ def add_parser(sub) -> None:
     p.add_argument("--max-tokens-cap", type=positive_int, default=4096, help="largest max_tokens a request may ask")
     p.add_argument("--max-body-kib", type=positive_int, default=1024, help="largest request body (KiB), else 413")
     p.add_argument("--max-prompt-tokens", type=positive_int, default=32768, help="largest prompt one request may feed")
-    p.add_argument("--max-active", type=positive_int, default=8, help="requests generating at once (interleaved)")
+    p.add_argument("--max-active", type=positive_int, default=8, help="requests in the scheduler at once; the rest queue")
+    p.add_argument("--max-batch", type=positive_int, default=8,
+                   help="conversations prefilling or decoding together (one batched decode step); the rest wait")
     p.add_argument("--queue-timeout", type=float, default=60.0, help="seconds a request waits for a slot, then 503")
     p.add_argument("--chunk", type=positive_int, default=128, help="prefill chunk (bounded caches hold budget + chunk)")
     p.add_argument("--header-timeout", type=positive_float, default=10.0,

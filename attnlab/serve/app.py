@@ -1,12 +1,12 @@
 """The FastAPI app: OpenAI's chat/completions endpoints over bounded-cache sessions, plus the cache view.
 
-Concurrency: all model work runs on one worker thread, fed through a FIFO executor one step
-at a time (a prompt prefill, or one decode token), so concurrent requests interleave token by
-token and each only ever touches its own session's cache. At most `max_active` requests
-generate at once; the others wait for a slot up to `queue_timeout` seconds, then get 503.
-Decode steps of different requests are not batched: at batch 1 on a CPU a step is bound by
-streaming the weights, and separate caches with different policies and lengths would need
-padding and per-row eviction.
+Concurrency: all model work runs on one model thread (`worker.py`) that steps the scheduler
+(`scheduler.py`): each step feeds at most one prefill chunk of one newcomer, then decodes one token
+of every conversation in one batched step (`LM.step_batch`, each row over its own cache), so
+concurrent requests share each weight read. Requests become `submit`s, the scheduler's events
+become the streamed or whole answers, a client that leaves is `cancel`led. At most `max_active`
+requests are in the scheduler at once (the others wait for a slot up to `queue_timeout` seconds,
+then get 503), at most `max_batch` of them prefilling or decoding.
 
 Tokenising and rendering run on a separate small pool, never on the model thread, and only
 after the cheap checks on the raw request: a request that would cost more than the server's
@@ -23,7 +23,7 @@ import asyncio
 import logging
 import time
 from collections import Counter, defaultdict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -35,11 +35,12 @@ from attnlab.errors import AttnlabError
 from attnlab.sampling import Sampler
 from attnlab.serve.guard import LOOPBACK, Guard, HostGuard
 from attnlab.serve.protocol import APIError, ChatRequest, CommonRequest, CompletionRequest, clip, validation_error
-from attnlab.serve.replies import Reply, Turn
+from attnlab.serve.replies import GONE, Reply, Turn
 from attnlab.options import PolicySpec
+from attnlab.serve.scheduler import Scheduler
 from attnlab.serve.sessions import SessionStore
 from attnlab.serve.text import ChatText
-from attnlab.session import Session
+from attnlab.serve.worker import ModelThread
 
 log = logging.getLogger("attnlab.serve")
 PAGE = Path(__file__).parent / "static" / "index.html"
@@ -52,7 +53,7 @@ class Server:
                  max_bytes: int = 1 << 30, max_tokens: int = 256, max_active: int = 8, queue_timeout: float = 60.0,
                  max_prompt_tokens: int = 32768, chunk: int = 128, max_tokens_cap: int = 4096,
                  max_body: int = 1 << 20, hosts=LOOPBACK, api_keys=(), admin_keys=(), openapi: bool = False,
-                 cors_origins=(), key_sessions: int | None = None, key_bytes: int | None = None):
+                 cors_origins=(), key_sessions: int | None = None, key_bytes: int | None = None, max_batch: int = 8):
         self.lm, self.model_name, self.spec, self.chunk = lm, model_name, spec, chunk
         self.max_tokens, self.max_active, self.queue_timeout = max_tokens, max_active, queue_timeout
         self.max_prompt_tokens, self.max_tokens_cap = max_prompt_tokens, max(max_tokens_cap, max_tokens)
@@ -63,7 +64,8 @@ class Server:
                                   key_bytes or max_bytes // keys)
         self.store.policy(spec)  # a bad default fails at startup, not on the first request
         self.text = ChatText(lm.tokenizer)
-        self.worker = ThreadPoolExecutor(1, thread_name_prefix="attnlab-model")
+        self.scheduler = Scheduler(lm, max_batch, chunk)
+        self.worker = ModelThread(self.scheduler)
         self.tokenizing = ThreadPoolExecutor(2, thread_name_prefix="attnlab-text")
         self.stats = {"requests": 0, "active": 0, "tokens_generated": 0, "errors": 0, "server_errors": 0}
         self.by_owner: defaultdict[str, Counter] = defaultdict(Counter)  # requests, tokens_generated per key
@@ -71,8 +73,8 @@ class Server:
         self.created_at = int(time.time())
 
     async def on_worker(self, fn, *args):
-        """Run on the model thread (the only one that touches a cache)."""
-        return await asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
+        """Run on the model thread (the only one that touches a cache), between scheduler steps."""
+        return await asyncio.wrap_future(self.worker.call(fn, *args))
 
     async def on_text(self, fn, *args):
         """Run text work (template rendering, tokenising) off the model thread and off the event loop."""
@@ -160,7 +162,7 @@ class Server:
         return self.slots
 
     async def start(self, request: Request, text: str | None, ids: list[int], s: PolicySpec, limit: int):
-        """Find or make the session, feed the prompt; returns (held, session, turn).
+        """Find or make the session and give its cache room; returns (held, turn, the ids to feed).
 
         text: the escaped rendered chat (ids: all its tokens), or None for a raw completion prompt.
         Every byte of cache is checked against the limits before any prefill (`SessionStore.grow`).
@@ -169,12 +171,7 @@ class Server:
         if text is None:
             self.check_length(s, 0, len(ids), len(ids), limit)
             held = await self.on_worker(self.store.one_off, s, owner, len(ids) + limit)
-            try:
-                await self.feed(held.session, ids, request)
-            except BaseException:
-                self.worker.submit(self.store.release, held)
-                raise
-            return held, held.session, Turn(len(ids), len(ids))
+            return held, Turn(len(ids), len(ids)), ids
         held, reused = await self.on_worker(self.store.acquire, text, s, owner, len(ids) + limit)
         session, touched = held.session, False
         try:
@@ -196,48 +193,69 @@ class Server:
             touched = True
             if rewind:
                 await self.on_worker(session.rewind, keep)
-            await self.feed(session, new, request)
-            session.text = text
+            session.text = text  # what the cache holds once the scheduler has fed `new` (else it is dropped)
         except BaseException:  # keep a reused session only if its cache was not touched
-            self.worker.submit(self.store.release, held, reused and not touched)
+            self.worker.call(self.store.release, held, reused and not touched)
             raise
         held.turns += 1
-        return held, session, Turn(len(ids), len(new))
+        return held, Turn(len(ids), len(new)), new
 
-    async def feed(self, session: Session, ids: list[int], request: Request) -> None:
-        """Prefill as one worker step per chunk, so a long prompt does not stall the other streams; stops
-        between chunks once the client has gone (499: nobody reads the answer)."""
-        for i in range(0, len(ids), self.chunk):
-            if await request.is_disconnected():
-                raise APIError(499, "the client closed the connection", code="client_closed")
-            await self.on_worker(session.feed, ids[i:i + self.chunk])
+    async def submit(self, reply: Reply, request: Request, new: list[int], sampler: Sampler, limit: int,
+                     stops: list[str]) -> None:
+        """Hand the request to the scheduler and wait for its first event (the prompt is in, or it failed):
+        a failure is the request's status, not a broken stream. A client that leaves is cancelled (499)."""
+        held = reply.held
+        future = self.worker.submit(reply.inbox.deliver, lambda keep: self.store.release(held, keep),
+                                   session=held.session, prompt=new, sampler=sampler, max_tokens=limit,
+                                   stop_ids=self.lm.eos_ids, stops=stops)
+        try:
+            reply.rid = await asyncio.shield(asyncio.wrap_future(future))
+        except asyncio.CancelledError:
+            future.add_done_callback(self.settle(held))
+            raise
+        except BaseException:  # not submitted: the session is ours to drop
+            self.worker.call(self.store.release, held, False)
+            raise
+        reply.watcher = asyncio.create_task(reply.watch(request))
+        first = await reply.inbox.peek()
+        if first is GONE:
+            raise APIError(499, "the client closed the connection", code="client_closed")
+        if first.kind == "error":
+            raise first.error
 
-    def finish(self, held, sem, gen=None) -> None:
-        """Stop the decode and release session and slot, after any step the worker still runs for this request."""
+    def settle(self, held):
+        """For a submit whose caller was cancelled: cancel the request once it has an id, else drop the session."""
+        def done(future: Future) -> None:
+            if future.exception() is None:
+                self.worker.cancel(future.result())
+            else:
+                self.worker.call(self.store.release, held, False)
+        return done
+
+    def finish(self, sem) -> None:
         self.stats["active"] -= 1
         sem.release()
-        if gen is not None:
-            self.worker.submit(gen.close)  # the Session records the reply tokens it fed
-        if held is not None:
-            self.worker.submit(self.store.release, held)
 
     async def respond(self, req: CommonRequest, request: Request, plan, text: str | None, ids: list[int]):
         s, sampler, limit, stops = plan
-        chat = text is not None
         self.stats["requests"] += 1
         sem = await self.admit()
         self.stats["active"] += 1
         try:
-            held, session, turn = await self.start(request, text, ids, s, limit)
+            held, turn, new = await self.start(request, text, ids, s, limit)
         except BaseException:
-            self.finish(None, sem)
+            self.finish(sem)
             raise
         turn.owner = request.state.caller.owner
         self.by_owner[turn.owner]["requests"] += 1
-        reply = Reply(self, held, session, turn, session.generate(sampler, limit), stops, chat,
-                      lambda: self.finish(held, sem, reply.gen))
+        reply = Reply(self, held, turn, text is not None, lambda: self.finish(sem))
+        try:
+            await self.submit(reply, request, new, sampler, limit, stops)
+        except BaseException:
+            reply.close()
+            raise
         if not req.stream:
-            return await reply.whole(request)
+            return await reply.whole()
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(reply.events(include_usage), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
@@ -291,7 +309,8 @@ class Server:
         """Up or not for anyone; the server-wide counters only for an admin key (or a keyless server)."""
         if not request.state.caller.admin:
             return {"status": "ok", "model": self.model_name}
-        return {"status": "ok", "model": self.model_name, "sessions": len(self.store.sessions), **self.stats}
+        return {"status": "ok", "model": self.model_name, "sessions": len(self.store.sessions), **self.stats,
+                "scheduler": self.scheduler.summary()}
 
     async def sessions(self, request: Request):
         owner = self.visible(request)

@@ -1,14 +1,17 @@
-"""One request's reply: the decode loop on the model thread, cut at stop strings, as JSON or SSE events."""
+"""One request's reply: the scheduler's events for it, as JSON or SSE events."""
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 
-from attnlab.serve.protocol import StopScanner
+from attnlab.serve.scheduler import Event
 from attnlab.serve.sessions import alloc_bytes
-from attnlab.textstream import TextStream
+
+GONE = Event(-1, "done", reason="gone")  # the client closed the connection (put by the server's watcher)
 
 
 @dataclass
@@ -21,40 +24,76 @@ class Turn:
     owner: str = ""
 
 
-class Reply:
-    """Drives `gen` (the session's token generator) one worker step per token; `done` releases everything."""
+class Inbox:
+    """A request's events, handed from the model thread (`deliver`) to the event loop (`peek`, `next`)."""
 
-    def __init__(self, server, held, session, turn: Turn, gen, stops: list[str], chat: bool, done):
-        self.server, self.held, self.session, self.turn, self.gen = server, held, session, turn, gen
-        self.stops, self.chat, self.done = stops, chat, done
+    def __init__(self):
+        self.loop, self.events, self.ready = asyncio.get_running_loop(), deque(), asyncio.Event()
+
+    def deliver(self, events: list[Event]) -> None:
+        self.loop.call_soon_threadsafe(self.put, events)
+
+    def put(self, events: list[Event]) -> None:
+        self.events.extend(events)
+        self.ready.set()
+
+    async def peek(self) -> Event:
+        while not self.events:
+            self.ready.clear()
+            await self.ready.wait()
+        return self.events[0]
+
+    async def next(self) -> Event:
+        event = await self.peek()
+        self.events.popleft()
+        return event
+
+
+class Reply:
+    """The events of one scheduled request (id `rid`) as text deltas; `close` cancels it and frees its slot."""
+
+    def __init__(self, server, held, turn: Turn, chat: bool, on_close):
+        self.server, self.held, self.session, self.turn = server, held, held.session, turn
+        self.chat, self.on_close = chat, on_close
+        self.inbox, self.rid, self.watcher, self.closed = Inbox(), None, None, False
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created, self.kind = int(time.time()), "chat.completion" if chat else "text_completion"
 
-    async def deltas(self, request=None):
-        """Decode one token per worker step; yields text deltas (cut at stop strings)."""
+    def close(self) -> None:
+        """Stop watching the client, drop the request from the scheduler if it still runs, free the slot."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.watcher is not None:
+            self.watcher.cancel()
+        if self.rid is not None:
+            self.server.worker.cancel(self.rid)
+        self.on_close()
+
+    async def watch(self, request) -> None:
+        """Wait for the client to leave (in prefill, in a stream, before a whole answer), then cancel the request."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        self.inbox.put([GONE])
+        self.close()
+
+    async def deltas(self):
+        """Text deltas (already cut at stop strings by the scheduler) until the request ends."""
         server, turn = self.server, self.turn
-        lm = server.lm
-        text, scan, eos = TextStream(lm.tokenizer), StopScanner(self.stops), lm.eos_ids
         while True:
-            token = await server.on_worker(next, self.gen, None)
-            if token is None:
-                break
-            turn.reply.append(token)
-            server.stats["tokens_generated"] += 1
-            server.by_owner[turn.owner]["tokens_generated"] += 1
-            if token in eos:
-                turn.finish = "stop"
-            delta = scan.push(text.push(token))
-            if delta:
-                yield delta
-            if scan.stopped:
-                turn.finish = "stop"
+            event = await self.inbox.next()
+            if event.kind == "error":
+                raise event.error
+            if event.kind == "token":
+                turn.reply.append(event.token)
+                server.stats["tokens_generated"] += 1
+                server.by_owner[turn.owner]["tokens_generated"] += 1
+            elif event.reason != "gone":
+                turn.finish = event.reason
+            if event.text:
+                yield event.text
+            if event.kind == "done":
                 return
-            if request is not None and len(turn.reply) % 16 == 0 and await request.is_disconnected():
-                return
-        tail = scan.push(text.flush()) + scan.flush()
-        if tail:
-            yield tail
 
     def usage(self) -> dict:
         t = self.turn
@@ -67,14 +106,14 @@ class Reply:
         return {"session": self.held.id if self.held and self.held.stored else None, "fed_tokens": self.turn.fed,
                 "tokens_seen": cache.seen, "slots_kept": len(cache), "cache_bytes": alloc_bytes(cache)}
 
-    async def whole(self, request) -> dict:
+    async def whole(self) -> dict:
         """The non-streamed answer."""
         parts = []
         try:
-            async for delta in self.deltas(request):  # the same text, cut the same way, as the stream
+            async for delta in self.deltas():  # the same text, cut the same way, as the stream
                 parts.append(delta)
         finally:
-            self.done()
+            self.close()
         out = "".join(parts)
         choice = {"index": 0, "message": {"role": "assistant", "content": out}} if self.chat else {"index": 0, "text": out}
         choice.update(finish_reason=self.turn.finish, logprobs=None)
@@ -107,4 +146,4 @@ class Reply:
                 yield f"data: {json.dumps(body)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
-            self.done()
+            self.close()
