@@ -5,7 +5,7 @@ conversation's cache is prefilled with its own prompt (lengths spread evenly ove
 batch size B in turn runs --steps steps over its first B conversations, the sizes interleaved round by round
 (medians of --repeats rounds). Prints the CPU model and ISA flags, writes JSON + Markdown (atomically).
 
-    python benchmarks/batch_decode.py --batches 1,2,4,8,16 --threads 1,2 --repeats 3 --out docs/figures/serve/batch
+    python benchmarks/batch_decode.py --batches 1,2,4,8,16 --threads 1,2 --repeats 3 --out docs/figures/serve/engine-batch
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--load", default="", help="extra attnlab.load fields, e.g. kv_dtype=int8")
-    p.add_argument("--out", type=Path, default=Path("docs/figures/serve/batch"))
+    p.add_argument("--out", type=Path, default=Path("docs/figures/serve/engine-batch"))
     args = p.parse_args(argv)
     print(llamacpp.header(), flush=True)
     batches = [int(b) for b in args.batches.split(",")]

@@ -8,7 +8,7 @@ time), time to first token and inter-token latency (p50 / p99 over every stream)
 RSS. llama-server's slots are fixed at start (`-np N`, context N x --ctx), so it is restarted per N; attnlab
 serves every N from one process (`--max-batch`). Writes a JSON record and a Markdown table (atomically).
 
-    python benchmarks/serve_batch.py --concurrency 1,2,4,8,16 --threads 1,2 --rounds 3 --out docs/figures/serve/batch
+    python benchmarks/serve_batch.py --concurrency 1,2,4,8,16 --threads 1,2 --rounds 3 --out docs/figures/serve/vs-llama-server
 """
 from __future__ import annotations
 
@@ -145,7 +145,7 @@ def main(argv=None) -> None:
     p.add_argument("--attnlab-args", default="", help="extra `attnlab serve` arguments")
     p.add_argument("--fairness", type=int, default=0, metavar="TOKENS",
                    help="instead: 4 streams, then the same with a prompt of about TOKENS tokens arriving (attnlab only)")
-    p.add_argument("--out", type=Path, default=Path("docs/figures/serve/batch"))
+    p.add_argument("--out", type=Path, default=Path("docs/figures/serve/vs-llama-server"))
     args = p.parse_args(argv)
     from attnlab.model.files import resolve
     model = str(resolve(args.model or "smollm2-135m"))

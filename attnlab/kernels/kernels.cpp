@@ -23,6 +23,7 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "kernels_simd.h"
@@ -128,6 +129,12 @@ inline void passes(int64_t j0, int64_t j1, const Rows& w, int64_t ahead, Row row
   }
 }
 
+// Does a dot also take four activation rows at once (`four`, where `batched()`)?
+template <class T, class = void>
+struct Batched : std::false_type {};
+template <class T>
+struct Batched<T, std::void_t<decltype(&T::batched)>> : std::true_type {};
+
 // out [M, N]: dot(R, rows, m, o) puts R weight rows times activation row m into o[0..R); passes of Rn
 // rows split across threads (no parallel_for at 1 thread: it costs microseconds per call).
 template <int Rn, class Dot>
@@ -138,7 +145,10 @@ torch::Tensor rows_mm(const torch::Tensor& x, const Rows& w, int64_t N, Dot dot)
   auto run = [&](int64_t p0, int64_t p1) {
     passes<Rn>(Rn * p0, std::min(N, Rn * p1), w, 2 * Rows::ahead, [](int64_t j) { return j; },
                [&](auto R, const int64_t* rows, int64_t r) {
-                 for (int64_t m = 0; m < M; ++m) dot(R, rows, m, O + m * N + r);
+                 int64_t m = 0;
+                 if constexpr (Batched<Dot>::value)  // four activation rows per weight read where dot can
+                   for (; m + 4 <= M && dot.batched(); m += 4) dot.four(R, rows, m, O + m * N + r, N);
+                 for (; m < M; ++m) dot(R, rows, m, O + m * N + r);
                });
   };
   if (at::get_num_threads() == 1) run(0, n); else at::parallel_for(0, n, 16 / Rn, run);
@@ -209,6 +219,16 @@ struct Q4 {
     if (xa.pairs) return dot_q4_pairs<R::value>(Q, S, MN, rows, G, xa.X + m * K, xa.D + m * K / 8, xa.g + m * G, o);
     const auto d = per == 1 ? dot_q4<R::value, 1> : dot_q4<R::value, 0>;  // group 32: per known, loops flatten
     d(Q, S, MN, rows, G, per, xa.q + m * K, xa.d + m * K / 32, xa.g + m * G, o);
+  }
+  // R weight rows times activation rows m .. m + 3 into o[a * ldo + i] (the pairs layout: group 32)
+  bool batched() const { return xa.pairs; }
+  template <class R>
+  void four(R, const int64_t* rows, int64_t m, float* o, int64_t ldo) const {
+    const int8_t* X[4];
+    const float *D[4], *gs[4];
+    for (int a = 0; a < 4; ++a) X[a] = xa.X + (m + a) * K, D[a] = xa.D + (m + a) * K / 8, gs[a] = xa.g + (m + a) * G;
+    for (int i = 0; i < R::value; ++i)
+      dot_q4_pairs_x4(Q + rows[i] * G * 16, S + rows[i] * G, MN + rows[i] * G, G, X, D, gs, o + i, ldo);
   }
   Rows rows() const { return Rows(Q, K / 2, K); }
 };

@@ -156,6 +156,35 @@ inline void dot_q4_pairs(const uint8_t* Q, const float* S, const float* MN, cons
   }
 }
 
+// dot_q4_pairs<1> of one weight row against 4 activation rows (X[a], D[a], gs[a]) into out[a * ldo]: each code
+// pair is loaded and split into nibbles once for the four. Per activation row the same operations in the same
+// order as dot_q4_pairs, so each output has the same bits (a batched decode step equals four single steps).
+inline void dot_q4_pairs_x4(const uint8_t* q, const float* sr, const float* mr, int64_t G, const int8_t* const* X,
+                            const float* const* D, const float* const* gs, float* out, int64_t ldo) {
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  int64_t p = 0;
+  do {
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * p));
+    const __m256i lo = _mm256_and_si256(c, low), hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), low);
+    const __m256 sc = _mm256_set_m128(_mm_broadcast_ss(sr + 2 * p + 1), _mm_broadcast_ss(sr + 2 * p));
+    for (int a = 0; a < 4; ++a) {
+      const __m256i xl = load32(X[a] + 64 * p), xh = load32(X[a] + 64 * p + 32);
+      const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
+      acc[a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones)),
+                               _mm256_mul_ps(sc, _mm256_loadu_ps(D[a] + 8 * p)), acc[a]);
+    }
+  } while (++p < G / 2);
+  for (int a = 0; a < 4; ++a) {
+    __m256 mins = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 8 <= G; g += 8) mins = _mm256_fmadd_ps(_mm256_loadu_ps(mr + g), _mm256_loadu_ps(gs[a] + g), mins);
+    float m = hsum(mins);
+    for (int64_t h = g; h < G; ++h) m = std::fma(mr[h], gs[a][h], m);
+    out[a * ldo] = hsum(acc[a]) + m;
+  }
+}
+
 // q8: |w| (unsigned) times x carrying w's sign (maddubs needs one unsigned operand). One row per
 // pass: with its cheaper arithmetic, q8 from memory ran faster streaming one row than 2 or 4.
 constexpr int Q8_ROWS = 1;

@@ -22,6 +22,23 @@ def test_kernel_op_equals_forward(spec, rows):
     assert (y - ref).abs().max() < 0.03 * ref.abs().max()
 
 
+@pytest.mark.parametrize("spec", ["int8", "int8:32", "int4:32", "int4:64", "kmeans:4"])
+@pytest.mark.parametrize("K", [128, 1536])
+def test_a_batch_of_rows_gives_each_row_the_bits_it_gets_alone(spec, K):
+    """A batched decode step hands the kernels B activation rows (int4 at group 32 takes them four at a time per
+    weight read): each output row must be the product that row gets alone, bit for bit."""
+    if not ops.load():
+        pytest.skip("no C++ kernels on this machine")
+    torch.manual_seed(0)
+    layer = QuantLinear(QuantSpec.parse(spec).quantize(torch.randn(37, K)))
+    name, args = layer.kernel()
+    op = getattr(torch.ops.attnlab, name)
+    x = torch.randn(11, K)
+    alone = torch.cat([op(x[m:m + 1].contiguous(), *args) for m in range(11)])
+    for M in (4, 5, 8, 11):
+        assert torch.equal(op(x[:M].contiguous(), *args), alone[:M])
+
+
 def _layers(N: int, K: int) -> dict:
     """Layers in each repacked layout (float32 scales, float16 ones, Q4_0's no-min) and the row layout."""
     from attnlab.quant.formats import Packed
