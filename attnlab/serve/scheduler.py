@@ -9,6 +9,12 @@ conversation whose prompt is in: each advances by exactly one token per step. At
 and take the slots that free, oldest first, so none starves (every request ends within its
 max_tokens).
 
+While others decode, a newcomer's chunk is also held to about two tokens per decoding conversation (at least
+8): on a CPU a step's cost grows with its rows (the kernels are compute-bound there, not memory-bound), so a
+256-token chunk beside 4 decoding rows made their next token wait for the whole chunk (p99 inter-token latency
+17x their own, measured through HTTP), while a chunk of about their rows' cost keeps it near 2-3x. A newcomer
+alone is prefilled `chunk` tokens at a time.
+
 The scheduler is single-threaded and knows nothing of HTTP: `submit` a request (its Session,
 the prompt ids to feed after what the session's cache holds, its own Sampler, max_tokens, stop
 ids and stop strings), `cancel` it, and call `step()` for the events. Memory is not its
@@ -71,6 +77,8 @@ class StepInfo:
 
 
 class Scheduler:
+    BUSY_PER_ROW, BUSY_FLOOR = 2, 8  # a newcomer's chunk beside decoding rows: tokens per row, at least
+
     def __init__(self, lm, max_batch: int = 8, chunk: int = 256):
         if max_batch < 1 or chunk < 1:
             raise AttnlabError(f"max_batch and chunk must be >= 1, got {max_batch} and {chunk}")
@@ -133,8 +141,14 @@ class Scheduler:
         self.counters["steps"] += 1
         return events
 
+    def chunk_now(self) -> int:
+        """This step's prefill chunk: `chunk` alone, about the decoding rows' own cost beside them."""
+        if not self.decoding:
+            return self.chunk
+        return min(self.chunk, max(self.BUSY_FLOOR, self.BUSY_PER_ROW * len(self.decoding)))
+
     def _prefill(self, r: Request, events: list[Event]) -> None:
-        part = r.prompt[r.fed:r.fed + self.chunk]
+        part = r.prompt[r.fed:r.fed + self.chunk_now()]
         self.last.prefill, self.last.prefill_tokens = r.id, len(part)
         try:
             if part:

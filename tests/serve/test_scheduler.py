@@ -152,6 +152,21 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_4_others_advance_one_token_a
     assert first.kind == "token"
 
 
+@pytest.mark.parametrize("decoding,expected", [(0, 64), (4, 8), (6, 12), (8, 16)])
+def test_a_newcomers_chunk_beside_decoding_rows_costs_about_what_they_cost(decoding, expected):
+    """Alone a prompt goes in `chunk` tokens a step; beside B decoding rows, 2 tokens per row (at least 8), so
+    the others' next token does not wait for a long chunk."""
+    lm = _lm()
+    sched = Scheduler(lm, max_batch=16, chunk=64)
+    for i, p in enumerate(_prompts(decoding)):
+        sched.submit(_session(lm, i), p, Sampler(0.0), 500, ())
+    while len(sched.decoding) < decoding:
+        sched.step()
+    sched.submit(_session(lm, 0), _prompts(1, [300], seed=5)[0], Sampler(0.0), 5, ())
+    sched.step()
+    assert sched.last.prefill_tokens == expected
+
+
 def test_max_batch_holds_and_the_oldest_waiting_request_goes_first():
     lm = _lm()
     prompts = _prompts(7)
