@@ -100,6 +100,25 @@ async def fairness(url: str, model: str, prompts: list[str], long_prompt: str, m
             "errors": [r["error"] for r in (*solo, *mixed, newcomer) if "error" in r]}
 
 
+def overhead(url: str, model: str, lm, prompt: str, max_tokens: int, key: str, repeats: int) -> dict:
+    """One conversation (prompt + max_tokens, greedy) through HTTP against the same request in this process
+    (`Session` over the same engine settings), interleaved: generated tokens per second of the whole request."""
+    from attnlab.sampling import Sampler
+    from attnlab.session import Session
+    http, engine = [], []
+    for r in range(repeats):
+        text = f"{prompt} (take {r})"
+        got = asyncio.run(round_(url, model, [text], max_tokens, key))
+        http.append(got["tokens"] / got["wall_s"])
+        t = time.perf_counter()
+        session = Session(lm, chunk=128)
+        session.feed(lm.chat_ids([{"role": "user", "content": text}]))
+        n = sum(1 for _ in session.generate(Sampler(0.0), got["tokens"], stop_at_eos=False))
+        engine.append(n / (time.perf_counter() - t))
+    return {"http_tok_s": statistics.median(http), "engine_tok_s": statistics.median(engine),
+            "ratio": statistics.median(http) / statistics.median(engine), "http_all": http, "engine_all": engine}
+
+
 def pct(xs: list[float], q: float) -> float:
     if not xs:
         return float("nan")
@@ -145,6 +164,8 @@ def main(argv=None) -> None:
     p.add_argument("--attnlab-args", default="", help="extra `attnlab serve` arguments")
     p.add_argument("--fairness", type=int, default=0, metavar="TOKENS",
                    help="instead: 4 streams, then the same with a prompt of about TOKENS tokens arriving (attnlab only)")
+    p.add_argument("--overhead", action="store_true",
+                   help="instead: one conversation through HTTP against the same request in-process (attnlab only)")
     p.add_argument("--out", type=Path, default=Path("docs/figures/serve/vs-llama-server"))
     args = p.parse_args(argv)
     from attnlab.model.files import resolve
@@ -165,6 +186,24 @@ def main(argv=None) -> None:
     record = {**provenance(None), "command": "python " + shlex.join(["benchmarks/serve_batch.py", *sys.argv[1:]]),
               "seed": 0, "cpu": header, "model": model, "max_tokens": args.max_tokens,
               "prompt_words": [lo, hi], "rounds": args.rounds, "cells": []}
+    if args.overhead:
+        import attnlab
+        import torch
+        for threads in (int(t) for t in args.threads.split(",")):
+            ours, url = start_server([model, "--threads", str(threads), "--name", "m", "--api-key", key,
+                                      *args.attnlab_args.split()], free_port(), 600)
+            try:
+                torch.set_num_threads(threads)
+                lm = attnlab.load(model)
+                cell = {"threads": threads, **overhead(url, "m", lm, prompts[top // 2], args.max_tokens, key,
+                                                       args.rounds)}
+            finally:
+                ours.terminate()
+                ours.wait(30)
+            record["cells"].append(cell)
+            print(cell, flush=True)
+        write_json(args.out / "overhead.json", record)
+        return
     if args.fairness:
         words = " ".join(passages(args.fairness, 1)[0].split()[:int(args.fairness * 0.75)])
         for threads in (int(t) for t in args.threads.split(",")):
