@@ -69,10 +69,7 @@ class LM:
             from attnlab.sparsity.plan import plan_from_spec
             plan = plan_from_spec(opts.sparsity, model)
         lm = cls(model, tok, path, why, opts.torch_kv_dtype, opts, plan)
-        if opts.attention is not None and opts.compile is not False:
-            warnings.warn(f"attnlab: --attention {opts.attention} runs in the eager decode step for now (the native "
-                          "step does not select pages yet); decoding eagerly")
-        elif opts.compile is not False:  # the default wherever it applies
+        if opts.compile is not False:  # the default wherever it applies
             lm.compile_decode()
         return lm
 
@@ -146,12 +143,11 @@ class LM:
         T = ids.shape[1]
         observers = (*observers, *cache.observers)
         quest = self.options.attention
-        fast = self.compiled is not None and T == 1 and not observers and self.sparsity is None and quest is None
+        fast = self.compiled is not None and T == 1 and not observers and self.sparsity is None
         step = cache.begin(T, self.model.rope, real=fast)
-        logits = self.compiled(ids, step, cache.layers) if fast and not step.padded else None
+        logits = self.compiled(ids, step, cache.layers, quest) if fast and not step.padded else None
         if logits is None:  # not a step the native one covers (batch, padding, cache layout): eager
-            ctx = Pass(step.rot, step, cache.layers, observers=observers, sparsity=self.sparsity,
-                       quest=quest.budget if quest is not None else None)
+            ctx = Pass(step.rot, step, cache.layers, observers=observers, sparsity=self.sparsity, quest=quest)
             logits = self.model(ids, ctx, last_only)
         cache.advance(T)
         return logits
@@ -162,8 +158,9 @@ class LM:
         own length, policy, budget and dtype; nothing padded) -> logits [B, vocab].
 
         The linear layers read each weight once for the B rows; attention runs per conversation over its own
-        cache. Rows the native step covers run in one native call, the others (policies that score by
-        attention, Quest, a sparsity plan) in one eager pass; a batch of one is `forward`'s step."""
+        cache. Rows the native step covers run in one native call (Quest included: each row its own pages), the
+        others (policies that score by attention, a sparsity plan) in one eager pass; a batch of one is `forward`'s
+        step."""
         ids = _as_ids(tokens).reshape(-1, 1)
         if ids.shape[0] != len(caches) or not caches:
             raise AttnlabError(f"step_batch takes one token per cache, got {ids.shape[0]} tokens for {len(caches)} caches")
@@ -172,20 +169,21 @@ class LM:
         if self.sparsity is not None:  # a plan chooses neurons per pass: rows one at a time
             return torch.cat([self.forward(ids[b:b + 1], c, last_only=True)[:, -1] for b, c in enumerate(caches)])
         quest = self.options.attention
-        fast = [self.compiled is not None and not c.observers and quest is None for c in caches]
+        fast = [self.compiled is not None and not c.observers for c in caches]
         steps = [c.begin(1, self.model.rope, real=f) for c, f in zip(caches, fast)]
-        native = [b for b, f in enumerate(fast) if f and self.compiled.first(steps[b], caches[b].layers) is not None]
+        native = [b for b, f in enumerate(fast)
+                  if f and self.compiled.first(steps[b], caches[b].layers, quest) is not None]
         logits = torch.empty(len(caches), self.cfg.vocab_size)
-        out = self.compiled.batch(ids[native], [steps[b] for b in native], [caches[b].layers for b in native]) \
-            if native else None
+        out = self.compiled.batch(ids[native], [steps[b] for b in native], [caches[b].layers for b in native],
+                                  quest) if native else None
         if out is None:
             native = []
         else:
             logits[native] = out[:, -1]
         rest = sorted(set(range(len(caches))) - set(native))
         if rest:
-            rows = [Pass(steps[b].rot, steps[b], caches[b].layers, observers=caches[b].observers,
-                         quest=quest.budget if quest is not None else None) for b in rest]
+            rows = [Pass(steps[b].rot, steps[b], caches[b].layers, observers=caches[b].observers, quest=quest)
+                    for b in rest]
             logits[rest] = self.model(ids[rest], Pass(None, rows=rows), last_only=True)[:, -1]
         for c in caches:
             c.advance(1)

@@ -54,9 +54,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="KV-cache storage (float16: half the cache memory and bytes read per token; int8: codes "
                         "and a scale per 32 numbers, 0.28x of float32; default: float16 under float32 activations, "
                         "else --dtype)")
-    p.add_argument("--attention", type=attention_spec, default=None, metavar="quest:BUDGET[:PAGE]",
+    p.add_argument("--attention", type=attention_spec, default=None, metavar="quest:BUDGET[:PAGE[:DENSE]]",
                    help="Quest query-aware decode attention: per step read only the cache pages (PAGE tokens, default "
-                        "16) whose key bound is highest, BUDGET tokens in all; prefill stays exact (eager step for now)")
+                        "16) whose key bound is highest, BUDGET tokens in all, in the layers past the first DENSE; "
+                        "prefill stays exact")
 
 
 def attention_spec(text: str):

@@ -46,6 +46,7 @@
 
 #include "attend.h"
 #include "kernels_simd.h"
+#include "quest.h"
 
 namespace {
 
@@ -91,9 +92,11 @@ struct DecodeStep : torch::CustomClassHolder {
   int64_t embed_group = 0;
   std::vector<at::Tensor> norms;    // attn_norm, mlp_norm per layer, then the final norm
   std::vector<std::vector<Linear>> linears;  // wqkv, wo, w13, w2 per layer, then the head: segments in row order
-  struct Bound {  // one conversation's cache: per-layer buffers
-    std::vector<at::Tensor> k, v, k_scale, v_scale, pos;
+  struct Bound {  // one conversation's cache: per-layer buffers (Quest's page summaries where it keeps them)
+    std::vector<at::Tensor> k, v, k_scale, v_scale, pos, page_min, page_max;
+    int64_t page = 0;
   };
+  int64_t quest_budget = 0, quest_dense = 0;  // Quest: tokens read per step (0: all), layers before quest_dense read all
   std::vector<Bound> bound;  // row b of a batch reads bound[b]
   // Phase timings when profiling (`profile(true)`): seconds per thread and phase of its own work ("busy"), and
   // of the phase until its barrier released thread 0 ("wall"), summed over the calls since.
@@ -219,7 +222,28 @@ struct DecodeStep : torch::CustomClassHolder {
                     "scales: contiguous float32 [1, Hkv, C, D/32], k and v alike");
     }
     if (row == static_cast<int64_t>(bound.size())) bound.emplace_back();
-    bound[row] = Bound{std::move(k_), std::move(v_), std::move(ks), std::move(vs), std::move(p)};
+    bound[row] = Bound{std::move(k_), std::move(v_), std::move(ks), std::move(vs), std::move(p), {}, {}, 0};
+  }
+
+  // Quest's page summaries of bound row b's cache per layer (after its bind_rows): lo, hi contiguous float32
+  // [1, Hkv, capacity / page rounded up, D]; the step reads them to select pages and keeps them up to date.
+  void bind_pages(int64_t row, int64_t page, std::vector<at::Tensor> lo, std::vector<at::Tensor> hi) {
+    TORCH_CHECK(row >= 0 && row < static_cast<int64_t>(bound.size()), "bind_pages after bind_rows of row ", row);
+    Bound& c = bound[row];
+    TORCH_CHECK(page > 0 && lo.size() == c.k.size() && hi.size() == c.k.size(), "one page_min and page_max per layer");
+    for (size_t i = 0; i < lo.size(); ++i)
+      for (const auto& t : {lo[i], hi[i]})
+        TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 4 && t.size(1) == n_kv &&
+                    t.size(3) == head_dim && t.size(2) * page >= c.k[i].size(2),
+                    "page summaries: contiguous float32 [1, Hkv, capacity / page, D]");
+    c.page_min = std::move(lo), c.page_max = std::move(hi), c.page = page;
+  }
+
+  // Quest for the next calls: each step reads `budget` tokens of a row with page summaries (whole pages: the
+  // first, the most recent, the highest bounds), from layer `dense` on; budget 0 reads every slot.
+  void set_quest(int64_t budget, int64_t dense) {
+    TORCH_CHECK(budget >= 0 && dense >= 0, "quest budget and dense layers must be >= 0");
+    quest_budget = budget, quest_dense = dense;
   }
 
   // One token at cache slot `slot` (absolute position `position`), attending to slots [first, slot] of bound row
@@ -256,8 +280,16 @@ struct DecodeStep : torch::CustomClassHolder {
     Buffers b{at::empty({B, dim}, f32), at::empty({B, (n_heads + 2 * n_kv) * head_dim}, f32),
               at::empty({B, 2 * hidden}, f32), at::empty({B, hidden}, f32), at::empty({B, 1, V}, f32),
               at::empty({threads, B, dim}, f32), at::empty({threads, B, HD}, f32),
-              at::empty({threads, (n_heads + n_kv) * head_dim}, f32), at::empty({threads, B, HD}, f32),
-              at::empty({threads, B, n_heads}, f32)};
+              at::empty({threads, B, (n_heads + n_kv) * head_dim}, f32), at::empty({threads, B, HD}, f32),
+              at::empty({threads, B, n_heads}, f32), at::Tensor()};
+    int64_t most = 0;  // Quest: the most pages of a row, the bounds' row length
+    for (int64_t r = 0; r < B && quest_budget; ++r) {
+      const Bound& c = bound[r];
+      if (!c.page) continue;
+      TORCH_CHECK(c.page_min[0].size(2) * c.page > slots[r], "row ", r, ": page summaries smaller than its cache");
+      most = std::max(most, slots[r] / c.page + 1);
+    }
+    if (most) b.bounds = at::empty({B, n_kv, most}, f32);
     float* X = b.x.data_ptr<float>();
     for (int64_t r = 0; r < B; ++r, X += dim) {
       const int64_t token = tokens[r];
@@ -293,14 +325,22 @@ struct DecodeStep : torch::CustomClassHolder {
  private:
   struct Buffers {
     at::Tensor x, qkv, gu, act, logits;  // shared by the team, one row per conversation
-    at::Tensor h, o, qk, part, lse;      // per thread: normed inputs and merged attention [B, ..], one row's rotated
+    at::Tensor h, o, qk, part, lse;      // per thread: normed inputs and merged attention [B, ..], each row's rotated
                                          // q and k, each row's stretch out + lse
+    at::Tensor bounds;                   // Quest: [B, Hkv, most pages] upper bounds, shared
   };
   struct Rows {  // what differs per conversation
     int64_t n;
     const int64_t *slot, *position, *first;
     const float* rot;  // [n, D/2, 2]
   };
+  // Quest's pages of row r in layer l: (pages P, pages read k), k = 0 where it reads every slot.
+  std::pair<int64_t, int64_t> quest_pages(const Rows& rows, int64_t r, int64_t l) const {
+    const Bound& c = bound[r];
+    if (!quest_budget || !c.page || l < quest_dense || rows.first[r] != 0) return {0, 0};
+    const int64_t P = rows.slot[r] / c.page + 1, k = quest_budget / c.page;
+    return {P, P > k && k >= 2 ? k : 0};
+  }
 
   // The step as thread tid of a team of `threads` (alone: tid 0 of 1). Phases are separated by barriers
   // (an orphaned `omp barrier` is a no-op outside a parallel region); after an error every thread still
@@ -340,16 +380,38 @@ struct DecodeStep : torch::CustomClassHolder {
       // RoPE, the K/V write and attention in one phase (a barrier fewer per layer, no thread idle while one
       // rotates): every thread rotates its own copy of q, and the last one, whose stretch holds the new slot
       // (and alone reads it), rotates k and writes the slot before attending
+      // Quest: a row that selects pages computes, in this phase, its share of the pages' bounds instead, and
+      // reads its pages after a barrier (every thread then sees every bound)
+      bool selecting = false;  // the same on every thread: a phase more (its barrier) or not
+      for (int64_t r = 0; r < B; ++r) selecting |= quest_pages(rows, r, l).second > 0;
       phase(1, [&] {
         const bool last = tid == threads - 1;
         const int64_t heads = last ? n_heads + n_kv : n_heads;  // q and k heads are adjacent
-        float* Q = b.qk[tid].data_ptr<float>();
         for (int64_t r = 0; r < B; ++r) {
+          float* Q = b.qk[tid][r].data_ptr<float>();
           const float* row = QKV + r * QKV_N;
           std::copy_n(row, heads * D, Q);
           rope(Q, rows.rot + r * D, heads, D);
           if (last) write_kv(bound[r], l, rows.slot[r], rows.position[r], Q + HD, row + HD + n_kv * D);
-          attend_stretch(b, bound[r], l, tid, r, rows.first[r], rows.slot[r] + 1, Q);
+          const auto [P, k] = quest_pages(rows, r, l);
+          if (!k) {
+            attend_stretch(b, bound[r], l, tid, r, rows.first[r], rows.slot[r] + 1, Q);
+            continue;
+          }
+          const int64_t most = b.bounds.size(2);
+          attnlab_quest::bound_share(Q, pages_of(bound[r], l), n_kv, n_heads / n_kv, D, P, tid, threads,
+                                     b.bounds.data_ptr<float>() + r * n_kv * most, most);
+        }
+      });
+      if (selecting) phase(1, [&] {
+        for (int64_t r = 0; r < B; ++r) {
+          const auto [P, k] = quest_pages(rows, r, l);
+          if (!k) continue;
+          const int64_t most = b.bounds.size(2);
+          attnlab_quest::attend_share(b.qk[tid][r].data_ptr<float>(), cache_of(bound[r], l),
+                                      b.bounds.data_ptr<float>() + r * n_kv * most, most, n_kv, n_heads / n_kv, D, P,
+                                      k, bound[r].page, rows.slot[r] + 1, tid, threads, static_cast<float>(scale),
+                                      b.part[tid][r].data_ptr<float>(), b.lse[tid][r].data_ptr<float>());
         }
       });
       phase(2, [&] {
@@ -397,16 +459,21 @@ struct DecodeStep : torch::CustomClassHolder {
       std::fill_n(lse, n_heads, -INFINITY);
       return;
     }
-    const at::Tensor &K = c_.k[l], &V = c_.v[l];
-    const auto& k_scale = c_.k_scale;
-    const auto& v_scale = c_.v_scale;
-    const bool int8 = !k_scale.empty();
-    const int dtype = K.scalar_type() == at::kFloat ? 0 : K.scalar_type() == at::kHalf ? 1 : 2;
-    const attnlab_attend::Cache c{K.data_ptr(), V.data_ptr(), int8 ? k_scale[l].data_ptr<float>() : nullptr,
-                                  int8 ? v_scale[l].data_ptr<float>() : nullptr, K.stride(2), K.stride(1),
-                                  int8 ? k_scale[l].stride(2) : 0, int8 ? k_scale[l].stride(1) : 0, dtype};
-    attnlab_attend::stretch(q, c, n_kv, n_heads / n_kv, head_dim, s0, s1,
+    attnlab_attend::stretch(q, cache_of(c_, l), n_kv, n_heads / n_kv, head_dim, s0, s1,
                             static_cast<float>(scale), b.part[tid][r].data_ptr<float>(), lse);
+  }
+
+  // Layer l of a bound cache, by pointers (attend.h), and its page summaries (quest.h).
+  static attnlab_attend::Cache cache_of(const Bound& c, int64_t l) {
+    const at::Tensor &K = c.k[l], &V = c.v[l];
+    const bool int8 = !c.k_scale.empty();
+    const int dtype = K.scalar_type() == at::kFloat ? 0 : K.scalar_type() == at::kHalf ? 1 : 2;
+    return {K.data_ptr(), V.data_ptr(), int8 ? c.k_scale[l].data_ptr<float>() : nullptr,
+            int8 ? c.v_scale[l].data_ptr<float>() : nullptr, K.stride(2), K.stride(1),
+            int8 ? c.k_scale[l].stride(2) : 0, int8 ? c.k_scale[l].stride(1) : 0, dtype};
+  }
+  static attnlab_quest::Pages pages_of(const Bound& c, int64_t l) {
+    return {c.page_min[l].data_ptr<float>(), c.page_max[l].data_ptr<float>(), c.page_min[l].stride(1), c.page};
   }
 
   // Row r's stretch outputs merged per query head, weighted by e^(lse_t - max lse) (every thread, into its own o).
@@ -470,6 +537,7 @@ struct DecodeStep : torch::CustomClassHolder {
         }
       }
     }
+    if (c.page) attnlab_quest::add_key(pages_of(c, l), cache_of(c, l), n_kv, slot, D);
   }
 };
 
@@ -482,6 +550,8 @@ TORCH_LIBRARY_FRAGMENT(attnlab, m) {
       .def("add_norm", &DecodeStep::add_norm)
       .def("add_linear", &DecodeStep::add_linear)
       .def("bind_rows", &DecodeStep::bind_rows)
+      .def("bind_pages", &DecodeStep::bind_pages)
+      .def("set_quest", &DecodeStep::set_quest)
       .def("run", &DecodeStep::run)
       .def("run_batch", &DecodeStep::run_batch);
 }

@@ -59,13 +59,14 @@ class CacheFullError(AttnlabError, RuntimeError):
 class LayerKV:
     """One layer's slots. k, v: [B, H_kv, C, D]; pos: [B, H_kv, C] (absolute position, -1 = empty);
     an int8 cache adds k_scale, v_scale: [B, H_kv, C, D/32] (None otherwise). page: Quest's page size; the
-    layer then keeps page_min, page_max [B, H_kv, ceil(n/page), D] of its stored keys (`attnlab.kv.pages`)."""
+    layer then keeps page_min, page_max [B, H_kv, ceil(n/page), D] of its stored keys (`attnlab.kv.pages`): views
+    of buffers preallocated for the capacity (`pages_lo`, `pages_hi`), which the native step binds and updates."""
 
     def __init__(self, batch: int, heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
                  rope: Rope, positions: str = "original", max_capacity: int | None = None,
                  window: int | None = None, page: int | None = None):
         self.rope, self.positions, self.max_capacity = rope, positions, max_capacity
-        self.page, self.page_min, self.page_max = page, None, None
+        self.page, self.paged = page, 0  # paged: the slots the page summaries cover
         self.window = window  # sliding-window attention: keys more than window - 1 tokens back are masked
         if dtype == torch.int8 and head_dim % 32:
             raise AttnlabError(f"an int8 KV cache needs a head size that is a multiple of 32, not {head_dim}")
@@ -76,6 +77,9 @@ class LayerKV:
             self.k_scale = torch.zeros(batch, heads, capacity, head_dim // 32)
             self.v_scale = torch.zeros_like(self.k_scale)
         self.pos = torch.full((batch, heads, capacity), -1, dtype=torch.long)
+        if page:
+            self.pages_lo = torch.zeros(batch, heads, -(-capacity // page), head_dim)
+            self.pages_hi = torch.zeros_like(self.pages_lo)
         self.n = 0            # filled slots, equal for every row and head
         self.natural = True   # slot j holds the j-th token of every row (no padding, no eviction)
         self.padded = False   # some slot holds left padding (position -1)
@@ -85,6 +89,14 @@ class LayerKV:
     @property
     def capacity(self) -> int:
         return self.k.shape[2]
+
+    @property
+    def page_min(self) -> torch.Tensor | None:
+        return self.pages_lo[:, :, :-(-self.paged // self.page)] if self.page else None
+
+    @property
+    def page_max(self) -> torch.Tensor | None:
+        return self.pages_hi[:, :, :-(-self.paged // self.page)] if self.page else None
 
     def buffers(self) -> tuple[str, ...]:
         """Names of the per-slot tensors indexed [B, H_kv, slot, ...] (all grow, compact and save alike)."""
@@ -103,6 +115,10 @@ class LayerKV:
             t = getattr(self, name)
             setattr(self, name, torch.cat([t, t.new_zeros(*t.shape[:2], grow, t.shape[3])], dim=2))
         self.pos = torch.cat([self.pos, self.pos.new_full((*self.pos.shape[:2], grow), -1)], dim=2)
+        if self.page:
+            more = -(-new // self.page) - self.pages_lo.shape[2]
+            self.pages_lo, self.pages_hi = (torch.cat([t, t.new_zeros(*t.shape[:2], more, t.shape[3])], dim=2)
+                                            for t in (self.pages_lo, self.pages_hi))
 
     def update(self, k: torch.Tensor, v: torch.Tensor, step: "Step"):
         """Store a chunk and return what its queries attend to.
@@ -188,18 +204,18 @@ class LayerKV:
         """Recompute the page summaries from the page holding slot `first` up to slot n (pages before stay)."""
         p0 = first // self.page
         a = p0 * self.page
+        self.paged = n
+        if n <= a:
+            return
         keys = self.k[:, :, a:n].float() if self.k_scale is None else \
             dequantize_int8_blocks(self.k[:, :, a:n], self.k_scale[:, :, a:n])
         lo, hi = summarize(keys, self.pos[:, :, a:n] >= 0, self.page)
-        if self.page_min is None:
-            self.page_min, self.page_max = lo, hi
-        else:
-            self.page_min = torch.cat([self.page_min[:, :, :p0], lo], 2)
-            self.page_max = torch.cat([self.page_max[:, :, :p0], hi], 2)
+        self.pages_lo[:, :, p0:p0 + lo.shape[2]] = lo
+        self.pages_hi[:, :, p0:p0 + hi.shape[2]] = hi
 
     def nbytes(self) -> int:
         """Bytes of the allocated key/value buffers (scales and Quest's page summaries included)."""
-        pages = [t for t in (self.page_min, self.page_max) if t is not None]
+        pages = (self.pages_lo, self.pages_hi) if self.page else ()
         return sum(t.numel() * t.element_size() for t in (*(getattr(self, name) for name in self.buffers()), *pages))
 
 
@@ -264,6 +280,7 @@ class KVCache:
         """After a step: count its tokens and evict what the policy drops (every layer's attention is done)."""
         for layer in self.layers:
             layer.n += T
+            layer.paged = layer.n  # the native step summarised its key in place (eager: `update` did)
             if self.policy is not None and self.policy.due(layer):
                 layer.keep(self.policy.to_keep(layer))
         self.seen += T
@@ -276,6 +293,8 @@ class KVCache:
         for layer in self.layers:
             layer.pos[:, :, length:layer.n] = -1
             layer.n = length
+            if layer.page:  # the page holding the cut loses the keys past it
+                layer._summarize(length, length)
         self.seen = length
 
     def nbytes(self) -> int:

@@ -132,8 +132,9 @@ class Pass:
     (analysis, e.g. StreamingLLM's banded masks); None = causal. observers: objects with
     `record(layer, name, tensor)` (and optionally `needs_probs = True`: recorders, and a cache
     whose policy scores by attention), called at the named points below. sparsity: a plan
-    deciding per layer which MLP neurons and heads run (see `attnlab.sparsity.plan`). quest: Quest's token
-    budget: a single-token step over a cache with page summaries reads only its chosen pages (`model/quest.py`).
+    deciding per layer which MLP neurons and heads run (see `attnlab.sparsity.plan`). quest: Quest's spec
+    (`QuestSpec`): a single-token step over a cache with page summaries reads only its chosen pages in the layers
+    past spec.dense (`model/quest.py`).
 
     rows: a step of B conversations, one token each over its own cache (`LM.step_batch`): the linear layers run
     on the B rows together (one read of each weight), and RoPE, the cache and attention run per row under that
@@ -150,7 +151,7 @@ class Pass:
     mask: torch.Tensor | None = None
     observers: tuple = ()
     sparsity: Any = None
-    quest: int | None = None
+    quest: Any = None
     rows: list | None = None
 
     def __post_init__(self):
@@ -207,8 +208,8 @@ class Attention(nn.Module):
             mask = "causal" if ctx.mask is None else ctx.mask[None, None]
         else:
             k, v, mask = kv.update(k, v, ctx.step)
-            if ctx.quest is not None and T == 1 and kv.page:  # Quest: read the chosen pages; prefill stays exact
-                k, v, mask, slots = read_pages(q, kv, ctx.quest, k, v, mask)
+            if ctx.quest is not None and T == 1 and kv.page and i >= ctx.quest.dense:  # Quest; prefill stays exact
+                k, v, mask, slots = read_pages(q, kv, ctx.quest.budget, k, v, mask)
         ctx.record(i, "q", qk[:, :self.n_heads])  # pre-RoPE queries (a press's scorer reads them)
         out, probs = attend(q, k, v, mask, need_probs=ctx.needs_probs, window=self.cfg.sliding_window)
         if ctx.needs_probs:

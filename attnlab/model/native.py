@@ -16,8 +16,9 @@ the step runs as one team of threads (each linear cut into a slice of rows per t
 part for a layer whose parts keep different formats, see step.cpp);
 a changed thread count rebuilds it on the next call. A call covers one token for each of B conversations
 (`batch`: each its own cache, bound per row; the linear layers read each weight once for all B), no padding,
-float32 / float16 / int8 caches, a sliding window over a cache that never evicted;
-anything else returns None and the engine's step runs the eager network instead (so do sparsity
+float32 / float16 / int8 caches, a sliding window over a cache that never evicted, and Quest's page
+selection (`quest=`: each row selects its own pages from its cache's page summaries, bound with the cache,
+and keeps them up to date for the key it writes; see step.cpp and quest.cpp); anything else returns None and the engine's step runs the eager network instead (so do sparsity
 plans, observers and policies that score by attention: the engine never sends those here).
 """
 from __future__ import annotations
@@ -145,15 +146,17 @@ class NativeStep:
                 bias = None if bias is None else bias.detach()[r0:r1].float()
                 self.step.add_linear(op, tensors, ints, floats, bias, r0, r1 - r0, thread)
         self._bound: list[tuple] = []  # per row: the bound cache's first and last key buffers
+        self._quest = (0, 0)  # the step's Quest setting (budget, dense layers)
 
-    def __call__(self, ids: torch.Tensor, step, kvs: list) -> torch.Tensor | None:
+    def __call__(self, ids: torch.Tensor, step, kvs: list, quest=None) -> torch.Tensor | None:
         """Logits [1, 1, vocab] of one token at the cache's step (`KVCache.begin`), or None where not covered."""
-        return self.batch(ids, [step], [kvs])
+        return self.batch(ids, [step], [kvs], quest)
 
-    def batch(self, ids: torch.Tensor, steps: list, kvs: list[list]) -> torch.Tensor | None:
+    def batch(self, ids: torch.Tensor, steps: list, kvs: list[list], quest=None) -> torch.Tensor | None:
         """Logits [B, 1, vocab] of B conversations' next tokens ids [B, 1], token b at steps[b] of the cache whose
-        layers are kvs[b] (each a batch-1 cache of its own), or None where any row is not covered."""
-        firsts = [self.first(step, layers) for step, layers in zip(steps, kvs)]
+        layers are kvs[b] (each a batch-1 cache of its own), or None where any row is not covered.
+        quest: a `QuestSpec` (None: full attention); rows whose caches keep page summaries select pages."""
+        firsts = [self.first(step, layers, quest) for step, layers in zip(steps, kvs)]
         if any(f is None for f in firsts):
             self.calls["eager"] += 1
             return None
@@ -161,6 +164,10 @@ class NativeStep:
             raise ValueError(f"one token per row: ids {tuple(ids.shape)} for {len(steps)} rows")
         if torch.get_num_threads() != self.threads and self.team:
             self._build(torch.get_num_threads())
+        setting = (quest.budget, quest.dense) if quest is not None else (0, 0)
+        if setting != self._quest:
+            self.step.set_quest(*setting)
+            self._quest = setting
         for b, layers in enumerate(kvs):
             if b >= len(self._bound) or layers[0].k is not self._bound[b][0] or layers[-1].k is not self._bound[b][1]:
                 self._bind(b, layers)
@@ -172,14 +179,17 @@ class NativeStep:
                                    firsts, rots.contiguous(), x)
 
     @staticmethod
-    def first(step, layers: list) -> int | None:
+    def first(step, layers: list, quest=None) -> int | None:
         """The first slot a step over this cache attends to (a sliding window's start), or None where the native
-        step does not cover it (padding, another dtype, a batch in one cache, an evicted windowed cache)."""
+        step does not cover it (padding, another dtype, a batch in one cache, an evicted windowed cache, Quest
+        over a window that slid)."""
         kv0 = layers[0]
         if kv0.padded or kv0.k.dtype not in KV_DTYPES or kv0.k.shape[0] != 1 or step.pos.shape != (1, 1):
             return None
         if kv0.window is None or step.start + 1 <= kv0.window:
             return 0
+        if quest is not None and kv0.page:
+            return None
         # the window is the last slots only if none was evicted
         return step.start + 1 - kv0.window if all(layer.natural for layer in layers) else None
 
@@ -189,5 +199,7 @@ class NativeStep:
         self.step.bind_rows(row, [layer.k for layer in kvs], [layer.v for layer in kvs],
                             [layer.k_scale for layer in kvs] if int8 else [],
                             [layer.v_scale for layer in kvs] if int8 else [], [layer.pos for layer in kvs])
+        if kvs[0].page:
+            self.step.bind_pages(row, kvs[0].page, [layer.pages_lo for layer in kvs], [layer.pages_hi for layer in kvs])
         bound = (kvs[0].k, kvs[-1].k)
         self._bound[row:row + 1] = [bound]

@@ -13,6 +13,7 @@ import torch
 import attnlab.model.quest as quest
 from attnlab import AttnlabError, Options
 from attnlab.eval.passkey import passkey_prompt, retrieve
+from attnlab.kernels import ops
 from attnlab.kernels.reference import dequantize_int8_blocks
 from attnlab.kv.pages import QuestSpec, summarize
 from attnlab.kv.policies import make_policy
@@ -42,8 +43,11 @@ def test_spec_parsing_and_errors():
     assert Options(attention="quest:1024").attention == QuestSpec(1024, 16)
     assert Options(attention="quest:256:32").attention == QuestSpec(256, 32)
     assert Options(attention="full").attention is None
+    assert Options(attention="quest:256:16:2").attention == QuestSpec(256, 16, 2)
+    assert str(QuestSpec(256, 16, 2)) == "quest:256:16:2" and str(QuestSpec(256)) == "quest:256:16"
     for bad, why in [("quest:16:16", "two pages"), ("quest", "quest:BUDGET"), ("sparse:64", "unknown attention"),
-                     ("quest:a", "integers"), ("quest:64:0", "positive")]:
+                     ("quest:a", "integers"), ("quest:64:0", "positive"), ("quest:64:16:-1", "dense"),
+                     ("quest:64:16:2:1", "unknown attention")]:
         with pytest.raises(AttnlabError, match=why):
             Options(attention=bad)
 
@@ -127,6 +131,17 @@ def test_small_budget_equals_masked_full_attention(budget, page):
     assert (got[:, 12 + budget:] - full[:, 12 + budget:]).abs().max() > 1e-2  # the selection changed the output
 
 
+def test_dense_first_layers_read_every_key():
+    """quest:B:P:D leaves layers 0 .. D-1 dense: D = all layers is full attention, D = 1 sits between."""
+    lm = tiny_lm(seed=1, n_layers=2)
+    ids = torch.randint(1, 97, (1, 56))
+    full, _ = decode_all(lm, ids, 12)
+    sparse, _ = decode_all(with_attention(lm, "quest:16:4"), ids, 12)
+    assert torch.equal(decode_all(with_attention(lm, "quest:16:4:2"), ids, 12)[0], full)
+    one, _ = decode_all(with_attention(lm, "quest:16:4:1"), ids, 12)
+    assert (one - full).abs().max() > 1e-3 and (one - sparse).abs().max() > 1e-3
+
+
 def test_observers_see_probabilities_over_the_whole_cache():
     """A pass that records attention (an H2O policy, the analysis recorders) gets [B, Hq, 1, n] probabilities:
     zero outside the read pages, summing to one, and the step's logits do not change."""
@@ -179,11 +194,16 @@ def test_a_saved_cache_gets_its_summaries_back():
         assert torch.equal(a.page_min, b.page_min) and torch.equal(a.page_max, b.page_max)
 
 
-def test_load_warns_and_decodes_eagerly():
+def test_load_decodes_natively_without_a_warning():
+    """Quest runs in the native step (tests/kv/test_quest_native.py); compile=False keeps eager, the reference."""
+    import warnings
+
     import attnlab
-    with pytest.warns(UserWarning, match="eager decode step"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         lm = attnlab.load("smollm2-135m", attention="quest:64", tokenizer=False)
-    assert lm.compiled is None and lm.new_cache().layers[0].page == 16
+    assert (lm.compiled is not None) == ops.enabled() and lm.new_cache().layers[0].page == 16
+    assert attnlab.load("smollm2-135m", attention="quest:64", tokenizer=False, compile=False).compiled is None
 
 
 def test_bound_finds_the_passkey_a_random_selection_loses(smollm2, monkeypatch):
