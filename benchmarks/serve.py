@@ -54,17 +54,21 @@ def start_server(serve_args: list[str], port: int, timeout: float) -> tuple[subp
     """`attnlab serve SERVE_ARGS --port PORT` in a subprocess, returned once /health answers (or an error)."""
     cmd = [sys.executable, "-m", "attnlab", "serve", *serve_args, "--port", str(port)]
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
+    return server, wait_ready(server, f"http://127.0.0.1:{port}", timeout)
+
+
+def wait_ready(server: subprocess.Popen, url: str, timeout: float, what: str = "server") -> str:
+    """url once its /health answers 200, or the server's stderr tail as an error (it exited or took too long)."""
     deadline = time.time() + timeout
     while True:
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return server, url
+                return url
         except httpx.HTTPError:
             pass
         if server.poll() is not None or time.time() > deadline:
             server.kill()
-            raise RuntimeError(f"server did not start: {server.stderr.read()[-2000:]}")
+            raise RuntimeError(f"{what} did not start: {server.stderr.read()[-2000:]}")
         time.sleep(0.5)
 
 

@@ -26,7 +26,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
 import llamacpp  # noqa: E402
-from serve import free_port, passages, rss_mib, start_server  # noqa: E402
+from serve import free_port, passages, rss_mib, start_server, wait_ready  # noqa: E402
 
 from attnlab.io import provenance, write_json, write_text  # noqa: E402
 
@@ -38,18 +38,7 @@ def start_llama_server(binary: Path, model: str, threads: int, slots: int, ctx: 
     cmd = [str(binary), "-m", model, "-t", str(threads), "-tb", str(threads), "-np", str(slots),
            "-c", str(ctx * slots), "--port", str(port), "--host", "127.0.0.1", "-cb", "--no-webui"]
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return server, url
-        except httpx.HTTPError:
-            pass
-        if server.poll() is not None or time.time() > deadline:
-            server.kill()
-            raise RuntimeError(f"llama-server did not start: {server.stderr.read()[-2000:]}")
-        time.sleep(0.5)
+    return server, wait_ready(server, f"http://127.0.0.1:{port}", 300, "llama-server")
 
 
 async def one_stream(client, model: str, prompt: str, max_tokens: int) -> dict:
@@ -119,6 +108,14 @@ def overhead(url: str, model: str, lm, prompt: str, max_tokens: int, key: str, r
             "ratio": statistics.median(http) / statistics.median(engine), "http_all": http, "engine_all": engine}
 
 
+def round_prompts(prompts: list[str], n: int, r: int) -> list[str]:
+    """Round r's N prompts: spread evenly over the lengths (so every N sees the same mean prompt), the same for
+    both servers, new text every round (no cached prefix)."""
+    top = len(prompts)
+    picks = [top // 2] if n == 1 else [round(i * (top - 1) / (n - 1)) for i in range(n)]
+    return [prompts[(j + r) % top] + f" (round {r}, reader {i})" for i, j in enumerate(picks)]
+
+
 def pct(xs: list[float], q: float) -> float:
     if not xs:
         return float("nan")
@@ -186,39 +183,27 @@ def main(argv=None) -> None:
     record = {**provenance(None), "command": "python " + shlex.join(["benchmarks/serve_batch.py", *sys.argv[1:]]),
               "seed": 0, "cpu": header, "model": model, "max_tokens": args.max_tokens,
               "prompt_words": [lo, hi], "rounds": args.rounds, "cells": []}
-    if args.overhead:
-        import attnlab
-        import torch
+    if args.overhead or args.fairness:  # one attnlab server per thread count, one measurement each
+        if args.overhead:
+            import attnlab
+            import torch
+        long_prompt = " ".join(passages(args.fairness, 1)[0].split()[:int(args.fairness * 0.75)]) + QUESTION
         for threads in (int(t) for t in args.threads.split(",")):
-            ours, url = start_server([model, "--threads", str(threads), "--name", "m", "--api-key", key,
+            extra = ["--max-prompt-tokens", str(2 * args.fairness)] if args.fairness else []
+            ours, url = start_server([model, "--threads", str(threads), "--name", "m", "--api-key", key, *extra,
                                       *args.attnlab_args.split()], free_port(), 600)
             try:
-                torch.set_num_threads(threads)
-                lm = attnlab.load(model)
-                cell = {"threads": threads, **overhead(url, "m", lm, prompts[top // 2], args.max_tokens, key,
-                                                       args.rounds)}
+                if args.overhead:
+                    torch.set_num_threads(threads)
+                    got = overhead(url, "m", attnlab.load(model), prompts[top // 2], args.max_tokens, key, args.rounds)
+                else:
+                    got = asyncio.run(fairness(url, "m", prompts[:4], long_prompt, args.max_tokens, key, 2.0))
             finally:
                 ours.terminate()
                 ours.wait(30)
-            record["cells"].append(cell)
-            print(cell, flush=True)
-        write_json(args.out / "overhead.json", record)
-        return
-    if args.fairness:
-        words = " ".join(passages(args.fairness, 1)[0].split()[:int(args.fairness * 0.75)])
-        for threads in (int(t) for t in args.threads.split(",")):
-            ours, url = start_server([model, "--threads", str(threads), "--name", "m", "--api-key", key,
-                                      "--max-prompt-tokens", str(2 * args.fairness), *args.attnlab_args.split()],
-                                     free_port(), 600)
-            try:
-                cell = {"threads": threads, **asyncio.run(fairness(url, "m", prompts[:4], words + QUESTION,
-                                                                   args.max_tokens, key, 2.0))}
-            finally:
-                ours.terminate()
-                ours.wait(30)
-            record["cells"].append(cell)
-            print(cell, flush=True)
-        write_json(args.out / "fairness.json", record)
+            record["cells"].append({"threads": threads, **got})
+            print(record["cells"][-1], flush=True)
+        write_json(args.out / ("overhead.json" if args.overhead else "fairness.json"), record)
         return
     for threads in (int(t) for t in args.threads.split(",")):
         ours = ours_url = None
@@ -239,8 +224,7 @@ def main(argv=None) -> None:
                         order = servers if r % 2 == 0 else servers[::-1]
                         for s in order:
                             url = ours_url if s == "attnlab" else peer_url
-                            # a round's prompts: the same N for both servers, different each round (no cached prefix)
-                            chosen = [prompts[(r * n + i) % top] + f" (round {r}, reader {i})" for i in range(n)]
+                            chosen = round_prompts(prompts, n, r)
                             runs[s].append(asyncio.run(round_(url, "m", chosen, args.max_tokens, key)))
                 finally:
                     for pk in peaks.values():
