@@ -23,7 +23,7 @@ from attnlab.errors import AttnlabError
 from attnlab.eval.ruler import TASKS, make_sample, string_match_all
 from attnlab.io import keyed_name, save_figure, write_json
 
-VERSION = 1  # bump when the generators or the decoding change the numbers
+VERSION = 2  # bump when the generators or the decoding change the numbers
 
 
 def budget_for(length: int, ratio: float) -> int:
