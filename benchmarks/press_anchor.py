@@ -169,8 +169,8 @@ def merge(ours: str, theirs: str, out: str) -> None:
     from attnlab.eval.ruler_run import full_by_task, plot, table
     from attnlab.io import write_json, write_text
     a, b = json.loads(Path(ours).read_text()), json.loads(Path(theirs).read_text())
-    both = {_key(r) for r in a["results"]} & {_key(r) for r in b["results"]}  # a run cut short: what both did
-    a["results"], b["results"] = [r for r in a["results"] if _key(r) in both], [r for r in b["results"] if _key(r) in both]
+    both = {_key(r)[3:] for r in a["results"]} & {_key(r)[3:] for r in b["results"]}  # a cut run: samples both did
+    a["results"], b["results"] = [[r for r in x["results"] if _key(r)[3:] in both] for x in (a, b)]
     acc: dict = {}
     for lib, data in (("attnlab", a), ("kvpress", b)):
         for r in data["results"]:
@@ -185,7 +185,7 @@ def merge(ours: str, theirs: str, out: str) -> None:
                      f"{p['kvpress_best']} = {p['mean']:+.1f} points, 95% bootstrap [{p['lo']:+.1f}, {p['hi']:+.1f}], "
                      f"{p['wins']} wins / {p['losses']} losses / {p['ties']} ties of {p['n']}, sign test p = "
                      f"{p['sign_p']:.3f}" for p in paired)
-    n_all = len({k[3:] for k in both})
+    n_all = len(both)
     text = (f"RULER 4K on {a['model']}: ours (attnlab, rows attnlab:NAME and full) and kvpress 0.5.5 (rows "
             f"kvpress:NAME) on the same {n_all} samples ({samples} per task); NAME+q: the question pressed too\n\n"
             f"{side_by_side(a['results'], b['results'])}\n\nbest against best (paired, per sample):\n{best}\n\n"

@@ -37,16 +37,18 @@ def test_best_against_best_is_paired_and_respects_the_protocol():
 def test_merge_writes_a_run_the_report_reads(tmp_path):
     from attnlab.eval.report import collect
     ours = rows({("full", "out", 0.0): [100] * 8, ("knorm", "out", 0.5): [0, 100] * 4,
-                 ("knorm", "in", 0.5): [100] * 8})
+                 ("knorm", "in", 0.5): [100] * 8, ("h2o", "out", 0.5): [0] * 8})  # a press kvpress has not
     theirs = rows({("full", "out", 0.0): [100] * 8, ("knorm", "out", 0.5): [0, 100] * 4,
                    ("knorm", "in", 0.5): [100] * 8})
+    theirs += [{**theirs[0], "index": 9}]  # a sample only one library ran is left out
     for name, data in (("a.json", ours), ("b.json", theirs)):
         (tmp_path / name).write_text(json.dumps({"command": f"python {name}", "commit": "c", "model": "m",
                                                  "results": data}))
     anchor.merge(str(tmp_path / "a.json"), str(tmp_path / "b.json"), str(tmp_path / "out"))
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     names = {c["policy"] for c in summary["cells"]}
-    assert names == {"full", "kvpress:full", "attnlab:knorm", "attnlab:knorm+q", "kvpress:knorm", "kvpress:knorm+q"}
+    assert names == {"full", "kvpress:full", "attnlab:knorm", "attnlab:knorm+q", "kvpress:knorm", "kvpress:knorm+q",
+                     "attnlab:h2o"}
     assert summary["samples"] == 4 and [p["mean"] for p in summary["paired"]] == [0.0, 0.0]
     assert "knorm+q" in (tmp_path / "out" / "table.txt").read_text()
     sections = collect([tmp_path / "out"])
