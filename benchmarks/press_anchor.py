@@ -193,7 +193,7 @@ def merge(ours: str, theirs: str, out: str) -> None:
                      f"{p['sign_p']:.3f}" for p in paired)
     n_all = len(both)
     text = (f"RULER 4K on {a['model']}: ours (attnlab, rows attnlab:NAME and full) and kvpress 0.5.5 (rows "
-            f"kvpress:NAME) on the same {n_all} samples ({samples} per task); NAME+q: the question pressed too\n\n"
+            f"kvpress:NAME) on the same {n_all} samples (up to {samples} per task); NAME+q: the question pressed too\n\n"
             f"{side_by_side(a['results'], b['results'])}\n\nbest against best (paired, per sample):\n{best}\n\n"
             f"{table(rows)}\n\nfull cache per task:\n{full_by_task(rows)}\n\ncommands (commits {a.get('commit')} / "
             f"{b.get('commit')}):\n  {a['command']}\n  {b['command']}\n")
