@@ -53,3 +53,4 @@ def test_merge_writes_a_run_the_report_reads(tmp_path):
     assert "knorm+q" in (tmp_path / "out" / "table.txt").read_text()
     sections = collect([tmp_path / "out"])
     assert [s.kind for s in sections] == ["ruler"] and sections[0].figures
+    assert "attnlab's knorm+q - kvpress's knorm+q = +0.0 points" in sections[0].text  # the report shows the pairing
