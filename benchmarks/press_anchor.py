@@ -134,7 +134,8 @@ def side_by_side(ours: list[dict], theirs: list[dict]) -> str:
         d = paired_difference([mine[k]["score"] for k in ks], [other[k]["score"] for k in ks])
         x = sum(mine[k]["score"] for k in ks) / len(ks)
         same = sum(mine[k]["pred"] == other[k]["pred"] for k in ks)
-        lines.append(f"{_label(cell[0], cell[1]):<22} {cell[2]:>5.2f} {x:>8.1f} {x - d['mean']:>8.1f} {d['mean']:>+6.1f} "
+        lines.append(f"{_label(cell[0], cell[1]):<22} {cell[2]:>5.2f} {x:>8.1f} {x - d['mean']:>8.1f} "
+                     f"{d['mean']:>+6.1f} "
                      f"{'[' + format(d['lo'], '+.1f') + ', ' + format(d['hi'], '+.1f') + ']':>15}  {same}/{len(ks)}")
     return "\n".join(lines)
 
@@ -180,7 +181,8 @@ def merge(ours: str, theirs: str, out: str) -> None:
     acc: dict = {}
     for lib, data in (("attnlab", a), ("kvpress", b)):
         for r in data["results"]:
-            name = "full" if r["press"] == "full" and lib == "attnlab" else f"{lib}:{_label(r['press'], r.get('question', 'out'))}"
+            label = _label(r["press"], r.get("question", "out"))
+            name = "full" if r["press"] == "full" and lib == "attnlab" else f"{lib}:{label}"
             acc.setdefault((r["task"], 4096, name, r["ratio"]), []).append(r["score"])
     rows = [{"task": t, "length": n, "policy": p, "ratio": r, "samples": len(v), "score": sum(v) / len(v)}
             for (t, n, p, r), v in acc.items()]
@@ -193,7 +195,8 @@ def merge(ours: str, theirs: str, out: str) -> None:
                      f"{p['sign_p']:.3f}" for p in paired)
     n_all = len(both)
     text = (f"RULER 4K on {a['model']}: ours (attnlab, rows attnlab:NAME and full) and kvpress 0.5.5 (rows "
-            f"kvpress:NAME) on the same {n_all} samples (up to {samples} per task); NAME+q: the question pressed too\n\n"
+            f"kvpress:NAME) on the same {n_all} samples (up to {samples} per task); NAME+q: the question pressed "
+            f"too\n\n"
             f"{side_by_side(a['results'], b['results'])}\n\nbest against best (paired, per sample):\n{best}\n\n"
             f"{table(rows)}\n\nfull cache per task:\n{full_by_task(rows)}\n\ncommands (commits {a.get('commit')} / "
             f"{b.get('commit')}):\n  {a['command']}\n  {b['command']}\n")
