@@ -20,6 +20,7 @@ import json
 import os
 import sys
 import time
+from importlib.metadata import version
 from pathlib import Path
 
 
@@ -33,6 +34,16 @@ def write_samples(path: str, length: int, samples: int, seed: int, model: str) -
                                                 "max_new", "tokens")} for s in rows])
 
 
+def _commit() -> str:
+    """The attnlab commit the samples and this script come from (this environment imports nothing of attnlab)."""
+    import subprocess
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
 def make_press(name: str, ratio: float):
     import kvpress
     cls = {"knorm": kvpress.KnormPress, "streaming_llm": kvpress.StreamingLLMPress, "snapkv": kvpress.SnapKVPress,
@@ -40,36 +51,59 @@ def make_press(name: str, ratio: float):
     return cls(compression_ratio=ratio)
 
 
-def prefill(model, sample: dict):
+def prefill(model, sample: dict, question: bool = False):
     """The context through the model once (sdpa), capturing what kvpress's hook sees at each attention layer:
-    its keyword arguments (hidden_states, position_embeddings, cache_position). Returns (keys/values per
-    layer, the captured arguments, the attention modules)."""
+    its keyword arguments (hidden_states, position_embeddings, cache_position). Returns {"out": state} and,
+    with question, "in": the state after the cache read the question too (all but the prompt's last token), its
+    captures appended to the context's (what one forward over that prompt hands the hook: compress_questions).
+    A state is (keys/values per layer, captured arguments, attention modules, question ids, first logits)."""
     import torch
     from transformers import DynamicCache
-    ids = torch.tensor([sample["ids"][:sample["context_tokens"]]])
+    n = sample["context_tokens"]
     layers = model.model.layers
-    seen: dict = {}
+    modules = [layer.self_attn for layer in layers]
 
-    def hook(module, args, kwargs, output):
-        seen[module.layer_idx] = {k: kwargs[k] for k in ("hidden_states", "position_embeddings", "cache_position")}
-    handles = [layer.self_attn.register_forward_hook(hook, with_kwargs=True) for layer in layers]
+    def forward(ids, cache, start):
+        seen: dict = {}
+
+        def hook(module, args, kwargs, output):
+            seen[module.layer_idx] = {k: kwargs[k] for k in ("hidden_states", "position_embeddings", "cache_position")}
+        handles = [m.register_forward_hook(hook, with_kwargs=True) for m in modules]
+        try:
+            with torch.no_grad():
+                pos = torch.arange(start, start + ids.shape[1])[None]
+                logits = model(ids, past_key_values=cache, position_ids=pos).logits[:, -1]
+        finally:
+            for h in handles:
+                h.remove()
+        return seen, logits
+
+    def kv_of(cache):
+        return [(cache.layers[i].keys.clone(), cache.layers[i].values.clone()) for i in range(len(layers))]
+
+    ids = torch.tensor([sample["ids"]])
     cache = DynamicCache()
-    try:
-        with torch.no_grad():
-            model(ids, past_key_values=cache)
-    finally:
-        for h in handles:
-            h.remove()
-    kv = [(cache.layers[i].keys, cache.layers[i].values) for i in range(len(layers))]
-    return kv, seen, [layer.self_attn for layer in layers]
+    seen, _ = forward(ids[:, :n], cache, 0)
+    states = {"out": (kv_of(cache), seen, modules, sample["ids"][n:], None)}
+    if question:
+        more, _ = forward(ids[:, n:-1], cache, n)  # the last token is fed after the press, as kvpress feeds
+        # compress_questions' question suffix: every answer token is computed from the pressed cache
+        both = {i: {"hidden_states": torch.cat([seen[i]["hidden_states"], more[i]["hidden_states"]], 1),
+                    "position_embeddings": tuple(torch.cat([a, b], 1) for a, b in
+                                                 zip(seen[i]["position_embeddings"], more[i]["position_embeddings"])),
+                    "cache_position": torch.cat([seen[i]["cache_position"], more[i]["cache_position"]])}
+                for i in seen}
+        states["in"] = (kv_of(cache), both, modules, sample["ids"][-1:], None)
+    return states
 
 
 def answer(model, tok, sample: dict, press, state) -> str:
     """kvpress's own hook (`BasePress.forward_hook`, what `with press(model)` runs after each layer's attention
-    in the prefill) applied to a copy of the prefilled cache, then the question and greedy decoding."""
+    in the prefill) applied to a copy of the prefilled cache, then the question (if not pressed with the
+    context) and greedy decoding."""
     import torch
     from transformers import DynamicCache
-    kv, seen, modules = state
+    kv, seen, modules, question, logits = state
     cache = DynamicCache()
     for i, (k, v) in enumerate(kv):
         cache.update(k.clone(), v.clone(), i)
@@ -78,12 +112,12 @@ def answer(model, tok, sample: dict, press, state) -> str:
         for i, module in enumerate(modules):
             module.rotary_emb = model.model.rotary_emb  # what `with press(model)` sets before hooking
             press.forward_hook(module, [], {**seen[i], "past_key_values": cache}, (None, None))
-    ids = torch.tensor([sample["ids"]])
-    n = sample["context_tokens"]
+    nxt = len(sample["ids"])
     with torch.no_grad():
-        pos = torch.arange(n, ids.shape[1])[None]
-        logits = model(ids[:, n:], past_key_values=cache, position_ids=pos).logits[:, -1]
-        out, nxt = [], ids.shape[1]
+        if question:
+            pos = torch.arange(nxt - len(question), nxt)[None]
+            logits = model(torch.tensor([question]), past_key_values=cache, position_ids=pos).logits[:, -1]
+        out = []
         eos = model.generation_config.eos_token_id
         eos = set(eos if isinstance(eos, list) else [eos])
         for _ in range(sample["max_new"]):
@@ -102,7 +136,7 @@ def dump_kept(model, sample: dict, presses: list[str], ratio: float, path: str) 
     """kvpress's kept indices on one sample: its ScorerPress.compress keeps scores.topk(int(n * (1 - ratio)))
     of each layer and KV head; saved as {press: [layer: LongTensor [kv_heads, kept] ascending]}."""
     import torch
-    kv, seen, modules = prefill(model, sample)
+    kv, seen, modules = prefill(model, sample)["out"][:3]
     out = {}
     for name in presses:
         press = make_press(name, ratio)
@@ -130,6 +164,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--presses", default="knorm,streaming_llm,snapkv,tova,expected_attention")
     p.add_argument("--ratios", default="0.25,0.5,0.75")
+    p.add_argument("--question", default="out", help="out, in (kvpress's compress_questions), or out,in")
     p.add_argument("--out", default="kvpress_anchor.json")
     p.add_argument("--limit", type=int, default=0, help="only the first N samples (timing)")
     p.add_argument("--dump-kept", default=None, help="only save kvpress's kept indices on the first sample (.pt)")
@@ -146,24 +181,27 @@ def main() -> int:
     if a.dump_kept:
         dump_kept(model, samples[0], a.presses.split(","), float(a.ratios.split(",")[0]), a.dump_kept)
         return 0
-    cells = [("full", 0.0)] + [(n, float(r)) for n in a.presses.split(",") for r in a.ratios.split(",")]
+    questions = a.question.split(",")
+    cells = [("full", "out", 0.0)] + [(n, q, float(r)) for q in questions for n in a.presses.split(",")
+                                      for r in a.ratios.split(",")]
+    head = {"command": " ".join(["python", "benchmarks/kvpress_anchor.py"] + sys.argv[1:]), "commit": _commit(),
+            "seed": 0, "kvpress": version("kvpress"), "transformers": version("transformers"), "model": a.model_dir}
     results = []
     for s in samples:
         start = time.process_time()
-        state = prefill(model, s)
+        states = prefill(model, s, "in" in questions)
         first = time.process_time() - start
-        for name, ratio in cells:
+        for name, question, ratio in cells:
             t = time.process_time()
-            pred = answer(model, tok, s, None if name == "full" else make_press(name, ratio), state)
+            pred = answer(model, tok, s, None if name == "full" else make_press(name, ratio), states[question])
             score = 100 * sum(x.lower() in pred.lower() for x in s["answers"]) / len(s["answers"])
-            results.append({"press": name, "ratio": ratio, "task": s["task"], "index": s["index"], "score": score,
-                            "pred": pred, "cpu_seconds": time.process_time() - t, "prefill_cpu_seconds": first})
+            results.append({"press": name, "question": question, "ratio": ratio, "task": s["task"],
+                            "index": s["index"], "score": score, "pred": pred,
+                            "cpu_seconds": time.process_time() - t, "prefill_cpu_seconds": first})
             print(json.dumps(results[-1]), flush=True)
-    tmp = Path(a.out).with_suffix(".tmp")
-    tmp.write_text(json.dumps({"command": " ".join(sys.argv), "kvpress": __import__("kvpress").__version__
-                               if hasattr(__import__("kvpress"), "__version__") else "0.5.5",
-                               "results": results}, indent=1))
-    os.replace(tmp, a.out)
+        tmp = Path(a.out).with_suffix(".tmp")  # after each sample, atomically: a cut run keeps what it did
+        tmp.write_text(json.dumps({**head, "results": results}, indent=1))
+        os.replace(tmp, a.out)
     return 0
 
 

@@ -22,39 +22,66 @@ from pathlib import Path
 import torch
 
 
+def _recorders(presses: list[str], ratio: float) -> dict:
+    """One recorder per press name, shared where two scorers read the same record (h2o and sink_h2o both read
+    the prefill's accumulated attention; two recorders would add it twice)."""
+    from attnlab.kv.press import PressRecorder, make_press
+    recs: dict = {}
+    for name in presses:
+        p = make_press(name, ratio)
+        shared = "probs" if p.needs_probs else name
+        recs.setdefault(shared, PressRecorder(p, None))
+        recs[name] = recs[shared]
+    return recs
+
+
+def _unique(recs: dict) -> list:
+    return list({id(r): r for r in recs.values()}.values())
+
+
 def run(samples_path: str, out: str, presses: list[str], ratios: list[float], model: str, extra: list[str],
-        question: str = "out") -> None:
+        questions: list[str], argv: list[str]) -> None:
+    """questions: "out" (kvpress's protocol: the context pressed, the question fed after) and/or "in" (the whole
+    prompt pressed). Both from one context prefill: "in" continues a copy of it with the question, observed."""
     import attnlab
     from attnlab.eval.ruler_run import answer_batch
-    from attnlab.io import write_json
-    from attnlab.kv.press import PressRecorder, compress, make_press
+    from attnlab.io import provenance, write_json
+    from attnlab.kv.press import compress, make_press
+    prov = {**provenance(argv), "command": " ".join(["python", "benchmarks/press_anchor.py"] + argv), "seed": 0}
     torch.set_num_threads(1)
     lm = attnlab.load(model, dtype="float32")
     samples = json.loads(Path(samples_path).read_text())
-    cells = [("full", 0.0)] + [(n, r) for n in presses + extra for r in ratios]
+    names = presses + extra
+    cells = [("full", "out", 0.0)] + [(n, q, r) for q in questions for n in names for r in ratios]
     results = []
     for s in samples:
         start = time.process_time()
-        n = s["context_tokens"] if question == "out" else len(s["ids"])  # in: the press sees the question
-        made = {(name, r): make_press(name, r) for name, r in cells if name != "full"}
-        # one recorder per press configuration (window / statistics) is enough: they read, never write
-        recorders = {name: PressRecorder(p, None) for (name, r), p in made.items() if r == ratios[0]}
+        n = s["context_tokens"]
+        made = {(name, r): make_press(name, r) for name in names for r in ratios}
+        recs = _recorders(names, ratios[0])  # a recorder reads, never writes: one serves every ratio
         cache = lm.new_cache(1, capacity=len(s["ids"]) + 64)
-        for rec in recorders.values():
+        for rec in _unique(recs):
             rec.layers = cache.layers
-        logits = lm.prefill(torch.tensor([s["ids"][:n]]), cache, chunk=512, observers=list(recorders.values()))
+        logits = lm.prefill(torch.tensor([s["ids"][:n]]), cache, chunk=512, observers=_unique(recs))
+        state = {"out": (cache, recs, logits, s["ids"][n:])}
         prefill = time.process_time() - start
-        for name, ratio in cells:
+        if "in" in questions:  # the question observed too, so the scorers' last queries are the question's;
+            c2, r2 = copy.deepcopy((cache, recs))  # the last token is fed after the press, so no answer token
+            lm.prefill(torch.tensor([s["ids"][n:-1]]), c2, chunk=512, observers=_unique(r2))  # sees the full cache
+            state["in"] = (c2, r2, logits, s["ids"][-1:])
+        for name, question, ratio in cells:
             t = time.process_time()
-            pressed = copy.deepcopy(cache)
+            base, recorders, first, rest = state[question]
+            pressed = copy.deepcopy(base)
             if name != "full":
                 compress(pressed, made[(name, ratio)], recorders[name])
-            pred = answer_batch(lm, pressed, logits, [s["ids"][n:]], [s["max_new"]])[0]
+            pred = answer_batch(lm, pressed, first, [rest], [s["max_new"]])[0]
             score = 100 * sum(a.lower() in pred.lower() for a in s["answers"]) / len(s["answers"])
-            results.append({"press": name, "ratio": ratio, "task": s["task"], "index": s["index"], "score": score,
-                            "pred": pred, "cpu_seconds": time.process_time() - t, "prefill_cpu_seconds": prefill})
+            results.append({"press": name, "question": question, "ratio": ratio, "task": s["task"],
+                            "index": s["index"], "score": score, "pred": pred,
+                            "cpu_seconds": time.process_time() - t, "prefill_cpu_seconds": prefill})
             print(json.dumps(results[-1]), flush=True)
-    write_json(Path(out), {"command": " ".join(["python"] + sys.argv), "model": model, "results": results})
+        write_json(Path(out), {**prov, "model": model, "results": results})  # after each sample: a cut run keeps
 
 
 def compare_kept(samples_path: str, theirs: str, model: str, ratio: float) -> None:
@@ -87,52 +114,99 @@ def compare_kept(samples_path: str, theirs: str, model: str, ratio: float) -> No
               f"mean overlap {overlap / total:.4f}")
 
 
+def _key(r: dict) -> tuple:
+    return r["press"], r.get("question", "out"), r["ratio"], r["task"], r["index"]
+
+
+def _label(press: str, question: str) -> str:
+    return press + ("+q" if question == "in" else "")  # +q: the question pressed too (compress_questions)
+
+
 def side_by_side(ours: list[dict], theirs: list[dict]) -> str:
-    """Per (press, ratio): RULER average (over every sample both ran) of each library, the difference, and in
-    how many samples the two answers are the same string."""
-    key = lambda r: (r["press"], r["ratio"], r["task"], r["index"])  # noqa: E731
-    mine, other = {key(r): r for r in ours}, {key(r): r for r in theirs}
-    cells = sorted({(k[0], k[1]) for k in mine if k in other}, key=lambda c: (c[0] != "full", c))
-    lines = [f"{'press':<20} {'ratio':>5} {'attnlab':>8} {'kvpress':>8} {'diff':>6}  same answer"]
-    for press, ratio in cells:
-        ks = [k for k in mine if k[:2] == (press, ratio) and k in other]
+    """Per (press, question, ratio): RULER average (over every sample both ran) of each library, the paired
+    difference with its 95% bootstrap interval, and in how many samples the two answers are the same string."""
+    from attnlab.stats import paired_difference
+    mine, other = {_key(r): r for r in ours}, {_key(r): r for r in theirs}
+    cells = sorted({k[:3] for k in mine if k in other}, key=lambda c: (c[0] != "full", c[2], c[1], c[0]))
+    lines = [f"{'press':<22} {'ratio':>5} {'attnlab':>8} {'kvpress':>8} {'diff':>6} {'95% interval':>15}  same answer"]
+    for cell in cells:
+        ks = [k for k in mine if k[:3] == cell and k in other]
+        d = paired_difference([mine[k]["score"] for k in ks], [other[k]["score"] for k in ks])
         x = sum(mine[k]["score"] for k in ks) / len(ks)
-        y = sum(other[k]["score"] for k in ks) / len(ks)
         same = sum(mine[k]["pred"] == other[k]["pred"] for k in ks)
-        lines.append(f"{press:<20} {ratio:>5.2f} {x:>8.1f} {y:>8.1f} {x - y:>+6.1f}  {same}/{len(ks)}")
+        lines.append(f"{_label(cell[0], cell[1]):<22} {cell[2]:>5.2f} {x:>8.1f} {x - d['mean']:>8.1f} "
+                     f"{d['mean']:>+6.1f} "
+                     f"{'[' + format(d['lo'], '+.1f') + ', ' + format(d['hi'], '+.1f') + ']':>15}  {same}/{len(ks)}")
     return "\n".join(lines)
 
 
+def best_against_best(ours: list[dict], theirs: list[dict], ratio: float) -> list[dict]:
+    """The must-show comparison at one ratio: each library's best cell (highest mean on these samples) against
+    the other's, paired per sample; once over every cell (either may press the question), once over kvpress's
+    protocol only (question out). The best is the highest RULER average on these samples (chosen on the same
+    samples, so the gain is optimistic); the difference is the mean over samples, paired."""
+    from attnlab.stats import paired_difference
+    out = []
+    for scope, allowed in (("any protocol", {"out", "in"}), ("question out", {"out"})):
+        per: dict = {}
+        for lib, rows in (("attnlab", ours), ("kvpress", theirs)):
+            cells: dict = {}
+            for r in rows:
+                if r["ratio"] == ratio and r.get("question", "out") in allowed:
+                    cells.setdefault((r["press"], r.get("question", "out")), {})[(r["task"], r["index"])] = r["score"]
+            per[lib] = cells
+        common = set.intersection(*[set(v) for c in per.values() for v in c.values()])
+        tasks = sorted({t for t, _ in common})
+
+        def ruler(scores):  # RULER average: the mean over tasks of each task's mean (the table's avg)
+            return sum(sum(v for (t, _), v in scores.items() if t == task and (t, _) in common) /
+                       sum(1 for x in common if x[0] == task) for task in tasks) / len(tasks)
+        best = {lib: max(c, key=lambda k: ruler(c[k])) for lib, c in per.items()}
+        order = sorted(common)
+        d = paired_difference([per["attnlab"][best["attnlab"]][s] for s in order],
+                              [per["kvpress"][best["kvpress"]][s] for s in order])
+        out.append({"ratio": ratio, "scope": scope, "attnlab_best": _label(*best["attnlab"]),
+                    "kvpress_best": _label(*best["kvpress"]), **d})
+    return out
+
+
 def merge(ours: str, theirs: str, out: str) -> None:
-    """Both result files as one `attnlab ruler`-style run: rows attnlab:NAME and kvpress:NAME (and full)."""
+    """Both result files as one `attnlab ruler`-style run: rows attnlab:NAME and kvpress:NAME (and full; +q: the
+    question pressed too), the paired comparisons beside it (table.txt, summary.json's "paired")."""
     from attnlab.eval.ruler_run import full_by_task, plot, table
     from attnlab.io import write_json, write_text
     a, b = json.loads(Path(ours).read_text()), json.loads(Path(theirs).read_text())
-    key = lambda r: (r["press"], r["ratio"], r["task"], r["index"])  # noqa: E731
-    both = {key(r) for r in a["results"]} & {key(r) for r in b["results"]}  # a run cut short: what both did
-    a["results"], b["results"] = [r for r in a["results"] if key(r) in both], [r for r in b["results"] if key(r) in both]
+    both = {_key(r)[3:] for r in a["results"]} & {_key(r)[3:] for r in b["results"]}  # a cut run: samples both did
+    a["results"], b["results"] = [[r for r in x["results"] if _key(r)[3:] in both] for x in (a, b)]
     acc: dict = {}
     for lib, data in (("attnlab", a), ("kvpress", b)):
         for r in data["results"]:
-            name = "full" if r["press"] == "full" else f"{lib}:{r['press']}"
-            if name == "full" and lib == "kvpress":
-                name = "kvpress:full"
+            label = _label(r["press"], r.get("question", "out"))
+            name = "full" if r["press"] == "full" and lib == "attnlab" else f"{lib}:{label}"
             acc.setdefault((r["task"], 4096, name, r["ratio"]), []).append(r["score"])
     rows = [{"task": t, "length": n, "policy": p, "ratio": r, "samples": len(v), "score": sum(v) / len(v)}
             for (t, n, p, r), v in acc.items()]
     samples = max(x["samples"] for x in rows)
+    ratios = sorted({r["ratio"] for r in rows if r["ratio"]})
+    paired = [p for r in ratios for p in best_against_best(a["results"], b["results"], r)]
+    best = "\n".join(f"ratio {p['ratio']:g}, {p['scope']:<12}: attnlab's best {p['attnlab_best']} - kvpress's best "
+                     f"{p['kvpress_best']} = {p['mean']:+.1f} points, 95% bootstrap [{p['lo']:+.1f}, {p['hi']:+.1f}], "
+                     f"{p['wins']} wins / {p['losses']} losses / {p['ties']} ties of {p['n']}, sign test p = "
+                     f"{p['sign_p']:.3f}" for p in paired)
+    n_all = len(both)
     text = (f"RULER 4K on {a['model']}: ours (attnlab, rows attnlab:NAME and full) and kvpress 0.5.5 (rows "
-            f"kvpress:NAME) on the same samples, {samples} per task, kvpress's question protocol\n\n"
-            f"{side_by_side(a['results'], b['results'])}\n\n"
-            f"{table(rows)}\n\nfull cache per task:\n{full_by_task(rows)}\n\ncommands:\n  {a['command']}\n"
-            f"  {b['command']}\n")
+            f"kvpress:NAME) on the same {n_all} samples (up to {samples} per task); NAME+q: the question pressed "
+            f"too\n\n"
+            f"{side_by_side(a['results'], b['results'])}\n\nbest against best (paired, per sample):\n{best}\n\n"
+            f"{table(rows)}\n\nfull cache per task:\n{full_by_task(rows)}\n\ncommands (commits {a.get('commit')} / "
+            f"{b.get('commit')}):\n  {a['command']}\n  {b['command']}\n")
     out_dir = Path(out)
     write_text(out_dir / "table.txt", text)
     plot(rows, out_dir / "ruler.png", title=f"RULER 4K, attnlab vs kvpress presses, {samples} sample(s) per task")
     write_json(out_dir / "summary.json", {
-        "command": a["command"] + " ; " + b["command"], "model": a["model"], "tasks": sorted({r["task"] for r in rows}),
-        "lengths": [4096], "ratios": sorted({r["ratio"] for r in rows if r["ratio"]}), "samples": samples, "seed": 0,
-        "cells": rows})
+        "command": a["command"] + " ; " + b["command"], "commit": a.get("commit"), "model": a["model"],
+        "tasks": sorted({r["task"] for r in rows}), "lengths": [4096], "ratios": ratios, "samples": samples,
+        "seed": 0, "cells": rows, "paired": paired})
     print(text)
 
 
@@ -144,7 +218,7 @@ def main() -> int:
     p.add_argument("--presses", default="knorm,streaming_llm,snapkv,tova,expected_attention")
     p.add_argument("--extra", default="", help="our presses kvpress has not (h2o, sink_h2o)")
     p.add_argument("--ratios", default="0.25,0.5,0.75")
-    p.add_argument("--question", default="out", choices=["out", "in"], help="in: press the question too")
+    p.add_argument("--question", default="out", help="out, in, or out,in: press the question too (in)")
     p.add_argument("--out", default=None)
     p.add_argument("--compare-kept", default=None, metavar="KVPRESS_PT", help="compare kept indices with kvpress's")
     a = p.parse_args()
@@ -154,7 +228,7 @@ def main() -> int:
         merge(*a.merge, a.out)
     else:
         run(a.samples, a.out, a.presses.split(","), [float(r) for r in a.ratios.split(",")], a.model,
-            [x for x in a.extra.split(",") if x], a.question)
+            [x for x in a.extra.split(",") if x], a.question.split(","), sys.argv[1:])
     return 0
 
 

@@ -109,7 +109,7 @@ def add_parser(sub) -> None:
                         "tova, expected_attention, h2o, sink_h2o; comma list); table rows press:NAME")
     p.add_argument("--question", default="out", choices=["out", "in"],
                    help="out: a press compresses the context only, the question is fed after (kvpress's protocol); "
-                        "in: the whole prompt, question included")
+                        "in: the prompt but its last token (fed after), question included")
     p.add_argument("--ratios", "--ratio", default="0.5,0.75",
                    help="compression ratios: share of the prompt's KV pairs dropped")
     p.add_argument("--samples", type=positive_int, default=2, help="samples per (task, length, policy, ratio)")

@@ -99,6 +99,10 @@ def _ruler(data, path):
     rows = data["cells"]
     text = (f"{len(data['tasks'])} tasks x lengths {data['lengths']}, {data['samples']} sample(s) per cell, seed "
             f"{data['seed']}\n\n{table(rows)}\n\nfull cache per task and length:\n{full_by_task(rows)}")
+    text += "".join(("\n\nbest against best (paired per sample):" if i == 0 else "") +  # the press anchor's
+                    f"\nratio {p['ratio']:g}, {p['scope']}: attnlab's {p['attnlab_best']} - kvpress's "
+                    f"{p['kvpress_best']} = {p['mean']:+.1f} points, 95% [{p['lo']:+.1f}, {p['hi']:+.1f}], "
+                    f"sign test p = {p['sign_p']:.3f}, n = {p['n']}" for i, p in enumerate(data.get("paired", [])))
     return Section("ruler", f"RULER: {data.get('model', path.parent.name)}", path, data.get("command", ""), text=text,
                    figures=_figures(path.parent, ["ruler"]))
 

@@ -177,10 +177,10 @@ def _niah(task: str, rng: random.Random, haystack: str, depth: float | None, n_w
 
 def _vt(rng: random.Random, hops: int = 4):
     def chain(r):
-        names = set()
+        names: list[str] = []  # in draw order: a set's order would follow PYTHONHASHSEED
         while len(names) < hops + 1:
-            names.add("".join(r.choice(string.ascii_uppercase) for _ in range(5)))
-        names = list(names)
+            name = "".join(r.choice(string.ascii_uppercase) for _ in range(5))
+            names += [name] if name not in names else []
         value = _number(r, 5)
         lines = [f"VAR {names[0]} = {value}"] + [f"VAR {names[i + 1]} = VAR {names[i]}" for i in range(hops)]
         return names, value, lines

@@ -23,7 +23,7 @@ from attnlab.errors import AttnlabError
 from attnlab.eval.ruler import TASKS, make_sample, string_match_all
 from attnlab.io import keyed_name, save_figure, write_json
 
-VERSION = 1  # bump when the generators or the decoding change the numbers
+VERSION = 2  # bump when the generators or the decoding change the numbers
 
 
 def budget_for(length: int, ratio: float) -> int:
@@ -105,11 +105,13 @@ def unit_key(identity: dict, length: int, policy: str, ratio: float, index: int)
 def run_unit(lm, samples: list[dict], name: str, ratio: float, chunk: int, positions: str, n_sink: int,
              question: str = "in") -> dict:
     """question: "out" presses the context only and feeds the question after (kvpress's protocol); "in"
-    presses the whole prompt, question included (a query-aware press sees the question)."""
+    presses the prompt but its last token, question included (a query-aware press sees the question; the
+    last token is fed after, so no answer token is computed from the unpressed cache)."""
     length = samples[0]["length"]
     press = build_cell_press(name, ratio)
     policy = build_cell_policy(name, length, ratio, chunk, positions, n_sink)
-    context = [s["context_tokens"] for s in samples] if press is not None and question == "out" else None
+    context = None if press is None else [s["context_tokens"] if question == "out" else len(s["ids"]) - 1
+                                          for s in samples]
     start = time.perf_counter()
     preds = generate_batch(lm, [s["ids"] for s in samples], [s["max_new"] for s in samples], policy, chunk,
                            press, context)

@@ -2,7 +2,10 @@
 from its seed; scoring is RULER's string_match_all; the runner resumes from finished units."""
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from collections import Counter
 
 import pytest
@@ -33,6 +36,15 @@ def test_seeds_reproduce_and_differ(encode):
         assert a["prompt"] == b["prompt"] and a["answers"] == b["answers"]
         c = make_sample(task, encode, 512, seed=2, index=0)
         assert c["answers"] != a["answers"]
+
+
+def test_samples_do_not_depend_on_the_python_hash_seed():
+    # vt once listed its chain from a set, so its prompt changed from one process to the next
+    code = ("from attnlab.eval.ruler import TASKS, make_sample\n"
+            "for t in TASKS: print(make_sample(t, lambda s: list(s.encode()), 3000, seed=0, index=0)['prompt'])")
+    outs = {subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": str(h)}, text=True,
+                           capture_output=True, check=True).stdout for h in (1, 2, 3)}
+    assert len(outs) == 1
 
 
 @pytest.mark.parametrize("depth", [0.0, 0.25, 0.5, 0.9, 1.0])

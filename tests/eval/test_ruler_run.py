@@ -83,6 +83,21 @@ def test_question_protocol(lm):
     assert batch == [generate_batch(lm, [p], [8], press=press, context=[c])[0] for p, c in zip(prompts, context)]
 
 
+def test_question_in_answers_only_from_the_pressed_cache(lm):
+    """--question in presses all but the prompt's last token and feeds that one after, so no answer token is
+    read from the prefill's logits (which saw the whole, unpressed cache)."""
+    from attnlab.eval.ruler_run import answer_batch, run_unit
+    from attnlab.kv import make_press
+    ids = lm.encode("To be, or not to be: that is the question: whether tis nobler in the mind to suffer")
+    s = {"task": "niah_single", "length": len(ids), "index": 0, "ids": ids, "context_tokens": len(ids) - 9,
+         "answers": ["x"], "max_new": 8, "tokens": len(ids)}
+    unit = run_unit(lm, [s], "press:knorm", 0.75, 128, "original", 4, question="in")
+    cache = lm.new_cache(1, capacity=len(ids) + 16, positions="original")
+    lm.prefill(torch.tensor([ids[:-1]]), cache, press=make_press("knorm", 0.75))
+    assert all(layer.n == int((len(ids) - 1) * 0.25) for layer in cache.layers)  # the last token not in yet
+    assert unit["results"][0]["pred"] == answer_batch(lm, cache, torch.zeros(1, lm.cfg.vocab_size), [ids[-1:]], [8])[0]
+
+
 def test_context_tokens_split_before_the_question(lm):
     from attnlab.eval.ruler import make_sample
     for task in ("niah_single", "vt", "cwe", "fwe"):
