@@ -165,6 +165,10 @@ def test_a_newcomers_chunk_beside_decoding_rows_costs_about_what_they_cost(decod
     sched.submit(_session(lm, 0), _prompts(1, [300], seed=5)[0], Sampler(0.0), 5, ())
     sched.step()
     assert sched.last.prefill_tokens == expected
+    for i in range(decoding):  # a burst: as many newcomers as decoding rows go in whole chunks
+        sched.submit(_session(lm, i), _prompts(1, [300], seed=6 + i)[0], Sampler(0.0), 5, ())
+    sched.step()
+    assert sched.last.prefill_tokens == 64
 
 
 def test_max_batch_holds_and_the_oldest_waiting_request_goes_first():
