@@ -1,0 +1,108 @@
+"""Decode tok/s at long depths: full attention against Quest's page selection (`--attention quest:BUDGET`),
+all in the native step, one process, one model.
+
+Per depth the prompt is prefilled once into a cache that keeps page summaries; every variant decodes from it
+(rolled back to the depth before each timed run, `KVCache.truncate`), runs interleaved with the order rotating
+every repeat, medians printed with the CPU model, its ISA flags, the thread count and the load average. Also
+printed: what keeping the summaries in Python after each step (`LayerKV._summarize` of the new slot, every
+layer) would cost, against the step keeping them itself in C++ (measured inside the native step's time).
+
+    python benchmarks/quest_speed.py --depths 4096 --budgets 512,1024,2048 --threads 1
+    python benchmarks/quest_speed.py --depths 16384 --rope yarn:4 --budgets 512,1024,2048 --threads 1
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # this checkout's attnlab
+from native_step import cpu  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--kv", default="float16")
+    p.add_argument("--rope", default=None, help="e.g. yarn:4 past SmolLM2's 8,192 trained positions")
+    p.add_argument("--depths", default="4096")
+    p.add_argument("--budgets", default="512,1024,2048")
+    p.add_argument("--page", type=int, default=16)
+    p.add_argument("--dense", type=int, default=None, help="layers that read every key (default: QuestSpec's)")
+    p.add_argument("--threads", default="1")
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args(argv)
+    import attnlab
+    from attnlab.engine import LM
+    from attnlab.kv.pages import QuestSpec
+
+    dense = {} if args.dense is None else {"dense": args.dense}
+    specs = {"full": None, **{f"quest:{b}": QuestSpec(int(b), args.page, **dense) for b in args.budgets.split(",")}}
+    lm = attnlab.load(args.model, kv_dtype=args.kv, rope=args.rope, tokenizer=False, attention=f"quest:{2 * args.page}:{args.page}")
+    print(f"cpu: {cpu()}\nmodel: {args.model} ({lm.quant}), {args.kv} cache, rope {args.rope}, "
+          f"load average at start {os.getloadavg()[0]:.1f}", flush=True)
+    views = {}
+    for name, spec in specs.items():
+        view = LM.__new__(LM)
+        view.__dict__.update(lm.__dict__)
+        view.options = lm.options.but(attention=spec)
+        views[name] = view
+    tok = torch.tensor([[7]])
+    for threads in [int(t) for t in args.threads.split(",")]:
+        torch.set_num_threads(threads)
+        rows = {}
+        for n in [int(d) for d in args.depths.split(",")]:
+            ids = torch.randint(0, lm.cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
+            cache = lm.new_cache(capacity=n + args.steps + 1)  # page summaries kept: every variant decodes from it
+            t = time.perf_counter()
+            lm.prefill(ids, cache)
+            print(f"depth {n}: prefill {time.perf_counter() - t:.1f} s", flush=True)
+            times = {name: [] for name in views}
+            order = list(views)
+            for _ in range(args.repeats):
+                order = order[1:] + order[:1]
+                for name in order:
+                    cache.truncate(n)
+                    views[name].forward(tok, cache)  # warm-up step
+                    t = time.perf_counter()
+                    for _ in range(args.steps):
+                        views[name].forward(tok, cache)
+                    times[name].append(args.steps / (time.perf_counter() - t))
+            assert lm.compiled is not None and lm.compiled.calls["eager"] == 0, "a step left the native path"
+            cache.truncate(n)
+            py = python_summaries(cache, n)
+            rows[n] = times, py
+        load = os.getloadavg()[0]
+        print(f"\n### {threads} thread{'s' if threads > 1 else ''}: decode tok/s, median of {args.repeats} x "
+              f"{args.steps} steps (x full; min-max), load average {load:.1f} at the end\n")
+        print("| attention | " + " | ".join(f"depth {n}" for n in rows) + " |")
+        print("|---|" + "---|" * len(rows))
+        for name in views:
+            cells = []
+            for n, (times, _) in rows.items():
+                m, f = statistics.median(times[name]), statistics.median(times["full"])
+                cells.append(f"{m:.1f} ({m / f:.2f}x; {min(times[name]):.1f}-{max(times[name]):.1f})")
+            print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+        for n, (_, py) in rows.items():
+            print(f"\ndepth {n}: page summaries of one new slot kept in Python (every layer's `_summarize`): "
+                  f"{py * 1e3:.2f} ms per step", flush=True)
+    return 0
+
+
+def python_summaries(cache, n: int, repeats: int = 20) -> float:
+    """Seconds per step that keeping the page summaries in Python after a step would cost (all layers)."""
+    t = time.perf_counter()
+    for _ in range(repeats):
+        for layer in cache.layers:
+            layer._summarize(n - 1, n)
+    return (time.perf_counter() - t) / repeats
+
+
+if __name__ == "__main__":
+    sys.exit(main())
