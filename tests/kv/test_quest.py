@@ -176,12 +176,7 @@ def test_page_summaries_follow_growth_and_eviction(kv_dtype):
     for policy in (None, make_policy("sink_h2o", 40, positions="cache", n_sink=4, chunk=8)):
         _, cache = decode_all(view, ids, 9, policy)
         assert policy is None or len(cache) < 70  # eviction happened
-        for layer in cache.layers:
-            n = layer.n
-            keys = layer.k[:, :, :n].float() if layer.k_scale is None else \
-                dequantize_int8_blocks(layer.k[:, :, :n], layer.k_scale[:, :, :n])
-            lo, hi = summarize(keys, layer.pos[:, :, :n] >= 0, 4)
-            assert torch.equal(layer.page_min, lo) and torch.equal(layer.page_max, hi)
+        assert_summaries_fresh(cache, 4)
 
 
 def test_a_saved_cache_gets_its_summaries_back():
@@ -236,3 +231,13 @@ def test_passkey_beyond_a_sink_window(monkeypatch):
     g = torch.Generator().manual_seed(0)
     monkeypatch.setattr(quest, "page_bounds", lambda q, lo, hi: torch.rand(lo.shape[:3], generator=g))
     assert not retrieve(lm, ids, "58203")[0]
+
+
+def assert_summaries_fresh(cache, page: int) -> None:
+    """Every layer's page summaries equal those recomputed from the keys it holds (as stored: int8 dequantised)."""
+    for layer in cache.layers:
+        n = layer.n
+        keys = layer.k[:, :, :n].float() if layer.k_scale is None else \
+            dequantize_int8_blocks(layer.k[:, :, :n], layer.k_scale[:, :, :n])
+        lo, hi = summarize(keys, layer.pos[:, :, :n] >= 0, page)
+        assert torch.equal(layer.page_min, lo) and torch.equal(layer.page_max, hi)

@@ -11,12 +11,10 @@ import pytest
 import torch
 
 from attnlab.kernels import ops
-from attnlab.kernels.reference import dequantize_int8_blocks
 from attnlab.kv import make_policy
-from attnlab.kv.pages import summarize
 from attnlab.model import native
 from tests.conftest import tiny_lm
-from tests.kv.test_quest import decode_all, with_attention
+from tests.kv.test_quest import assert_summaries_fresh, decode_all, with_attention
 
 pytestmark = pytest.mark.skipif(not ops.load(), reason="no C++ kernels (attnlab info says why)")
 
@@ -88,12 +86,7 @@ def test_the_step_keeps_the_page_summaries(kv):
     _, fast = _pair(kv)
     for policy in (None, _sink()):
         _, cache = decode_all(with_attention(fast, "quest:16:4"), IDS, PREFILL, policy)
-        for layer in cache.layers:
-            n = layer.n
-            keys = layer.k[:, :, :n].float() if layer.k_scale is None else \
-                dequantize_int8_blocks(layer.k[:, :, :n], layer.k_scale[:, :, :n])
-            lo, hi = summarize(keys, layer.pos[:, :, :n] >= 0, 4)
-            assert torch.equal(layer.page_min, lo) and torch.equal(layer.page_max, hi)
+        assert_summaries_fresh(cache, 4)
 
 
 @pytest.mark.parametrize("n", [2, 3])
