@@ -171,11 +171,11 @@ class LM:
         quest = self.options.attention
         fast = [self.compiled is not None and not c.observers for c in caches]
         steps = [c.begin(1, self.model.rope, real=f) for c, f in zip(caches, fast)]
-        native = [b for b, f in enumerate(fast)
-                  if f and self.compiled.first(steps[b], caches[b].layers, quest) is not None]
+        firsts = {b: self.compiled.first(steps[b], caches[b].layers, quest) for b, f in enumerate(fast) if f}
+        native = [b for b, first in firsts.items() if first is not None]
         logits = torch.empty(len(caches), self.cfg.vocab_size)
         out = self.compiled.batch(ids[native], [steps[b] for b in native], [caches[b].layers for b in native],
-                                  quest) if native else None
+                                  quest, [firsts[b] for b in native]) if native else None
         if out is None:
             native = []
         else:

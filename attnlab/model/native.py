@@ -152,11 +152,14 @@ class NativeStep:
         """Logits [1, 1, vocab] of one token at the cache's step (`KVCache.begin`), or None where not covered."""
         return self.batch(ids, [step], [kvs], quest)
 
-    def batch(self, ids: torch.Tensor, steps: list, kvs: list[list], quest=None) -> torch.Tensor | None:
+    def batch(self, ids: torch.Tensor, steps: list, kvs: list[list], quest=None,
+              firsts: list[int] | None = None) -> torch.Tensor | None:
         """Logits [B, 1, vocab] of B conversations' next tokens ids [B, 1], token b at steps[b] of the cache whose
         layers are kvs[b] (each a batch-1 cache of its own), or None where any row is not covered.
-        quest: a `QuestSpec` (None: full attention); rows whose caches keep page summaries select pages."""
-        firsts = [self.first(step, layers, quest) for step, layers in zip(steps, kvs)]
+        quest: a `QuestSpec` (None: full attention); rows whose caches keep page summaries select pages.
+        firsts: each row's `first`, where the caller already asked (the engine, choosing its native rows)."""
+        if firsts is None:
+            firsts = [self.first(step, layers, quest) for step, layers in zip(steps, kvs)]
         if any(f is None for f in firsts):
             self.calls["eager"] += 1
             return None
