@@ -110,10 +110,12 @@ def overhead(url: str, model: str, lm, prompt: str, max_tokens: int, key: str, r
 
 def round_prompts(prompts: list[str], n: int, r: int) -> list[str]:
     """Round r's N prompts: spread evenly over the lengths (so every N sees the same mean prompt), the same for
-    both servers, new text every round (no cached prefix)."""
+    both servers. Each opens with its round and reader, so no server finds a cached prefix: with the tag at the
+    end, llama-server's slots reused the whole passage a reader had been given in an earlier round (its prompt
+    cache), and its time to first token at N = 16 measured that cache, not its prefill."""
     top = len(prompts)
     picks = [top // 2] if n == 1 else [round(i * (top - 1) / (n - 1)) for i in range(n)]
-    return [prompts[(j + r) % top] + f" (round {r}, reader {i})" for i, j in enumerate(picks)]
+    return [f"(Round {r}, reader {i}.) " + prompts[(j + r) % top] for i, j in enumerate(picks)]
 
 
 def pct(xs: list[float], q: float) -> float:
