@@ -5,10 +5,12 @@ Per depth the prompt is prefilled once into a cache that keeps page summaries; e
 (rolled back to the depth before each timed run, `KVCache.truncate`), runs interleaved with the order rotating
 every repeat, medians printed with the CPU model, its ISA flags, the thread count and the load average. Also
 printed: what keeping the summaries in Python after each step (`LayerKV._summarize` of the new slot, every
-layer) would cost, against the step keeping them itself in C++ (measured inside the native step's time).
+layer) would cost, against the step keeping them itself in C++ (measured inside the native step's time), and the
+cache's bytes per token. `--sink` adds a StreamingLLM cache of each budget (it holds BUDGET slots whatever the
+depth: prefilled with BUDGET + 64 tokens, its steps evict as they decode).
 
     python benchmarks/quest_speed.py --depths 4096 --budgets 512,1024,2048 --threads 1
-    python benchmarks/quest_speed.py --depths 16384 --rope yarn:4 --budgets 512,1024,2048 --threads 1
+    python benchmarks/quest_speed.py --depths 16384 --rope yarn:4 --budgets 512,1024,2048 --threads 1,2 --sink
 """
 from __future__ import annotations
 
@@ -37,9 +39,11 @@ def main(argv=None) -> int:
     p.add_argument("--threads", default="1")
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--sink", action="store_true", help="a sink cache of each budget too")
     args = p.parse_args(argv)
     import attnlab
     from attnlab.engine import LM
+    from attnlab.kv import make_policy
     from attnlab.kv.pages import QuestSpec
 
     dense = {} if args.dense is None else {"dense": args.dense}
@@ -62,17 +66,25 @@ def main(argv=None) -> int:
             cache = lm.new_cache(capacity=n + args.steps + 1)  # page summaries kept: every variant decodes from it
             t = time.perf_counter()
             lm.prefill(ids, cache)
-            print(f"depth {n}: prefill {time.perf_counter() - t:.1f} s", flush=True)
-            times = {name: [] for name in views}
-            order = list(views)
+            print(f"depth {n}: prefill {time.perf_counter() - t:.1f} s; {cache.nbytes() / n:.0f} bytes per token "
+                  "(keys, values and page summaries, all layers)", flush=True)
+            sinks = {}
+            for b in (args.budgets.split(",") if args.sink else []):
+                sinks[f"sink:{b}"] = c = views["full"].new_cache(policy=make_policy("sink", int(b), chunk=64))
+                views["full"].prefill(ids[:, :int(b) + 64], c)
+            times = {name: [] for name in [*views, *sinks]}
+            order = list(times)
             for _ in range(args.repeats):
                 order = order[1:] + order[:1]
                 for name in order:
-                    cache.truncate(n)
-                    views[name].forward(tok, cache)  # warm-up step
+                    view = views.get(name, views["full"])
+                    c = sinks.get(name, cache)
+                    if name not in sinks:
+                        c.truncate(n)
+                    view.forward(tok, c)  # warm-up step
                     t = time.perf_counter()
                     for _ in range(args.steps):
-                        views[name].forward(tok, cache)
+                        view.forward(tok, c)
                     times[name].append(args.steps / (time.perf_counter() - t))
             assert lm.compiled is not None and lm.compiled.calls["eager"] == 0, "a step left the native path"
             cache.truncate(n)
@@ -83,7 +95,7 @@ def main(argv=None) -> int:
               f"{args.steps} steps (x full; min-max), load average {load:.1f} at the end\n")
         print("| attention | " + " | ".join(f"depth {n}" for n in rows) + " |")
         print("|---|" + "---|" * len(rows))
-        for name in views:
+        for name in times:
             cells = []
             for n, (times, _) in rows.items():
                 m, f = statistics.median(times[name]), statistics.median(times["full"])

@@ -128,13 +128,14 @@ inline __m128 hsum4(const __m256* a) {
   return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 }
 
-// S[g * n + r] = scale * Q[g] . K[r] for the R rows K[r * sk ...]
-template <int G, int R, class T>
+// S[g * n + r] = scale * Q[g] . K[r] for the R rows K[r * sk ...]; Ahead: ask for the key rows kAhead further on
+template <int G, int R, class T, bool Ahead = true>
 inline void scores(const float* Q, const T* K, int64_t sk, Scales ks, int64_t D, float scale, float* S, int64_t n) {
   __m256 acc[G][R];
   for (int g = 0; g < G; ++g)
     for (int r = 0; r < R; ++r) acc[g][r] = _mm256_setzero_ps();
-  for (int r = 0; r < R; ++r) prefetch_row(K + (kAhead + r) * sk, D);
+  if constexpr (Ahead)
+    for (int r = 0; r < R; ++r) prefetch_row(K + (kAhead + r) * sk, D);
   int64_t d = 0;
   do {  // D >= 8 (see pv on the loop's form)
     for (int r = 0; r < R; ++r) {
@@ -168,13 +169,14 @@ constexpr int kKeys = G * 4 + 2 <= kRegs ? 4 : 2;
 template <int G>
 constexpr int kChunks = G * 4 + G + 1 <= kRegs ? 4 : 2;
 
-template <int G, class T>
-void head(const float* Q, const T* K, const T* V, int64_t sk, int64_t sv, Scales ks, Scales vs, int64_t n, int64_t D,
-          float scale, float* O, float* M, float* L) {
+// The online softmax (M, L, O as head leaves them) continued over n more rows: what head does after its start,
+// and what a pass over several runs of rows (Quest's pages, `runs`) does per run. Ahead: prefetch past the rows
+// (a dense stretch); a short run asks for the next run instead.
+template <int G, class T, bool Ahead>
+void blocks(const float* Q, const T* K, const T* V, int64_t sk, int64_t sv, Scales ks, Scales vs, int64_t n, int64_t D,
+            float scale, float* O, float* M, float* L) {
   constexpr int R = kKeys<G>, J = kChunks<G>;
   alignas(32) float S[G][kBlock];
-  for (int g = 0; g < G; ++g) M[g] = -INFINITY, L[g] = 0.f;
-  std::fill(O, O + G * D, 0.f);
   for (int64_t t0 = 0; t0 < n; t0 += kBlock) {
     const int64_t nb = std::min(kBlock, n - t0);
     // scores, R keys at a time: G x R independent FMA chains (one chain per score would leave the loop
@@ -183,10 +185,11 @@ void head(const float* Q, const T* K, const T* V, int64_t sk, int64_t sv, Scales
     for (; t + R <= nb; t += R) {
       // the next block's values, asked for beside these keys: they arrive during this block's arithmetic
       // (asked for during P.V, a block ahead, they came 1.1-1.3x slower from memory for a float16 cache)
-      for (int r = 0; r < R; ++r) prefetch_row(V + (t0 + kBlock + t + r) * sv, D);
-      scores<G, R>(Q, K + (t0 + t) * sk, sk, ks.from(t0 + t), D, scale, S[0] + t, kBlock);
+      if constexpr (Ahead)
+        for (int r = 0; r < R; ++r) prefetch_row(V + (t0 + kBlock + t + r) * sv, D);
+      scores<G, R, T, Ahead>(Q, K + (t0 + t) * sk, sk, ks.from(t0 + t), D, scale, S[0] + t, kBlock);
     }
-    for (; t < nb; ++t) scores<G, 1>(Q, K + (t0 + t) * sk, sk, ks.from(t0 + t), D, scale, S[0] + t, kBlock);
+    for (; t < nb; ++t) scores<G, 1, T, Ahead>(Q, K + (t0 + t) * sk, sk, ks.from(t0 + t), D, scale, S[0] + t, kBlock);
     for (int g = 0; g < G; ++g) softmax_block(S[g], nb, M + g, L + g, O + g * D, D);
     // P.V, all D dimensions of the block (8 J at a time: G x J accumulators), each row fetched from memory once
     for (int64_t d0 = 0; d0 < D; d0 += 8 * J) {
@@ -200,6 +203,14 @@ void head(const float* Q, const T* K, const T* V, int64_t sk, int64_t sv, Scales
       }
     }
   }
+}
+
+template <int G, class T>
+void head(const float* Q, const T* K, const T* V, int64_t sk, int64_t sv, Scales ks, Scales vs, int64_t n, int64_t D,
+          float scale, float* O, float* M, float* L) {
+  for (int g = 0; g < G; ++g) M[g] = -INFINITY, L[g] = 0.f;
+  std::fill(O, O + G * D, 0.f);
+  blocks<G, T, true>(Q, K, V, sk, sv, ks, vs, n, D, scale, O, M, L);
 }
 
 // The G query heads of one KV head, over one stretch of the cache (see head).
@@ -371,6 +382,59 @@ void attnlab_attend::stretch(const float* q, const Cache& c, int64_t Hkv, int64_
       for (int64_t g = 0; g < G; ++g) {  // as attend() with one stretch
         scale_row(o + g * D, D, 1.f / ml[G + g]);
         lse[h * G + g] = ml[g] + std::log(ml[G + g]);
+      }
+    }
+  };
+  if (c.dtype == 0) run_as(float{});
+  else if (c.dtype == 1) run_as(at::Half{});
+  else run_as(int8_t{});
+}
+
+void attnlab_attend::runs(const float* q, const Cache& c, int64_t G, int64_t D, const int64_t* bounds, int64_t n,
+                          float scale, float* out, float* lse) {
+  constexpr int64_t kLong = 4 * kBlock;  // rows: a run this long prefetches as a dense stretch does
+  thread_local std::vector<float> ml;
+  ml.resize(2 * G);
+  float *M = ml.data(), *L = ml.data() + G;
+  auto run_as = [&](auto tag) {
+    using T = decltype(tag);
+    const T *K = static_cast<const T*>(c.k), *V = static_cast<const T*>(c.v);
+    const Scales ks = kInt8<T> ? Scales{c.ks, c.srow} : Scales{}, vs = kInt8<T> ? Scales{c.vs, c.srow} : Scales{};
+    const int64_t step = G % 4 == 0 ? 4 : 3;  // as heads
+    for (int64_t g = 0; g < G; g += step) {
+      const int64_t r = std::min<int64_t>(step, G - g);
+      const float* Q = q + g * D;
+      float *O = out + g * D, *m = M + g, *l = L + g;
+      std::fill(m, m + r, -INFINITY), std::fill(l, l + r, 0.f), std::fill(O, O + r * D, 0.f);
+      // a run's first rows are asked for two runs ahead: a page's keys and values (4 KB in float16) take longer
+      // to arrive from memory than the run before takes to read (one run ahead: pages at 3x a dense row's time)
+      auto ask = [&](int64_t i) {
+        if (i < n)
+          for (int64_t t = bounds[2 * i], e = std::min(bounds[2 * i + 1], t + 32); t < e; ++t)
+            prefetch_row(K + t * c.row, D), prefetch_row(V + t * c.row, D);
+      };
+      ask(0), ask(1);
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t s0 = bounds[2 * i], s1 = bounds[2 * i + 1], rows = s1 - s0;
+        ask(i + 2);
+        const T *k = K + s0 * c.row, *v = V + s0 * c.row;
+        const Scales ksr = ks.from(s0), vsr = vs.from(s0);
+        auto go = [&](auto G_, auto ahead) {
+          blocks<decltype(G_)::value, T, decltype(ahead)::value>(Q, k, v, c.row, c.row, ksr, vsr, rows, D, scale, O,
+                                                                   m, l);
+        };
+        auto pick = [&](auto ahead) {
+          if (r == 4) go(std::integral_constant<int, 4>{}, ahead);
+          else if (r == 3) go(std::integral_constant<int, 3>{}, ahead);
+          else if (r == 2) go(std::integral_constant<int, 2>{}, ahead);
+          else go(std::integral_constant<int, 1>{}, ahead);
+        };
+        if (rows >= kLong) pick(std::true_type{});
+        else pick(std::false_type{});
+      }
+      for (int64_t h = 0; h < r; ++h) {
+        scale_row(O + h * D, D, 1.f / l[h]);
+        lse[g + h] = m[h] + std::log(l[h]);
       }
     }
   };

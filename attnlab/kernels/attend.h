@@ -19,4 +19,10 @@ struct Cache {
 void stretch(const float* q, const Cache& c, int64_t Hkv, int64_t G, int64_t D, int64_t s0, int64_t s1, float scale,
              float* out, float* lse);
 
+// One KV head's G query heads q [G, D] over the runs of rows [bounds[2i], bounds[2i + 1]) of c (its head 0), i < n,
+// as one online softmax -> out [G, D] and lse [G] as stretch gives them: Quest's chosen pages, read without a
+// pass, a merge and prefetches past the run for each run (each cost more than the run's rows, measured).
+void runs(const float* q, const Cache& c, int64_t G, int64_t D, const int64_t* bounds, int64_t n, float scale,
+          float* out, float* lse);
+
 }  // namespace attnlab_attend

@@ -13,6 +13,38 @@
 
 namespace attnlab_quest {
 
+namespace {
+
+inline __m256 half8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// lane j = the sum of a[j]'s lanes (one transposed pass, as attend.cpp's)
+inline __m128 hsum4(const __m256* a) {
+  const __m256 s01 = _mm256_add_ps(_mm256_unpacklo_ps(a[0], a[1]), _mm256_unpackhi_ps(a[0], a[1]));
+  const __m256 s23 = _mm256_add_ps(_mm256_unpacklo_ps(a[2], a[3]), _mm256_unpackhi_ps(a[2], a[3]));
+  const __m256 s = _mm256_add_ps(_mm256_shuffle_ps(s01, s23, 0x44), _mm256_shuffle_ps(s01, s23, 0xEE));
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+// The bounds go 4 pages x up to 3 query heads at a time: 12 independent FMA chains (a page's own chain waits on
+// the FMA latency), each page's float16 summaries widened once for the 3 heads.
+template <int GN>  // query heads up..up + GN (of the group), pages p .. p + 3: best[j] = max(best[j], their bounds)
+inline void bound4(const float* up, const uint16_t* lo, const uint16_t* hi, int64_t D, int64_t p, __m128& best) {
+  __m256 acc[GN][4];
+  for (int g = 0; g < GN; ++g)
+    for (int j = 0; j < 4; ++j) acc[g][j] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < D; c += 8)
+    for (int j = 0; j < 4; ++j) {
+      const __m256 a = half8(hi + (p + j) * D + c), b = half8(lo + (p + j) * D + c);
+      for (int g = 0; g < GN; ++g) {  // hi . max(q, 0) + lo . min(q, 0), as the eager two matmuls
+        acc[g][j] = _mm256_fmadd_ps(a, _mm256_loadu_ps(up + 2 * g * D + c), acc[g][j]);
+        acc[g][j] = _mm256_fmadd_ps(b, _mm256_loadu_ps(up + (2 * g + 1) * D + c), acc[g][j]);
+      }
+    }
+  for (int g = 0; g < GN; ++g) best = _mm_max_ps(best, hsum4(acc[g]));
+}
+
+}  // namespace
+
 void bound_share(const float* q, const Pages& pg, int64_t Hkv, int64_t G, int64_t D, int64_t P, int64_t tid,
                  int64_t threads, float* out, int64_t ld) {
   const int64_t mid = P - 2, p0 = 1 + mid * tid / threads, p1 = 1 + mid * (tid + 1) / threads;
@@ -25,86 +57,82 @@ void bound_share(const float* q, const Pages& pg, int64_t Hkv, int64_t G, int64_
         const float x = q[(h * G + g) * D + c];
         split[2 * g * D + c] = std::max(x, 0.f), split[(2 * g + 1) * D + c] = std::min(x, 0.f);
       }
-    const float *lo = pg.lo + h * pg.head, *hi = pg.hi + h * pg.head;
-    for (int64_t p = p0; p < p1; ++p) {
+    const uint16_t *lo = pg.lo + h * pg.head, *hi = pg.hi + h * pg.head;
+    float* o = out + h * ld;
+    int64_t p = p0;
+    for (; p + 4 <= p1; p += 4) {  // 4 pages x 3 query heads: 12 independent FMA chains, each page widened once
+      __m128 best = _mm_set1_ps(-INFINITY);
+      for (int64_t g = 0; g < G; g += 3) {
+        const float* up = split.data() + 2 * g * D;
+        if (G - g >= 3) bound4<3>(up, lo, hi, D, p, best);
+        else if (G - g == 2) bound4<2>(up, lo, hi, D, p, best);
+        else bound4<1>(up, lo, hi, D, p, best);
+      }
+      _mm_storeu_ps(o + p, best);
+    }
+    for (; p < p1; ++p) {
       float best = -INFINITY;
-      for (int64_t g = 0; g < G; ++g) {  // hi . max(q, 0) + lo . min(q, 0), as the eager two matmuls
+      for (int64_t g = 0; g < G; ++g) {
         const float *up = split.data() + 2 * g * D, *down = up + D;
         __m256 acc = _mm256_setzero_ps();
         for (int64_t c = 0; c < D; c += 8) {
-          acc = _mm256_fmadd_ps(_mm256_loadu_ps(hi + p * D + c), _mm256_loadu_ps(up + c), acc);
-          acc = _mm256_fmadd_ps(_mm256_loadu_ps(lo + p * D + c), _mm256_loadu_ps(down + c), acc);
+          acc = _mm256_fmadd_ps(half8(hi + p * D + c), _mm256_loadu_ps(up + c), acc);
+          acc = _mm256_fmadd_ps(half8(lo + p * D + c), _mm256_loadu_ps(down + c), acc);
         }
         best = std::max(best, attnlab_simd::hsum(acc));
       }
-      out[h * ld + p] = best;
+      o[p] = best;
     }
   }
 }
 
 void select(const float* bounds, int64_t P, int64_t k, int64_t* pages) {
   thread_local std::vector<int64_t> middle;
-  middle.resize(P - 2);
+  thread_local std::vector<float> key;  // a NaN bound ranks last (a strict weak order needs it placed somewhere)
+  middle.resize(P - 2), key.resize(P);
+  for (int64_t p = 1; p < P - 1; ++p) key[p] = std::isnan(bounds[p]) ? -INFINITY : bounds[p];
   std::iota(middle.begin(), middle.end(), int64_t{1});
-  // a NaN bound ranks last (a strict weak order needs it placed somewhere)
-  auto key = [bounds](int64_t p) { return std::isnan(bounds[p]) ? -INFINITY : bounds[p]; };
+  const float* kk = key.data();
   std::nth_element(middle.begin(), middle.begin() + (k - 2), middle.end(),
-                   [&](int64_t a, int64_t b) { return key(a) > key(b) || (key(a) == key(b) && a < b); });
+                   [kk](int64_t a, int64_t b) { return kk[a] > kk[b] || (kk[a] == kk[b] && a < b); });
   pages[0] = 0;
   std::copy_n(middle.begin(), k - 2, pages + 1);
   std::sort(pages + 1, pages + k - 1);
   pages[k - 1] = P - 1;
 }
 
-namespace {
-
-// The cache of KV head h alone (stretch's Hkv = 1).
-attnlab_attend::Cache head_of(const attnlab_attend::Cache& c, int64_t h) {
-  const int64_t bytes = c.dtype == 0 ? 4 : c.dtype == 1 ? 2 : 1;
-  attnlab_attend::Cache one = c;
-  one.k = static_cast<const char*>(c.k) + h * c.head * bytes;
-  one.v = static_cast<const char*>(c.v) + h * c.head * bytes;
-  if (c.ks) one.ks = c.ks + h * c.shead, one.vs = c.vs + h * c.shead;
-  return one;
-}
-
-}  // namespace
-
 void attend_share(const float* q, const attnlab_attend::Cache& c, const float* bounds, int64_t ld, int64_t Hkv,
                   int64_t G, int64_t D, int64_t P, int64_t k, int64_t page, int64_t n, int64_t tid, int64_t threads,
                   float scale, float* out, float* lse) {
-  thread_local std::vector<int64_t> pages;
-  thread_local std::vector<float> more;  // a later run's out [G, D] and lse [G]
-  pages.resize(k), more.resize(G * D + G);
+  thread_local std::vector<int64_t> pages, runs;  // runs: [first slot, end) of each run of adjacent chosen pages
+  pages.resize(k), runs.resize(2 * k);
+  const int64_t bytes = c.dtype == 0 ? 4 : c.dtype == 1 ? 2 : 1;
   const int64_t i0 = k * tid / threads, i1 = k * (tid + 1) / threads;
   for (int64_t h = 0; h < Hkv; ++h) {
     float *o = out + h * G * D, *l = lse + h * G;
-    std::fill_n(l, G, -INFINITY);
-    if (i1 <= i0) continue;
-    select(bounds + h * ld, P, k, pages.data());
-    const attnlab_attend::Cache one = head_of(c, h);
-    bool first = true;
-    for (int64_t i = i0; i < i1;) {  // each run of adjacent pages in one pass
-      int64_t j = i + 1;
-      while (j < i1 && pages[j] == pages[j - 1] + 1) ++j;
-      const int64_t s0 = pages[i] * page, s1 = std::min(n, (pages[j - 1] + 1) * page);
-      float *o2 = first ? o : more.data(), *l2 = first ? l : more.data() + G * D;
-      attnlab_attend::stretch(q + h * G * D, one, 1, G, D, s0, s1, scale, o2, l2);
-      if (!first)
-        for (int64_t g = 0; g < G; ++g) {  // merge by log-sum-exp
-          const float top = std::max(l[g], l2[g]), a = std::exp(l[g] - top), b = std::exp(l2[g] - top);
-          for (int64_t d = 0; d < D; ++d) o[g * D + d] = (a * o[g * D + d] + b * o2[g * D + d]) / (a + b);
-          l[g] = top + std::log(a + b);
-        }
-      first = false;
-      i = j;
+    if (i1 <= i0) {
+      std::fill_n(l, G, -INFINITY);
+      continue;
     }
+    select(bounds + h * ld, P, k, pages.data());
+    int64_t m = 0;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t s0 = pages[i] * page, s1 = std::min(n, s0 + page);
+      if (m && runs[2 * m - 1] == s0) runs[2 * m - 1] = s1;
+      else runs[2 * m] = s0, runs[2 * m + 1] = s1, ++m;
+    }
+    attnlab_attend::Cache one = c;  // KV head h alone
+    one.k = static_cast<const char*>(c.k) + h * c.head * bytes;
+    one.v = static_cast<const char*>(c.v) + h * c.head * bytes;
+    if (c.ks) one.ks = c.ks + h * c.shead, one.vs = c.vs + h * c.shead;
+    attnlab_attend::runs(q + h * G * D, one, G, D, runs.data(), m, scale, o, l);
   }
 }
 
 void add_key(const Pages& pg, const attnlab_attend::Cache& c, int64_t Hkv, int64_t slot, int64_t D) {
   thread_local std::vector<float> key;
   key.resize(D);
+  constexpr int kDown = _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC, kUp = _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC;
   for (int64_t h = 0; h < Hkv; ++h) {
     const int64_t at = h * c.head + slot * c.row;
     for (int64_t i = 0; i < D; ++i)
@@ -112,12 +140,14 @@ void add_key(const Pages& pg, const attnlab_attend::Cache& c, int64_t Hkv, int64
                : c.dtype == 1 ? static_cast<float>(static_cast<const c10::Half*>(c.k)[at + i])
                               : static_cast<float>(static_cast<const int8_t*>(c.k)[at + i]) *
                                     c.ks[h * c.shead + slot * c.srow + i / 32];
-    float *lo = pg.lo + h * pg.head + slot / pg.size * D, *hi = pg.hi + h * pg.head + slot / pg.size * D;
-    if (slot % pg.size == 0) {
-      std::copy_n(key.data(), D, lo), std::copy_n(key.data(), D, hi);
-      continue;
+    uint16_t *lo = pg.lo + h * pg.head + slot / pg.size * D, *hi = pg.hi + h * pg.head + slot / pg.size * D;
+    const bool opens = slot % pg.size == 0;
+    for (int64_t i = 0; i < D; i += 8) {  // min and max in float32, stored rounded outward (the eager `outward`)
+      __m256 k = _mm256_loadu_ps(key.data() + i), a = k, b = k;
+      if (!opens) a = _mm256_min_ps(half8(lo + i), k), b = _mm256_max_ps(half8(hi + i), k);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + i), _mm256_cvtps_ph(a, kDown));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + i), _mm256_cvtps_ph(b, kUp));
     }
-    for (int64_t i = 0; i < D; ++i) lo[i] = std::min(lo[i], key[i]), hi[i] = std::max(hi[i], key[i]);
   }
 }
 

@@ -1,7 +1,7 @@
 // Quest's page selection for the native decode step (step.cpp), by pointers (Tang et al., ICML 2024; the eager
 // reference is attnlab/model/quest.py): per KV head, upper bounds of q.k per page from the page's per-channel key
 // min and max, the pages to read within a token budget, and exact attention over them (attend.h's stretch over
-// each run of adjacent pages, merged by log-sum-exp). The step's threads share the bounds (pages cut in
+// the chosen rows gathered into contiguous chunks, merged by log-sum-exp). The step's threads share the bounds (pages cut in
 // stretches) and the reading (each KV head's chosen pages cut in stretches), as they share full attention.
 #pragma once
 #include <cstdint>
@@ -10,10 +10,11 @@
 
 namespace attnlab_quest {
 
-// One layer's page summaries of one conversation: lo, hi [Hkv, capacity pages, D] float32, heads `head` floats apart.
+// One layer's page summaries of one conversation: lo, hi [Hkv, capacity pages, D] float16 bits (rounded outward:
+// minima down, maxima up, so the bounds stay upper bounds), heads `head` elements apart.
 struct Pages {
-  float *lo, *hi;
-  int64_t head, size;  // floats between heads; slots per page
+  uint16_t *lo, *hi;
+  int64_t head, size;  // elements between heads; slots per page
 };
 
 // Thread tid of `threads`: its share of pages 1 .. P - 2 (the first and the last are read anyway) of every KV

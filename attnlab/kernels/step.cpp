@@ -225,7 +225,7 @@ struct DecodeStep : torch::CustomClassHolder {
     bound[row] = Bound{std::move(k_), std::move(v_), std::move(ks), std::move(vs), std::move(p), {}, {}, 0};
   }
 
-  // Quest's page summaries of bound row b's cache per layer (after its bind_rows): lo, hi contiguous float32
+  // Quest's page summaries of bound row b's cache per layer (after its bind_rows): lo, hi contiguous float16
   // [1, Hkv, capacity / page rounded up, D]; the step reads them to select pages and keeps them up to date.
   void bind_pages(int64_t row, int64_t page, std::vector<at::Tensor> lo, std::vector<at::Tensor> hi) {
     TORCH_CHECK(row >= 0 && row < static_cast<int64_t>(bound.size()), "bind_pages after bind_rows of row ", row);
@@ -233,9 +233,9 @@ struct DecodeStep : torch::CustomClassHolder {
     TORCH_CHECK(page > 0 && lo.size() == c.k.size() && hi.size() == c.k.size(), "one page_min and page_max per layer");
     for (size_t i = 0; i < lo.size(); ++i)
       for (const auto& t : {lo[i], hi[i]})
-        TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 4 && t.size(1) == n_kv &&
+        TORCH_CHECK(t.scalar_type() == at::kHalf && t.is_contiguous() && t.dim() == 4 && t.size(1) == n_kv &&
                     t.size(3) == head_dim && t.size(2) * page >= c.k[i].size(2),
-                    "page summaries: contiguous float32 [1, Hkv, capacity / page, D]");
+                    "page summaries: contiguous float16 [1, Hkv, capacity / page, D]");
     c.page_min = std::move(lo), c.page_max = std::move(hi), c.page = page;
   }
 
@@ -473,7 +473,8 @@ struct DecodeStep : torch::CustomClassHolder {
             int8 ? c.k_scale[l].stride(2) : 0, int8 ? c.k_scale[l].stride(1) : 0, dtype};
   }
   static attnlab_quest::Pages pages_of(const Bound& c, int64_t l) {
-    return {c.page_min[l].data_ptr<float>(), c.page_max[l].data_ptr<float>(), c.page_min[l].stride(1), c.page};
+    return {static_cast<uint16_t*>(c.page_min[l].data_ptr()), static_cast<uint16_t*>(c.page_max[l].data_ptr()),
+            c.page_min[l].stride(1), c.page};
   }
 
   // Row r's stretch outputs merged per query head, weighted by e^(lse_t - max lse) (every thread, into its own o).

@@ -59,7 +59,7 @@ class CacheFullError(AttnlabError, RuntimeError):
 class LayerKV:
     """One layer's slots. k, v: [B, H_kv, C, D]; pos: [B, H_kv, C] (absolute position, -1 = empty);
     an int8 cache adds k_scale, v_scale: [B, H_kv, C, D/32] (None otherwise). page: Quest's page size; the
-    layer then keeps page_min, page_max [B, H_kv, ceil(n/page), D] of its stored keys (`attnlab.kv.pages`): views
+    layer then keeps page_min, page_max [B, H_kv, ceil(n/page), D] (float16, rounded outward) of its stored keys (`attnlab.kv.pages`): views
     of buffers preallocated for the capacity (`pages_lo`, `pages_hi`), which the native step binds and updates."""
 
     def __init__(self, batch: int, heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
@@ -78,7 +78,7 @@ class LayerKV:
             self.v_scale = torch.zeros_like(self.k_scale)
         self.pos = torch.full((batch, heads, capacity), -1, dtype=torch.long)
         if page:
-            self.pages_lo = torch.zeros(batch, heads, -(-capacity // page), head_dim)
+            self.pages_lo = torch.zeros(batch, heads, -(-capacity // page), head_dim, dtype=torch.float16)
             self.pages_hi = torch.zeros_like(self.pages_lo)
         self.n = 0            # filled slots, equal for every row and head
         self.natural = True   # slot j holds the j-th token of every row (no padding, no eviction)

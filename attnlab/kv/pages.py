@@ -57,7 +57,8 @@ class QuestSpec:
 
 
 def summarize(keys: torch.Tensor, valid: torch.Tensor, page: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """keys [B, H, n, D] (float32), valid [B, H, n] bool -> per-page channel min and max [B, H, ceil(n/page), D].
+    """keys [B, H, n, D] (float32), valid [B, H, n] bool -> per-page channel min and max [B, H, ceil(n/page), D],
+    float16 rounded outward (`outward`).
 
     Invalid slots (left padding) are left out; a page with no valid slot gets zeros (its slots are masked anyway)."""
     B, H, n, D = keys.shape
@@ -67,4 +68,13 @@ def summarize(keys: torch.Tensor, valid: torch.Tensor, page: int) -> tuple[torch
     lo = keys.masked_fill(~ok, float("inf")).amin(3)
     hi = keys.masked_fill(~ok, float("-inf")).amax(3)
     some = ok.any(3)
-    return torch.where(some, lo, 0.0), torch.where(some, hi, 0.0)
+    return outward(torch.where(some, lo, 0.0), up=False), outward(torch.where(some, hi, 0.0), up=True)
+
+
+def outward(x: torch.Tensor, up: bool) -> torch.Tensor:
+    """float32 -> float16 rounded toward +inf (up: page maxima) or -inf (minima), so that bounds from the stored
+    summaries stay upper bounds; the native step rounds its own the same way (F16C's directed rounding). Half
+    the bytes of float32 summaries: at depth 16K the bounds read every page's summaries on every step."""
+    h = x.half()
+    wrong = h.float() < x if up else h.float() > x
+    return torch.where(wrong, torch.nextafter(h, torch.full_like(h, float("inf") if up else float("-inf"))), h)

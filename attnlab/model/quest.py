@@ -19,7 +19,7 @@ def page_bounds(q: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor)
     Hkv = page_min.shape[1]
     qg = q.float().reshape(B, Hkv, Hq // Hkv, D).transpose(-1, -2)  # [B, Hkv, D, G]
     # max(q_c min_c, q_c max_c) is q_c max_c where q_c >= 0 and q_c min_c where not: two matmuls
-    per_head = page_max @ qg.clamp(min=0) + page_min @ qg.clamp(max=0)  # [B, Hkv, P, G]
+    per_head = page_max.float() @ qg.clamp(min=0) + page_min.float() @ qg.clamp(max=0)  # [B, Hkv, P, G]
     return per_head.amax(-1)
 
 

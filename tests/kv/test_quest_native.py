@@ -64,6 +64,18 @@ def test_native_quest_equals_eager(kv, spec):
 
 
 @pytest.mark.parametrize("kv", KVS, ids=["f32", "f16", "int8"])
+def test_long_runs_of_pages(kv):
+    """All pages but one or two chosen: runs of adjacent pages longer than 256 rows (read with a dense pass's
+    prefetching, attend.cpp's `runs`) beside short ones, as eager reads them."""
+    eager, fast = _pair(kv, n_layers=2)
+    ids = torch.randint(1, 97, (1, 620), generator=torch.Generator().manual_seed(3))
+    ref, _ = decode_all(with_attention(eager, "quest:592:16"), ids, 600)
+    got, _ = decode_all(with_attention(fast, "quest:592:16"), ids, 600)
+    assert fast.compiled.calls["eager"] == 0
+    _close(got[:, 600:], ref[:, 600:], kv)
+
+
+@pytest.mark.parametrize("kv", KVS, ids=["f32", "f16", "int8"])
 def test_native_quest_inside_an_eviction_policy(kv):
     eager, fast = _pair(kv)
     ref, _ = decode_all(with_attention(eager, "quest:16:4"), IDS, PREFILL, _sink())
