@@ -39,20 +39,35 @@ def _unique(recs: dict) -> list:
     return list({id(r): r for r in recs.values()}.values())
 
 
+def _attention(lm, spec):
+    """lm answering with another attention (Quest's QuestSpec, or None: full); weights and caches shared."""
+    from attnlab.engine import LM
+    view = LM.__new__(LM)
+    view.__dict__.update(lm.__dict__)
+    view.options = lm.options.but(attention=spec)
+    return view
+
+
 def run(samples_path: str, out: str, presses: list[str], ratios: list[float], model: str, extra: list[str],
-        questions: list[str], argv: list[str]) -> None:
+        questions: list[str], argv: list[str], quest: bool = False) -> None:
     """questions: "out" (kvpress's protocol: the context pressed, the question fed after) and/or "in" (the whole
-    prompt pressed). Both from one context prefill: "in" continues a copy of it with the question, observed."""
+    prompt pressed). Both from one context prefill: "in" continues a copy of it with the question, observed.
+    quest: a cell per ratio R that presses nothing and answers with Quest reading (1 - R) of the prompt's tokens
+    per step (whole pages of 16 by their bound, question out): the same share of the cache read as a press of
+    ratio R leaves, but every token kept in memory, so a later query can still reach it."""
     import attnlab
     from attnlab.eval.ruler_run import answer_batch
     from attnlab.io import provenance, write_json
+    from attnlab.kv.pages import QuestSpec
     from attnlab.kv.press import compress, make_press
     prov = {**provenance(argv), "command": " ".join(["python", "benchmarks/press_anchor.py"] + argv), "seed": 0}
     torch.set_num_threads(1)
-    lm = attnlab.load(model, dtype="float32")
+    lm = attnlab.load(model, dtype="float32", **({"attention": "quest:32:16"} if quest else {}))  # caches keep pages
+    full = _attention(lm, None)
     samples = json.loads(Path(samples_path).read_text())
-    names = presses + extra
+    names = [n for n in presses + extra if n]
     cells = [("full", "out", 0.0)] + [(n, q, r) for q in questions for n in names for r in ratios]
+    cells += [("quest", "out", r) for r in ratios] if quest else []
     results = []
     for s in samples:
         start = time.process_time()
@@ -73,9 +88,12 @@ def run(samples_path: str, out: str, presses: list[str], ratios: list[float], mo
             t = time.process_time()
             base, recorders, first, rest = state[question]
             pressed = copy.deepcopy(base)
-            if name != "full":
+            answerer = full
+            if name == "quest":
+                answerer = _attention(lm, QuestSpec(16 * max(2, round((1 - ratio) * len(s["ids"]) / 16)), 16))
+            elif name != "full":
                 compress(pressed, made[(name, ratio)], recorders[name])
-            pred = answer_batch(lm, pressed, first, [rest], [s["max_new"]])[0]
+            pred = answer_batch(answerer, pressed, first, [rest], [s["max_new"]])[0]
             score = 100 * sum(a.lower() in pred.lower() for a in s["answers"]) / len(s["answers"])
             results.append({"press": name, "question": question, "ratio": ratio, "task": s["task"],
                             "index": s["index"], "score": score, "pred": pred,
@@ -219,6 +237,8 @@ def main() -> int:
     p.add_argument("--extra", default="", help="our presses kvpress has not (h2o, sink_h2o)")
     p.add_argument("--ratios", default="0.25,0.5,0.75")
     p.add_argument("--question", default="out", help="out, in, or out,in: press the question too (in)")
+    p.add_argument("--quest", action="store_true",
+                   help="also Quest over the unpressed cache, reading (1 - ratio) of the prompt per step")
     p.add_argument("--out", default=None)
     p.add_argument("--compare-kept", default=None, metavar="KVPRESS_PT", help="compare kept indices with kvpress's")
     a = p.parse_args()
@@ -228,7 +248,7 @@ def main() -> int:
         merge(*a.merge, a.out)
     else:
         run(a.samples, a.out, a.presses.split(","), [float(r) for r in a.ratios.split(",")], a.model,
-            [x for x in a.extra.split(",") if x], a.question.split(","), sys.argv[1:])
+            [x for x in a.extra.split(",") if x], a.question.split(","), sys.argv[1:], a.quest)
     return 0
 
 
