@@ -28,7 +28,7 @@ def _command(args, tasks, lengths, policies, ratios) -> str:
              "--positions", args.positions, "--n-sink", str(args.n_sink)]
     if args.presses:
         parts += ["--presses", args.presses, "--question", args.question]
-    for opt in ("quant", "kv_dtype", "rope", "sparsity"):
+    for opt in ("quant", "kv_dtype", "rope", "sparsity", "attention"):
         if getattr(args, opt, None) is not None:
             parts += [f"--{opt.replace('_', '-')}", str(getattr(args, opt))]
     if args.dtype is not None:
