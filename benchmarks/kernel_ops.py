@@ -7,8 +7,8 @@ same weights and caches: the ratio is what changed, not the machine's load. Weig
 `--layers` distinct copies are cycled so they come from memory as in a decode step. Decode attention
 runs over SmolLM2's 3 KV heads x 3 query heads, D 64, at `--depths`, with a float16 and an int8 cache.
 `--clock cpu` times this thread's CPU time (steadier on a shared machine; use wall with --threads > 1).
-`python benchmarks/kernels.py --baseline 4c0e5a3 --clock cpu --repeats 9`
-`python benchmarks/kernels.py --baseline 17a9ce0 --only attention --threads 2 --clock wall`
+`python benchmarks/kernel_ops.py --baseline 4c0e5a3 --clock cpu --repeats 9`
+`python benchmarks/kernel_ops.py --baseline 17a9ce0 --only attention --threads 2 --clock wall`
 
 `--variants avx2,avx512vnni --threads 1,2` instead times the ISA variants against each other: one worker
 process per variant (`ATTNLAB_ISA`; one extension per process), each holding the same weights in the
@@ -16,14 +16,14 @@ layout its variant uses (`QuantLinear.kernel()`: repacked 16-row blocks on avx51
 turn by this process so every (variant, threads) cell is timed once per repeat, wall clock. Printed:
 microseconds per call, the speedup over the first variant, 2-thread over 1-thread, and GB/s of weights.
 `--clock cpu` times 1-thread cells in CPU time (steady on a shared machine); more threads need wall time.
-`python benchmarks/kernels.py --variants avx2,avx512vnni --threads 1,2 --repeats 9 --depths ''`
+`python benchmarks/kernel_ops.py --variants avx2,avx512vnni --threads 1,2 --repeats 9 --depths ''`
 
 `--layouts` times the repacked kernels (q4x_mm, q8x_mm) on the same GGUF blocks (Q4_0, Q4_1, Q8_0 made by
 the `gguf` package from random weights) stored two ways, interleaved: scales (and mins) as float32, the
 layout before fp16 scales, and as the layout the values allow (`repack.q4_layout`: float16, Q4_0 with no
 min). Shapes: SmolLM2-135M's and Llama-3.2-1B's. Printed: us per call, bytes per weight, GB/s, speedup.
 Q4_K and Q6_K (random blocks) run their superblock layout (`repack.KQ`, flag "kq") against the float32 one.
-`python benchmarks/kernels.py --layouts --threads 1 --repeats 9`
+`python benchmarks/kernel_ops.py --layouts --threads 1 --repeats 9`
 """
 from __future__ import annotations
 
