@@ -7,7 +7,9 @@ every repeat, medians printed with the CPU model, its ISA flags, the thread coun
 printed: what keeping the summaries in Python after each step (`LayerKV._summarize` of the new slot, every
 layer) would cost, against the step keeping them itself in C++ (measured inside the native step's time), and the
 cache's bytes per token. `--sink` adds a StreamingLLM cache of each budget (it holds BUDGET slots whatever the
-depth: prefilled with BUDGET + 64 tokens, its steps evict as they decode).
+depth: prefilled with BUDGET + 64 tokens, its steps evict as they decode), with block eviction (`--sink-block`,
+default 64: evicting one token per step compacts and re-rotates every layer's keys on every step, 4x slower at
+2,048, measured).
 
     python benchmarks/quest_speed.py --depths 4096 --budgets 512,1024,2048 --threads 1
     python benchmarks/quest_speed.py --depths 16384 --rope yarn:4 --budgets 512,1024,2048 --threads 1,2 --sink
@@ -40,6 +42,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--sink", action="store_true", help="a sink cache of each budget too")
+    p.add_argument("--sink-block", type=int, default=64, help="the sink caches' block eviction (1: every step)")
     args = p.parse_args(argv)
     import attnlab
     from attnlab.engine import LM
@@ -70,7 +73,7 @@ def main(argv=None) -> int:
                   "(keys, values and page summaries, all layers)", flush=True)
             sinks = {}
             for b in (args.budgets.split(",") if args.sink else []):
-                sinks[f"sink:{b}"] = c = views["full"].new_cache(policy=make_policy("sink", int(b), chunk=64))
+                sinks[f"sink:{b}"] = c = views["full"].new_cache(policy=make_policy("sink", int(b), chunk=64, block=args.sink_block))
                 views["full"].prefill(ids[:, :int(b) + 64], c)
             times = {name: [] for name in [*views, *sinks]}
             order = list(times)
