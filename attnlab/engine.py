@@ -86,6 +86,13 @@ class LM:
             warnings.warn(f"attnlab: the native decode step cannot run {e}; decoding eagerly (--eager / compile=False "
                           "asks for that without this warning)")
 
+    def with_attention(self, attention) -> "LM":
+        """The same weights, native step and tokenizer under another decode attention (a QuestSpec, its text
+        "quest:..." or None: full); caches made by either serve both (prefill is exact under Quest)."""
+        view = copy.copy(self)
+        view.options = self.options.but(attention=attention)
+        return view
+
     def with_sparsity(self, plan) -> "LM":
         """The same weights, cache settings and tokenizer under another sparsity plan (None = dense)."""
         view = copy.copy(self)

@@ -39,14 +39,6 @@ def _unique(recs: dict) -> list:
     return list({id(r): r for r in recs.values()}.values())
 
 
-def _attention(lm, spec):
-    """lm answering with another attention (Quest's QuestSpec, or None: full); weights and caches shared."""
-    from attnlab.engine import LM
-    view = LM.__new__(LM)
-    view.__dict__.update(lm.__dict__)
-    view.options = lm.options.but(attention=spec)
-    return view
-
 
 def run(samples_path: str, out: str, presses: list[str], ratios: list[float], model: str, extra: list[str],
         questions: list[str], argv: list[str], quest: bool = False) -> None:
@@ -63,7 +55,7 @@ def run(samples_path: str, out: str, presses: list[str], ratios: list[float], mo
     prov = {**provenance(argv), "command": " ".join(["python", "benchmarks/press_anchor.py"] + argv), "seed": 0}
     torch.set_num_threads(1)
     lm = attnlab.load(model, dtype="float32", **({"attention": "quest:32:16"} if quest else {}))  # caches keep pages
-    full = _attention(lm, None)
+    full = lm.with_attention(None)
     samples = json.loads(Path(samples_path).read_text())
     names = [n for n in presses + extra if n]
     cells = [("full", "out", 0.0)] + [(n, q, r) for q in questions for n in names for r in ratios]
@@ -90,7 +82,7 @@ def run(samples_path: str, out: str, presses: list[str], ratios: list[float], mo
             pressed = copy.deepcopy(base)
             answerer = full
             if name == "quest":
-                answerer = _attention(lm, QuestSpec(16 * max(2, round((1 - ratio) * len(s["ids"]) / 16)), 16))
+                answerer = lm.with_attention(QuestSpec(16 * max(2, round((1 - ratio) * len(s["ids"]) / 16)), 16))
             elif name != "full":
                 compress(pressed, made[(name, ratio)], recorders[name])
             pred = answer_batch(answerer, pressed, first, [rest], [s["max_new"]])[0]

@@ -71,9 +71,7 @@ def main(argv=None) -> int:
         llama.read_pages = oracle_read if mode == "oracle" else quest_read
         spec = f"quest:{args.budget}:16:{mode[5:]}" if mode.startswith("dense") else \
             None if mode == "full" else f"quest:{args.budget}"
-        view = copy.copy(lm)
-        view.options = lm.options.but(attention=spec)
-        preds = answer_batch(view, copy.deepcopy(cache), logits.clone(), [[] for _ in samples],
+        preds = answer_batch(lm.with_attention(spec), copy.deepcopy(cache), logits.clone(), [[] for _ in samples],
                              [x["max_new"] for x in samples])
         scores = [100 * string_match_all(pr, x["answers"]) for pr, x in zip(preds, samples)]
         print(f"{args.length} s{args.index} {mode} ({spec}): avg {sum(scores) / len(scores):.1f} | " +

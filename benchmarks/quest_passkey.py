@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     lm = attnlab.load(args.model, kv_dtype=args.kv, rope=args.rope, attention="quest:32:16")
     specs = ["full", *args.variants.split(",")]
-    views = {s: view_of(lm, None if s == "full" else s) for s in specs}
+    views = {s: lm.with_attention(None if s == "full" else s) for s in specs}
     keys = [str(random.Random(t).randint(10000, 99999)) for t in range(args.trials)]
     print(f"model {args.model}, {args.kv} cache, rope {args.rope}, {args.threads} thread(s), "
           f"load average {os.getloadavg()[0]:.1f}", flush=True)
@@ -76,12 +76,6 @@ def main(argv=None) -> int:
     print("\nfound: " + ", ".join(f"{n} {found[n]}" for n in names) + f"; load average {os.getloadavg()[0]:.1f}")
     return 0
 
-
-def view_of(lm, attention):
-    """The same weights and native step under another --attention."""
-    view = copy.copy(lm)
-    view.options = lm.options.but(attention=attention)
-    return view
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     tasks = list(TASKS) if args.tasks == "all" else args.tasks.split(",")
     lm = attnlab.load(args.model, kv_dtype=args.kv, rope=args.rope, attention="quest:32:16")  # caches keep pages
     specs = ["full", *args.variants.split(",")]
-    views = {s: view_of(lm, None if s == "full" else s) for s in specs}
+    views = {s: lm.with_attention(None if s == "full" else s) for s in specs}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print(f"model {args.model}, {args.kv} cache, rope {args.rope}, {args.threads} thread(s), "
@@ -119,12 +119,6 @@ def main(argv=None) -> int:
               ", ".join(f"{s} {sum(r['variants'][s]['seconds'] for r in recs) / 60:.1f} min" for s in specs))
     return 0
 
-
-def view_of(lm, attention):
-    """The same weights under another --attention."""
-    view = copy.copy(lm)
-    view.options = lm.options.but(attention=attention)
-    return view
 
 
 if __name__ == "__main__":

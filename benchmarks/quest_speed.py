@@ -45,7 +45,6 @@ def main(argv=None) -> int:
     p.add_argument("--sink-block", type=int, default=64, help="the sink caches' block eviction (1: every step)")
     args = p.parse_args(argv)
     import attnlab
-    from attnlab.engine import LM
     from attnlab.kv import make_policy
     from attnlab.kv.pages import QuestSpec
 
@@ -54,12 +53,7 @@ def main(argv=None) -> int:
     lm = attnlab.load(args.model, kv_dtype=args.kv, rope=args.rope, tokenizer=False, attention=f"quest:{2 * args.page}:{args.page}")
     print(f"cpu: {cpu()}\nmodel: {args.model} ({lm.quant}), {args.kv} cache, rope {args.rope}, "
           f"load average at start {os.getloadavg()[0]:.1f}", flush=True)
-    views = {}
-    for name, spec in specs.items():
-        view = LM.__new__(LM)
-        view.__dict__.update(lm.__dict__)
-        view.options = lm.options.but(attention=spec)
-        views[name] = view
+    views = {name: lm.with_attention(spec) for name, spec in specs.items()}
     tok = torch.tensor([[7]])
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)

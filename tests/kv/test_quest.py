@@ -24,12 +24,6 @@ from tests.conftest import tiny_lm
 from tests.kv.kv_reference import _finish, _qkv
 
 
-def with_attention(lm, attention):
-    """The same weights under another --attention (what attnlab.load(..., attention=...) builds)."""
-    view = copy.copy(lm)
-    view.options = lm.options.but(attention=attention)
-    return view
-
 
 def decode_all(lm, ids, prefill, policy=None):
     """Prefill ids[:, :prefill], then feed the rest one token at a time: all logits [B, N, V] and the cache."""
@@ -77,7 +71,7 @@ def test_budget_covering_the_context_is_full_attention():
     ids = torch.randint(1, 97, (2, 48))
     full, _ = decode_all(lm, ids, 20)
     for spec in ("quest:48:4", "quest:64:16"):
-        got, cache = decode_all(with_attention(lm, spec), ids, 20)
+        got, cache = decode_all(lm.with_attention(spec), ids, 20)
         assert torch.equal(got, full)
         assert cache.layers[0].page_min.shape[2] == -(-48 // int(spec.split(":")[2]))
 
@@ -124,7 +118,7 @@ def reference_logits(lm, ids, prefill, budget, page):
 def test_small_budget_equals_masked_full_attention(budget, page):
     lm = tiny_lm(seed=1)
     ids = torch.randint(1, 97, (2, 56))
-    got, _ = decode_all(with_attention(lm, f"quest:{budget}:{page}"), ids, 12)
+    got, _ = decode_all(lm.with_attention(f"quest:{budget}:{page}"), ids, 12)
     ref = reference_logits(lm, ids, 12, budget, page)
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
     full, _ = decode_all(lm, ids, 12)
@@ -136,9 +130,9 @@ def test_dense_first_layers_read_every_key():
     lm = tiny_lm(seed=1, n_layers=2)
     ids = torch.randint(1, 97, (1, 56))
     full, _ = decode_all(lm, ids, 12)
-    sparse, _ = decode_all(with_attention(lm, "quest:16:4"), ids, 12)
-    assert torch.equal(decode_all(with_attention(lm, "quest:16:4:2"), ids, 12)[0], full)
-    one, _ = decode_all(with_attention(lm, "quest:16:4:1"), ids, 12)
+    sparse, _ = decode_all(lm.with_attention("quest:16:4"), ids, 12)
+    assert torch.equal(decode_all(lm.with_attention("quest:16:4:2"), ids, 12)[0], full)
+    one, _ = decode_all(lm.with_attention("quest:16:4:1"), ids, 12)
     assert (one - full).abs().max() > 1e-3 and (one - sparse).abs().max() > 1e-3
 
 
@@ -146,7 +140,7 @@ def test_observers_see_probabilities_over_the_whole_cache():
     """A pass that records attention (an H2O policy, the analysis recorders) gets [B, Hq, 1, n] probabilities:
     zero outside the read pages, summing to one, and the step's logits do not change."""
     lm = tiny_lm(seed=2)
-    view = with_attention(lm, "quest:16:4")
+    view = lm.with_attention("quest:16:4")
     ids = torch.randint(1, 97, (1, 41))
     seen = []
     recorder = type("R", (), {"needs_probs": True,
@@ -171,7 +165,7 @@ def test_page_summaries_follow_growth_and_eviction(kv_dtype):
     their new slots) equal summaries computed from scratch over what the cache holds."""
     lm = tiny_lm(dim=128, n_heads=4, n_kv_heads=2)  # head size 32: what an int8 cache needs
     lm.kv_dtype = getattr(torch, kv_dtype)
-    view = with_attention(lm, "quest:16:4")
+    view = lm.with_attention("quest:16:4")
     ids = torch.randint(1, 97, (1, 70))
     for policy in (None, make_policy("sink_h2o", 40, positions="cache", n_sink=4, chunk=8)):
         _, cache = decode_all(view, ids, 9, policy)
@@ -181,7 +175,7 @@ def test_page_summaries_follow_growth_and_eviction(kv_dtype):
 
 def test_a_saved_cache_gets_its_summaries_back():
     from attnlab.kv.cache import cache_state, load_cache_state
-    view = with_attention(tiny_lm(), "quest:16:4")
+    view = tiny_lm().with_attention("quest:16:4")
     _, cache = decode_all(view, torch.randint(1, 97, (1, 30)), 10)
     fresh = view.new_cache()
     load_cache_state(fresh, cache_state(cache))
@@ -204,7 +198,7 @@ def test_load_decodes_natively_without_a_warning():
 def test_bound_finds_the_passkey_a_random_selection_loses(smollm2, monkeypatch):
     """SmolLM2, a 500-token passkey prompt, the needle early: quest at 64 tokens (1/8 of the context) answers,
     the same budget over random pages (sink and recent page still in) does not. One exact prefill for both."""
-    view = with_attention(smollm2, "quest:64")
+    view = smollm2.with_attention("quest:64")
     key = "58203"
     ids = torch.tensor([passkey_prompt(smollm2, 512, 0.1, key)])
     cache = view.new_cache(capacity=ids.shape[1] + 8)
@@ -227,7 +221,7 @@ def test_passkey_beyond_a_sink_window(monkeypatch):
     lm = attnlab.load("smollm2-135m", compile=False, attention="quest:256")
     ids = passkey_prompt(lm, 2048, 0.1, "58203")
     assert retrieve(lm, ids, "58203")[0]
-    assert not retrieve(with_attention(lm, None), ids, "58203", policy=make_policy("sink", 1024))[0]
+    assert not retrieve(lm.with_attention(None), ids, "58203", policy=make_policy("sink", 1024))[0]
     g = torch.Generator().manual_seed(0)
     monkeypatch.setattr(quest, "page_bounds", lambda q, lo, hi: torch.rand(lo.shape[:3], generator=g))
     assert not retrieve(lm, ids, "58203")[0]

@@ -14,7 +14,7 @@ from attnlab.kernels import ops
 from attnlab.kv import make_policy
 from attnlab.model import native
 from tests.conftest import tiny_lm
-from tests.kv.test_quest import assert_summaries_fresh, decode_all, with_attention
+from tests.kv.test_quest import assert_summaries_fresh, decode_all
 
 pytestmark = pytest.mark.skipif(not ops.load(), reason="no C++ kernels (attnlab info says why)")
 
@@ -55,8 +55,8 @@ KVS = [torch.float32, torch.float16, torch.int8]
 @pytest.mark.parametrize("spec", ["quest:16:4", "quest:24:8", "quest:32:4:1"])
 def test_native_quest_equals_eager(kv, spec):
     eager, fast = _pair(kv)
-    ref, _ = decode_all(with_attention(eager, spec), IDS, PREFILL)
-    got, _ = decode_all(with_attention(fast, spec), IDS, PREFILL)
+    ref, _ = decode_all(eager.with_attention(spec), IDS, PREFILL)
+    got, _ = decode_all(fast.with_attention(spec), IDS, PREFILL)
     assert fast.compiled.calls == {"native": IDS.shape[1] - PREFILL, "eager": 0}
     _close(got, ref, kv)
     full, _ = decode_all(fast, IDS, PREFILL)
@@ -69,8 +69,8 @@ def test_long_runs_of_pages(kv):
     prefetching, attend.cpp's `runs`) beside short ones, as eager reads them."""
     eager, fast = _pair(kv, n_layers=2)
     ids = torch.randint(1, 97, (1, 620), generator=torch.Generator().manual_seed(3))
-    ref, _ = decode_all(with_attention(eager, "quest:592:16"), ids, 600)
-    got, _ = decode_all(with_attention(fast, "quest:592:16"), ids, 600)
+    ref, _ = decode_all(eager.with_attention("quest:592:16"), ids, 600)
+    got, _ = decode_all(fast.with_attention("quest:592:16"), ids, 600)
     assert fast.compiled.calls["eager"] == 0
     _close(got[:, 600:], ref[:, 600:], kv)
 
@@ -78,8 +78,8 @@ def test_long_runs_of_pages(kv):
 @pytest.mark.parametrize("kv", KVS, ids=["f32", "f16", "int8"])
 def test_native_quest_inside_an_eviction_policy(kv):
     eager, fast = _pair(kv)
-    ref, _ = decode_all(with_attention(eager, "quest:16:4"), IDS, PREFILL, _sink())
-    got, cache = decode_all(with_attention(fast, "quest:16:4"), IDS, PREFILL, _sink())
+    ref, _ = decode_all(eager.with_attention("quest:16:4"), IDS, PREFILL, _sink())
+    got, cache = decode_all(fast.with_attention("quest:16:4"), IDS, PREFILL, _sink())
     assert len(cache) < IDS.shape[1] and fast.compiled.calls["eager"] == 0
     _close(got, ref, kv)
 
@@ -88,7 +88,7 @@ def test_a_budget_covering_the_context_is_full_attention_bit_for_bit():
     for kv in KVS:
         _, fast = _pair(kv)
         full, _ = decode_all(fast, IDS, PREFILL)
-        got, _ = decode_all(with_attention(fast, "quest:72:4"), IDS, PREFILL)
+        got, _ = decode_all(fast.with_attention("quest:72:4"), IDS, PREFILL)
         assert torch.equal(got, full)
 
 
@@ -97,7 +97,7 @@ def test_the_step_keeps_the_page_summaries(kv):
     """After native steps (and compactions between them) the summaries equal those recomputed from the keys."""
     _, fast = _pair(kv)
     for policy in (None, _sink()):
-        _, cache = decode_all(with_attention(fast, "quest:16:4"), IDS, PREFILL, policy)
+        _, cache = decode_all(fast.with_attention("quest:16:4"), IDS, PREFILL, policy)
         assert_summaries_fresh(cache, 4)
 
 
@@ -112,8 +112,8 @@ def test_a_team_of_threads_selects_as_eager(n, kv):
     try:
         eager, fast = _pair(kv)
         for spec in ("quest:16:4", "quest:24:8:1"):
-            ref, _ = decode_all(with_attention(eager, spec), IDS, PREFILL)
-            got, _ = decode_all(with_attention(fast, spec), IDS, PREFILL)
+            ref, _ = decode_all(eager.with_attention(spec), IDS, PREFILL)
+            got, _ = decode_all(fast.with_attention(spec), IDS, PREFILL)
             _close(got, ref, kv)
         assert fast.compiled.threads == n and fast.compiled.calls["eager"] == 0
     finally:
@@ -130,7 +130,7 @@ def test_conversations_in_one_batch_each_select_their_pages(kv):
     steps, spec = 24, "quest:16:4"
 
     def alone(lm, prompt):
-        view, cache = with_attention(lm, spec), None
+        view, cache = lm.with_attention(spec), None
         cache = view.new_cache(capacity=8)
         logits, out = view.prefill(prompt, cache), []
         for _ in range(steps):
@@ -138,7 +138,7 @@ def test_conversations_in_one_batch_each_select_their_pages(kv):
             logits = view.forward(logits.argmax(-1, keepdim=True), cache, last_only=True)[:, -1]
         return torch.cat(out)
 
-    view = with_attention(fast, spec)
+    view = fast.with_attention(spec)
     caches = [view.new_cache(capacity=8) for _ in prompts]
     logits = torch.cat([view.prefill(p, c) for p, c in zip(prompts, caches)])
     got = []
@@ -162,9 +162,9 @@ def test_a_mutated_bound_fails_the_comparison(monkeypatch):
         self.step.bind_pages(row, kvs[0].page, [layer.pages_hi for layer in kvs], [layer.pages_lo for layer in kvs])
 
     eager, fast = _pair(torch.float16)
-    ref, _ = decode_all(with_attention(eager, "quest:16:4"), IDS, PREFILL)
+    ref, _ = decode_all(eager.with_attention("quest:16:4"), IDS, PREFILL)
     monkeypatch.setattr(native.NativeStep, "_bind", swapped)
-    got, _ = decode_all(with_attention(fast, "quest:16:4"), IDS, PREFILL)
+    got, _ = decode_all(fast.with_attention("quest:16:4"), IDS, PREFILL)
     assert fast.compiled.calls["native"] > 0
     print(f"mutated bound: relative {_rel(got, ref):.3g}")
     with pytest.raises(AssertionError):
