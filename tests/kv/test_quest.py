@@ -235,3 +235,18 @@ def assert_summaries_fresh(cache, page: int) -> None:
             dequantize_int8_blocks(layer.k[:, :, :n], layer.k_scale[:, :, :n])
         lo, hi = summarize(keys, layer.pos[:, :, :n] >= 0, page)
         assert torch.equal(layer.page_min, lo) and torch.equal(layer.page_max, hi)
+
+
+def test_float16_summaries_round_outward():
+    """Stored page minima never exceed, maxima never undercut the float32 keys (the bound stays an upper bound),
+    and each is the nearest float16 that does so; out of float16's range a maximum becomes inf."""
+    from attnlab.kv.pages import outward
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(4000, generator=g) * 10.0 ** torch.randint(-9, 5, (4000,), generator=g).float(),
+                   torch.tensor([0.0, -0.0, 1.0, -1.0, 65504.0, 70000.0, -70000.0, 1e-8, -1e-8])])
+    lo, hi = outward(x, up=False), outward(x, up=True)
+    assert lo.dtype == hi.dtype == torch.float16
+    assert (lo.float() <= x).all() and (hi.float() >= x).all()
+    up, down = torch.full_like(lo, float("inf")), torch.full_like(lo, float("-inf"))
+    assert (torch.nextafter(lo, up).float() > x).all() and (torch.nextafter(hi, down).float() < x).all()
+    assert hi[-4] == float("inf") and lo[-4] == 65504.0
