@@ -182,6 +182,14 @@ class Rope:
             self._grow(max(need, 2 * self.cis.shape[0]))
         return self.cis[pos.clamp_min(0)]
 
+    def turn(self, by: int) -> torch.Tensor:
+        """The unit rotation [head_dim / 2] that moves a rotated key `by` positions on (either sign); the last
+        one is kept, as every layer of a cache turns its keys by the same amount in one step."""
+        if getattr(self, "_turn", (None,))[0] != (by, self.cis.shape[0], self.seq_len):
+            cis = self.tables(torch.tensor(abs(by))) / self.attention_factor
+            self._turn = ((by, self.cis.shape[0], self.seq_len), cis.conj() if by < 0 else cis)
+        return self._turn[1]
+
     def rotation(self, pos: torch.Tensor, real: bool = False) -> torch.Tensor:
         """The table for `apply`: pos [B, T] -> [B, 1, T, head_dim / 2] complex (broadcast over heads),
         or [B, 1, T, head_dim / 2, 2] (cos, sin) if real (what the native decode step reads)."""
@@ -198,8 +206,8 @@ def apply(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
     """Rotate x [..., T, D] by a complex table broadcastable to [..., T, D / 2] (or its real form).
 
     Rotated pairs are adjacent dimensions (2i, 2i+1), so a rotation is one complex multiply
-    (about 10x faster on CPU than the half-split cos/sin form, which matters when the
-    `cache` position convention re-rotates every cached key at every step). Checkpoints in
+    (about 10x faster on CPU than the half-split cos/sin form, which matters when an eviction
+    in the `cache` position convention turns cached keys). Checkpoints in
     the half-split (Hugging Face) layout get their q/k rows interleaved once at load time.
     """
     pairs = x.float().reshape(*x.shape[:-1], -1, 2)

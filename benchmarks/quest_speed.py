@@ -8,8 +8,7 @@ printed: what keeping the summaries in Python after each step (`LayerKV._summari
 layer) would cost, against the step keeping them itself in C++ (measured inside the native step's time), and the
 cache's bytes per token. `--sink` adds a StreamingLLM cache of each budget (it holds BUDGET slots whatever the
 depth: prefilled with BUDGET + 64 tokens, its steps evict as they decode), with block eviction (`--sink-block`,
-default 64: evicting one token per step compacts and re-rotates every layer's keys on every step, 4x slower at
-2,048, measured).
+default 64; block 1 moves every layer's window one slot per step: `benchmarks/sink_eviction.py` measures it).
 
     python benchmarks/quest_speed.py --depths 4096 --budgets 512,1024,2048 --threads 1
     python benchmarks/quest_speed.py --depths 16384 --rope yarn:4 --budgets 512,1024,2048 --threads 1,2 --sink

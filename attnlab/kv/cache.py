@@ -8,12 +8,15 @@ evicted and compacted, and it is what lets a policy drop tokens for real.
 
 Two position conventions (StreamingLLM section 3.2):
 - ``original``: keys are rotated at their absolute position when stored.
-- ``cache``: keys are rotated at their *slot index*, so positions never exceed
+- ``cache``: keys sit at their *rank* in the cache (slot index), so distances never exceed
   the cache size. StreamingLLM stores keys before RoPE and rotates the whole
-  cache at every step; here a key is rotated at its slot when written and, when
-  eviction moves it to a lower slot, rotated on by the (negative) distance moved
-  (rotations compose). The result is the same, and a step costs nothing extra
-  unless it evicts, which block eviction (see `Policy.block`) makes rare.
+  cache at every step; here a key is rotated when written and, when eviction
+  moves it, rotated on by the distance moved (rotations compose). Only distances
+  matter to attention, so keys and queries are rotated at slot + `KVCache.shift`,
+  and an eviction adds the tokens it removed to the shift: a key behind every
+  evicted one keeps its rotation, and StreamingLLM's per-token eviction turns only
+  the sinks (not the whole window) at each step. The shift folds back to 0 (every
+  key turned once) before it exceeds the capacity, so angles stay small.
 
 An int8 cache (dtype torch.int8) stores each key and value row as int8 codes with one float32
 scale per 32 dimensions (the rule of `int8` weights, llama.cpp's q8_0 KV cache): 1.125 bytes per
@@ -28,6 +31,7 @@ analysis recorders do.
 """
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +58,21 @@ class Step:
 
 class CacheFullError(AttnlabError, RuntimeError):
     """Raised when a bounded cache has no room and no policy to make room."""
+
+
+def _move_down(t: torch.Tensor, a: int, b: int, n: int) -> None:
+    """t[:, :, a:a + n - b] = t[:, :, b:n] for a per-slot buffer [B, H, C, ...]: one memmove per row and head
+    (a slot's data is contiguous there), a single pass where torch's copy would need a clone first (the two
+    ranges overlap), which doubled the memory traffic of a per-token StreamingLLM eviction."""
+    if not t.is_contiguous():
+        t[:, :, a:a + n - b] = t[:, :, b:n].clone()
+        return
+    B, H, C = t.shape[:3]
+    slot = t[0, 0, 0].numel() * t.element_size()
+    base = t.data_ptr()
+    for i in range(B * H):
+        row = base + i * C * slot
+        ctypes.memmove(row + a * slot, row + b * slot, (n - b) * slot)
 
 
 class LayerKV:
@@ -83,6 +102,7 @@ class LayerKV:
         self.n = 0            # filled slots, equal for every row and head
         self.natural = True   # slot j holds the j-th token of every row (no padding, no eviction)
         self.padded = False   # some slot holds left padding (position -1)
+        self._home = None  # `drop`: the sinks' keys in float32 and the shift they are rotated at
         self.policy_state: dict = {}  # per-layer bookkeeping of a cache policy (scores, ...); per-slot
         # tensors [..., capacity] follow their tokens when the cache is compacted
 
@@ -150,9 +170,11 @@ class LayerKV:
         if self.natural and not windowed:  # slot j is token j: query i sees slots 0 .. n - T + i
             return K, V, "causal"
         k_pos = self.pos[:, :, :n]
-        if self.positions == "cache":
+        q_pos = step.q_pos
+        if self.positions == "cache":  # by slot: the shift is the same for keys and queries
             k_pos = torch.where(k_pos >= 0, torch.arange(n), -1)
-        mask = (k_pos[:, :, None, :] <= step.q_pos[:, None, :, None]) & (k_pos[:, :, None, :] >= 0)
+            q_pos = torch.arange(step.start, n).expand_as(q_pos)
+        mask = (k_pos[:, :, None, :] <= q_pos[:, None, :, None]) & (k_pos[:, :, None, :] >= 0)
         if windowed:  # by absolute token distance, whatever the position convention or evictions
             mask &= self.pos[:, :, None, :n] > step.pos[:, None, :, None] - self.window
         mask |= ~mask.any(-1, keepdim=True)  # padding queries see everything; their output is unused
@@ -174,17 +196,11 @@ class LayerKV:
             return k, v
         return (k, self._rows("k_scale", slots)), (v, self._rows("v_scale", slots))
 
-    def keep(self, idx: torch.Tensor) -> None:
-        """Compact the cache to the slots idx: [B, H_kv, m] (ascending), freeing the rest for reuse."""
+    def keep(self, idx: torch.Tensor, shift: int = 0, new_shift: int = 0) -> None:
+        """Compact the cache to the slots idx: [B, H_kv, m] (ascending), freeing the rest for reuse.
+        `cache` positions: keys were rotated at slot + shift and are turned to their new slot + new_shift."""
         m = idx.shape[-1]
         kept = {name: self._rows(name, idx) for name in self.buffers()}
-        if self.positions == "cache":  # a key moved from slot idx to slot j: rotate it on by j - idx <= 0
-            turn = self.rope.tables(idx - torch.arange(m)).conj() / self.rope.attention_factor  # unit rotations
-            if self.k_scale is None:
-                kept["k"] = rope_apply(kept["k"], turn)
-            else:  # rotate the dequantised keys, then round them again
-                keys = dequantize_int8_blocks(kept["k"], kept["k_scale"])
-                kept["k"], kept["k_scale"] = ops.quantize_kv(rope_apply(keys, turn))
         for name, t in kept.items():
             getattr(self, name)[:, :, :m] = t
         self.pos[:, :, :m] = torch.gather(self.pos[:, :, :self.n], 2, idx)
@@ -197,8 +213,62 @@ class LayerKV:
                 value[..., :m] = kept
         self.n = m
         self.natural = False
+        self._home = None
+        if self.positions == "cache":  # a key moved from slot idx to slot j: rotate it on by j + new_shift - idx - shift
+            turn = torch.arange(m) + new_shift - idx - shift
+            moved = (turn != 0).flatten(0, 1).any(0).nonzero()
+            if len(moved):  # keys from slot r on (behind every evicted one) keep their rotation
+                r = int(moved[-1]) + 1
+                self._turn(0, r, turn[..., :r])
         if self.page:  # slots moved (and `cache` keys turned): every page changed
             self._summarize(0, m)
+
+    def drop(self, a: int, b: int, shift: int = 0, new_shift: int = 0) -> None:
+        """Evict the slots [a, b) (a policy that keeps sinks and recent tokens, in an unpadded cache): the later
+        slots move down in one block copy, no gather. `cache` positions: as `keep`, but the first a keys (the
+        sinks), turned again at every eviction, are turned from one float32 copy of them (`_home`), so repeated
+        turns do not pile up rounding errors in a float16 or int8 cache."""
+        n, e = self.n, b - a
+        m = n - e
+        for name in (*self.buffers(), "pos"):
+            _move_down(getattr(self, name), a, b, n)
+        self.pos[:, :, m:n] = -1
+        for value in self.policy_state.values():
+            if isinstance(value, torch.Tensor) and value.shape[-1] == self.capacity:
+                value[..., a:m] = value[..., b:n].clone()
+                value[..., m:] = 0
+        self.n = m
+        self.natural = False
+        if self.positions == "cache":
+            if a and new_shift != shift:
+                home = getattr(self, "_home", None)
+                if home is None or home[0].shape[2] != a:
+                    home = self._home = (self._keys(0, a).clone(), shift)  # float32 keys are a view of the buffer
+                self._turn(0, a, new_shift - home[1], home[0])
+            if new_shift != shift + e:  # the shift folded back: the keys behind the evicted ones turn too
+                self._turn(a, m, new_shift - shift - e)
+        if self.page:
+            self._summarize(0, m)
+
+    def _keys(self, r0: int, r1: int) -> torch.Tensor:
+        """The stored keys of slots [r0, r1) in float32 (int8: dequantised)."""
+        if self.k_scale is None:
+            return self.k[:, :, r0:r1].float()
+        return dequantize_int8_blocks(self.k[:, :, r0:r1], self.k_scale[:, :, r0:r1])
+
+    def _turn(self, r0: int, r1: int, turn, keys: torch.Tensor | None = None) -> None:
+        """Store the keys of slots [r0, r1) (float32 `keys`, default the stored ones) rotated on by `turn` positions:
+        an int or [B, H_kv, r1 - r0], either sign (an int8 cache rounds the rotated keys again)."""
+        if isinstance(turn, int):  # one turn for every key (the same in every layer: tables kept by the Rope)
+            cis = self.rope.turn(turn)
+        else:
+            cis = self.rope.tables(turn.abs()) / self.rope.attention_factor  # unit rotations
+            cis = torch.where(turn[..., None] < 0, cis.conj(), cis)
+        keys = rope_apply(self._keys(r0, r1) if keys is None else keys, cis)
+        if self.k_scale is None:
+            self.k[:, :, r0:r1] = keys
+        else:
+            self.k[:, :, r0:r1], self.k_scale[:, :, r0:r1] = ops.quantize_kv(keys)
 
     def _summarize(self, first: int, n: int) -> None:
         """Recompute the page summaries from the page holding slot `first` up to slot n (pages before stay)."""
@@ -207,8 +277,7 @@ class LayerKV:
         self.paged = n
         if n <= a:
             return
-        keys = self.k[:, :, a:n].float() if self.k_scale is None else \
-            dequantize_int8_blocks(self.k[:, :, a:n], self.k_scale[:, :, a:n])
+        keys = self._keys(a, n)
         lo, hi = summarize(keys, self.pos[:, :, a:n] >= 0, self.page)
         self.pages_lo[:, :, p0:p0 + lo.shape[2]] = lo
         self.pages_hi[:, :, p0:p0 + hi.shape[2]] = hi
@@ -241,6 +310,7 @@ class KVCache:
                        for _ in range(n_layers)]
         self.batch, self.policy, self.positions = batch, policy, positions
         self.seen = 0                                   # tokens fed per row, padding included
+        self.shift = 0  # `cache` positions: keys and queries are rotated at slot + shift (see LayerKV.keep)
         self.pad = torch.zeros(batch, dtype=torch.long) if pad is None else torch.as_tensor(pad, dtype=torch.long)
         # the cache observes the forward pass only for a policy that scores by attention
         self.observers = (self,) if policy is not None and policy.needs_probs else ()
@@ -265,7 +335,7 @@ class KVCache:
         padded = bool(self.seen < int(self.pad.max()))
         pos = torch.where(pos >= 0, pos, -1) if padded else pos
         if self.positions == "cache":  # queries and new keys sit at their slots
-            q_pos = torch.arange(start, start + T).expand(self.batch, T)
+            q_pos = torch.arange(start, start + T).expand(self.batch, T) + self.shift
         else:
             q_pos = pos
         return Step(pos, q_pos, rope.rotation(q_pos, real=real), padded, start)
@@ -278,12 +348,29 @@ class KVCache:
 
     def advance(self, T: int) -> None:
         """After a step: count its tokens and evict what the policy drops (every layer's attention is done)."""
-        for layer in self.layers:
+        shift = new = self.shift
+        for i, layer in enumerate(self.layers):
             layer.n += T
             layer.paged = layer.n  # the native step summarised its key in place (eager: `update` did)
             if self.policy is not None and self.policy.due(layer):
-                layer.keep(self.policy.to_keep(layer))
+                span = self.policy.evict_span(layer)
+                idx = None if span else self.policy.to_keep(layer)
+                if i == 0:  # every layer evicts alike: one new shift for all
+                    new = self._shift_after(span[1] - span[0] if span else layer.n - idx.shape[-1])
+                if span:
+                    layer.drop(*span, shift, new)
+                else:
+                    layer.keep(idx, shift, new)
+        self.shift = new
         self.seen += T
+
+    def _shift_after(self, evicted: int) -> int:
+        """The shift after evicting `evicted` tokens: grown by them (keys behind the evicted keep their rotation),
+        or 0 (every key turned) once it would pass the capacity, so rotation angles stay below twice the
+        capacity; always 0 under dynamic RoPE, whose frequencies follow the largest position."""
+        layer = self.layers[0]
+        new = self.shift + evicted
+        return 0 if self.positions != "cache" or layer.rope.dynamic or new > layer.capacity else new
 
     def truncate(self, length: int) -> None:
         """Roll back to the first `length` tokens (reuse one prefill for several continuations).
@@ -308,9 +395,10 @@ def cache_state(cache: KVCache) -> dict:
     """Everything needed to resume a stream later: slots, positions and policy state of every layer."""
     layers = [{**{name: getattr(l, name)[:, :, :l.n].clone() for name in l.buffers()},
                "pos": l.pos[:, :, :l.n].clone(), "n": l.n, "natural": l.natural, "padded": l.padded, "capacity": l.capacity,
+               "home": l._home,
                "policy_state": {key: (val.clone() if isinstance(val, torch.Tensor) else val)
                                 for key, val in l.policy_state.items()}} for l in cache.layers]
-    return {"layers": layers, "seen": cache.seen, "pad": cache.pad.clone(), "keys": KEY_FORMAT}
+    return {"layers": layers, "seen": cache.seen, "pad": cache.pad.clone(), "keys": KEY_FORMAT, "shift": cache.shift}
 
 
 def load_cache_state(cache: KVCache, state: dict) -> None:
@@ -327,6 +415,7 @@ def load_cache_state(cache: KVCache, state: dict) -> None:
         layer.pos[:, :, n:] = -1
         layer.n, layer.natural, layer.padded = n, s["natural"], s["padded"]
         layer.policy_state = dict(s["policy_state"])
+        layer._home = s.get("home")
         if layer.page and n:
             layer._summarize(0, n)
-    cache.seen, cache.pad = state["seen"], state["pad"].clone()
+    cache.seen, cache.pad, cache.shift = state["seen"], state["pad"].clone(), state.get("shift", 0)

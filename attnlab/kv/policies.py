@@ -44,9 +44,9 @@ class Policy:
     A fractional budget is a share of the tokens the cache will see; turn it into tokens with
     `resolve(length)` before building a cache. `chunk` is the largest prefill chunk the cache
     must hold on top of the budget. `block` is block eviction: let the cache fill to
-    budget + block - 1 slots and then evict down to budget in one go, so compaction (and
-    re-rotation of `cache` positions) happens once every `block` tokens instead of at every
-    step; block 1 is the exact per-token policy.
+    budget + block - 1 slots and then evict down to budget in one go, so compaction happens
+    once every `block` tokens instead of at every step; block 1 is the exact per-token policy
+    (for sink and window a one-slot memmove of the window per step, `LayerKV.drop`).
     """
     budget: int | float = 256
     positions: str = "cache"
@@ -127,6 +127,16 @@ class Policy:
         """The `budget` best slots of every row and KV head: ascending idx [B, H_kv, budget]."""
         budget = self.tokens
         return select(kv.pos[:, :, :kv.n], self.score(kv), budget, self.n_sink(budget), self.n_recent(budget))
+
+    def evict_span(self, kv) -> tuple[int, int] | None:
+        """The slots [a, b) to evict when this policy keeps only sinks and recent tokens (no ranking) and the
+        cache is unpadded, so its slots hold the sinks and then a run of consecutive positions: evicting is one
+        block move (`LayerKV.drop`); None: rank and gather (`to_keep`)."""
+        budget = self.tokens
+        s, r = self.n_sink(budget), self.n_recent(budget)
+        if s + r != budget or kv.padded:
+            return None
+        return s, kv.n - r
 
     def describe(self) -> str:
         block = f", block={self.block}" if self.block > 1 else ""

@@ -63,3 +63,31 @@ def test_saved_int8_stream_resumes_exactly(lm):
     lm.kv_dtype = torch.float32
     with pytest.raises(ValueError, match="KV dtype"):
         load_cache_state(cache(), state)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.int8])
+def test_per_token_sink_eviction_rounds_each_sink_once(dtype):
+    """StreamingLLM evicting one token per step turns its sinks at every step (keys sit at slot + shift, and the
+    window keeps its rotation). Turned from one float32 copy, a float16 or int8 sink stays one rounding away from
+    the float32 cache's; turned step after step, the roundings would pile up over the 300 evictions."""
+    ids = torch.randint(0, 97, (1, 340), generator=torch.Generator().manual_seed(2))
+    caches = {}
+    for kv_dtype in (torch.float32, dtype):
+        lm = tiny_lm(dim=64, hidden_dim=128, head_dim=32)
+        lm.kv_dtype = kv_dtype
+        cache = caches[kv_dtype] = lm.new_cache(policy=make_policy("sink", 24, n_sink=4, chunk=8))
+        lm.prefill(ids[:, :32], cache, chunk=8)
+        for t in range(32, ids.shape[1]):
+            lm.forward(ids[:, t:t + 1], cache)
+    ref, low = caches[torch.float32], caches[dtype]
+    assert low.shift == ref.shift and 0 < ref.shift <= ref.layers[0].capacity  # folded back, never past the capacity
+    a, b = ref.layers[0], low.layers[0]  # the first layer's keys depend on the tokens alone, not on the KV dtype
+    assert torch.equal(b.pos[:, :, :4], torch.arange(4).expand_as(b.pos[:, :, :4]))
+    want = a.k[:, :, :4]
+    if dtype == torch.int8:  # half a code step when written, half when turned
+        err, step = _kv(b)[:, :, :4] - want, b.k_scale[:, :, :4].repeat_interleave(32, -1)
+        bound = 1.5 * step
+    else:  # half an ulp when written, half when turned (a turn keeps each pair's error's length)
+        err, bound = b.k[:, :, :4].float() - want, 2 ** -9 * want.abs().view(*want.shape[:3], -1, 2).norm(dim=-1)
+        err = err.view(*err.shape[:3], -1, 2).norm(dim=-1)
+    assert (err.abs() <= bound + 1e-6).all(), (err.abs() / bound).max()
