@@ -25,6 +25,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's attnlab
 
 
+def repaged(cache, page: int):
+    """A copy of a prefilled cache whose page summaries are recomputed for pages of `page` slots, so variants with
+    different page sizes answer from one prefill (the summaries depend on the keys and the page size only)."""
+    cache = copy.deepcopy(cache)
+    for layer in cache.layers:
+        B, H, C, D = layer.k.shape
+        layer.page = page
+        layer.pages_lo = torch.zeros(B, H, -(-C // page), D, dtype=torch.float16)
+        layer.pages_hi = torch.zeros_like(layer.pages_lo)
+        layer._summarize(0, layer.n)
+    return cache
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
@@ -88,7 +101,8 @@ def main(argv=None) -> int:
                     torch.save((cache, logits), saved)
             for s in todo:
                 t = time.perf_counter()
-                preds = answer_batch(views[s], copy.deepcopy(cache), logits.clone(), [[] for _ in samples],
+                page = views[s].options.attention.page if s != "full" else cache.layers[0].page
+                preds = answer_batch(views[s], repaged(cache, page), logits.clone(), [[] for _ in samples],
                                      [x["max_new"] for x in samples])
                 rec["variants"][s] = {"seconds": time.perf_counter() - t, "results": [
                     {"task": x["task"], "score": 100 * string_match_all(pr, x["answers"]), "pred": pr,

@@ -166,7 +166,9 @@ def cmd_stream(args) -> int:
     from attnlab.scale import Cell, run_cells
     cells = []
     for name, policy in plan:
-        mode = "prefill" if name == "full" and not args.full_decode else "decode" if args.chunk == 1 else "chunk"
+        # Quest acts on single-token steps only: under --attention the full cache is scored token by token too
+        exact = args.full_decode or getattr(args, "attention", None) is not None
+        mode = "prefill" if name == "full" and not exact else "decode" if args.chunk == 1 else "chunk"
         key, ident = run_key(identity, name, policy, mode)
         cells.append(Cell("attnlab.cli.stream:score_run", dict(lm=lm, ids=ids, args=args, name=name, policy=policy,
                                                                mode=mode, key=key, ident=ident, out=out),
@@ -186,12 +188,16 @@ def cmd_stream(args) -> int:
         print(json.dumps({"results": results}))
         return 0
     full = next((r for r in results if r["policy"] == "full"), None)
+    attention = getattr(args, "attention", None)
+    under = f"+{attention}" if attention is not None else ""  # every row decodes under it
     print(f"{args.streams} x {args.tokens} tokens of {args.text}, positions {args.positions}; ppl: perplexity "
-          f"(lower is better), vs full: ppl / full's ppl, KV MiB: cache memory")
-    print(f"{'policy':<10} {'budget':>7} {'ppl':>9} {'vs full':>8} {'KV MiB':>8} {'tok/s':>7}")
+          f"(lower is better), vs full: ppl / full's ppl, KV MiB: cache memory" +
+          (f"; every decode step attends with {attention}" if under else ""))
+    width = max(10, *(len(r["policy"] + under) for r in results))
+    print(f"{'policy':<{width}} {'budget':>7} {'ppl':>9} {'vs full':>8} {'KV MiB':>8} {'tok/s':>7}")
     for r in results:
         rel = f"{r['ppl'] / full['ppl']:.3f}x" if full else "-"
-        print(f"{r['policy']:<10} {r['budget']:>7} {r['ppl']:>9.2f} {rel:>8} {r['kv_bytes'] / 2**20:>8.1f} "
+        print(f"{r['policy'] + under:<{width}} {r['budget']:>7} {r['ppl']:>9.2f} {rel:>8} {r['kv_bytes'] / 2**20:>8.1f} "
               f"{r['tokens_per_s']:>7.1f}{'  (' + r['mode'] + ')' if r['mode'] != 'decode' else ''}")
     if args.paired and full is not None:
         from attnlab.eval.streaming import paired

@@ -151,3 +151,23 @@ def test_sinks_rescue_window_attention_on_real_text(smol):
         ppl[name] = float(nll.mean().exp())
     assert ppl["window"] > 1.5 * ppl["full"]
     assert ppl["sink"] < 1.5 * ppl["full"]
+
+
+def test_stream_under_quest_scores_token_by_token_and_says_so(smol, monkeypatch, capsys, tmp_path):
+    """Quest acts on single-token steps only: under --attention the full cache is decoded token by token (a
+    chunked prefill would score plain full attention under Quest's name), and every row names the attention."""
+    import attnlab.cli as main_cli
+    import attnlab.cli.stream as kv_cli
+    view = lambda args, **kw: smol.with_attention(args.attention)  # noqa: E731
+    monkeypatch.setattr(kv_cli, "load_lm", view)
+    monkeypatch.setattr(main_cli, "load_lm", view)
+    argv = ["stream", "--tokens", "96", "--policy", "full", "--out", str(tmp_path)]
+    assert main_cli.main([*argv, "--json"]) == 0
+    [plain] = json.loads(capsys.readouterr().out)["results"]
+    assert main_cli.main([*argv, "--json", "--attention", "quest:32"]) == 0
+    [quest] = json.loads(capsys.readouterr().out)["results"]
+    assert (plain["mode"], quest["mode"]) == ("prefill", "decode")
+    assert quest["ppl"] != pytest.approx(plain["ppl"], rel=1e-4)  # 96 tokens, 32 read: Quest really chose
+    assert main_cli.main([*argv, "--attention", "quest:32"]) == 0
+    out = capsys.readouterr().out
+    assert "full+quest:32:16" in out and "attends with quest:32:16" in out
