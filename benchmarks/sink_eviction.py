@@ -2,9 +2,9 @@
 against full attention over a cache of the same size, all in the native step, one process, one model.
 
 A sink cache of budget B holds B slots whatever the depth, so its step attends to as many keys as full attention
-at depth B; what it adds is eviction. Every step of a block-1 cache moves its window down one slot in every layer
-(`LayerKV.drop`) and turns its sinks' keys (keys sit at slot + `KVCache.shift`); the time spent there
-(`KVCache.advance`) is printed per step. Runs interleave, the order rotating every repeat; medians with the CPU
+at depth B; what it adds is eviction. Every step of a block-1 cache moves its sinks up one slot in every layer
+and turns their keys (`LayerKV.slide`; keys sit at slot + `KVCache.shift`), and once per chunk or so compacts the
+slots left behind (`KVCache.begin`); the time spent evicting (`KVCache.advance`) is printed per step. Runs interleave, the order rotating every repeat; medians with the CPU
 model, its ISA flags, the thread count and the load average.
 
     python benchmarks/sink_eviction.py --budgets 512,2048 --blocks 1,64 --threads 1

@@ -45,9 +45,11 @@ def _sink():  # evicts in blocks, keys re-rotated at their new slots (`cache` po
     return make_policy("sink", 12, positions="cache", n_sink=2, chunk=8, block=4)
 
 
-def _close(got, ref, spec):
+def _close(got, ref, spec, kv=None):
     if spec is None:
-        assert ((got - ref).norm() / ref.norm()) < 2e-5  # measured <= 5e-6
+        # a float16 or int8 cache stores each key rounded: rotated 1e-7 apart by the two paths, one in a few
+        # thousand numbers lands one rounding step apart, and stays (measured 2.3e-5 over a run with two such)
+        assert ((got - ref).norm() / ref.norm()) < (2e-5 if kv is None else 1e-4)  # measured <= 5e-6 in float32
     else:
         assert ((got - ref).norm() / ref.norm()) < 0.05  # measured 0.02
         assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
@@ -66,7 +68,7 @@ def test_native_step_equals_eager(spec, kv, policy):
     eager, fast = _pair(spec, kv, head_dim=32 if kv == torch.int8 else 0)
     ref, got = _decode(eager, IDS, policy), _decode(fast, IDS, policy)
     assert fast.compiled.calls == {"native": 32, "eager": 0}
-    _close(got, ref, spec)
+    _close(got, ref, spec, kv)
 
 
 @pytest.fixture
@@ -88,7 +90,7 @@ def test_a_team_of_threads_equals_eager(threads, spec, kv, n):
     threads(n)
     eager, fast = _pair(spec, kv, head_dim=32 if kv == torch.int8 else 0)
     for policy in (None, _sink):
-        _close(_decode(fast, IDS, policy), _decode(eager, IDS, policy), spec)
+        _close(_decode(fast, IDS, policy), _decode(eager, IDS, policy), spec, kv)
     assert fast.compiled.threads == n and fast.compiled.calls == {"native": 64, "eager": 0}
 
 

@@ -16,7 +16,10 @@ Two position conventions (StreamingLLM section 3.2):
   and an eviction adds the tokens it removed to the shift: a key behind every
   evicted one keeps its rotation, and StreamingLLM's per-token eviction turns only
   the sinks (not the whole window) at each step. The shift folds back to 0 (every
-  key turned once) before it exceeds the capacity, so angles stay small.
+  key turned once) before it exceeds the capacity, so angles stay small. Such an
+  eviction does not even move the window: the sinks move up onto the evicted slot
+  (`LayerKV.slide`) and the slots before them are compacted only when their room is
+  needed (`KVCache.begin`).
 
 An int8 cache (dtype torch.int8) stores each key and value row as int8 codes with one float32
 scale per 32 dimensions (the rule of `int8` weights, llama.cpp's q8_0 KV cache): 1.125 bytes per
@@ -60,19 +63,19 @@ class CacheFullError(AttnlabError, RuntimeError):
     """Raised when a bounded cache has no room and no policy to make room."""
 
 
-def _move_down(t: torch.Tensor, a: int, b: int, n: int) -> None:
-    """t[:, :, a:a + n - b] = t[:, :, b:n] for a per-slot buffer [B, H, C, ...]: one memmove per row and head
-    (a slot's data is contiguous there), a single pass where torch's copy would need a clone first (the two
-    ranges overlap), which doubled the memory traffic of a per-token StreamingLLM eviction."""
-    if not t.is_contiguous():
-        t[:, :, a:a + n - b] = t[:, :, b:n].clone()
+def _move(t: torch.Tensor, src: int, dst: int, count: int) -> None:
+    """t[:, :, dst:dst + count] = t[:, :, src:src + count] for a per-slot buffer [B, H, C, ...]: one memmove per
+    row and head (a slot's data is contiguous there), a single pass where torch's copy would need a clone first
+    (the two ranges may overlap)."""
+    if count <= 0 or src == dst:
         return
-    B, H, C = t.shape[:3]
-    slot = t[0, 0, 0].numel() * t.element_size()
-    base = t.data_ptr()
-    for i in range(B * H):
-        row = base + i * C * slot
-        ctypes.memmove(row + a * slot, row + b * slot, (n - b) * slot)
+    if not t.is_contiguous():
+        t[:, :, dst:dst + count] = t[:, :, src:src + count].clone()
+        return
+    size = t.element_size()
+    slot, head, base = t.stride(2) * size, t.stride(1) * size, t.data_ptr()
+    for row in range(base, base + t.shape[0] * t.shape[1] * head, head):
+        ctypes.memmove(row + dst * slot, row + src * slot, count * slot)
 
 
 class LayerKV:
@@ -100,6 +103,7 @@ class LayerKV:
             self.pages_lo = torch.zeros(batch, heads, -(-capacity // page), head_dim, dtype=torch.float16)
             self.pages_hi = torch.zeros_like(self.pages_lo)
         self.n = 0            # filled slots, equal for every row and head
+        self.first = 0        # slots before it were evicted and are not read (`slide`); `KVCache.begin` compacts
         self.natural = True   # slot j holds the j-th token of every row (no padding, no eviction)
         self.padded = False   # some slot holds left padding (position -1)
         self._home = None  # `drop`: the sinks' keys in float32 and the shift they are rotated at
@@ -144,23 +148,23 @@ class LayerKV:
         """Store a chunk and return what its queries attend to.
 
         k, v: [B, H_kv, T, D] keys (already rotated at step.q_pos) and values of the chunk.
-        Returns (K, V, mask): K, V [B, H_kv, n, D] (an int8 cache: (codes, scales) pairs) and mask
-        None (attend to all), "causal" (a natural cache: query i of the chunk sees slots 0 .. n - T + i) or
-        bool [B, H_kv, T, n].
+        Returns (K, V, mask): K, V [B, H_kv, n - first, D], the slots from `first` (an int8 cache: (codes, scales)
+        pairs) and mask None (attend to all), "causal" (a natural cache: query i of the chunk sees slots 0 .. n - T + i)
+        or bool [B, H_kv, T, n - first].
         """
         T = k.shape[2]
         if step.padded:
             self.padded, self.natural = True, False
         s = slice(step.start, step.start + T)
-        n = step.start + T
+        n, lo = step.start + T, self.first
         if self.k_scale is None:
             self.k[:, :, s] = k
             self.v[:, :, s] = v
-            K, V = self.k[:, :, :n], self.v[:, :, :n]
+            K, V = self.k[:, :, lo:n], self.v[:, :, lo:n]
         else:
             self.k[:, :, s], self.k_scale[:, :, s] = ops.quantize_kv(k)
             self.v[:, :, s], self.v_scale[:, :, s] = ops.quantize_kv(v)
-            K, V = (self.k[:, :, :n], self.k_scale[:, :, :n]), (self.v[:, :, :n], self.v_scale[:, :, :n])
+            K, V = (self.k[:, :, lo:n], self.k_scale[:, :, lo:n]), (self.v[:, :, lo:n], self.v_scale[:, :, lo:n])
         self.pos[:, :, s] = step.pos[:, None, :]
         if self.page:
             self._summarize(step.start, n)
@@ -169,14 +173,14 @@ class LayerKV:
             return K, V, None
         if self.natural and not windowed:  # slot j is token j: query i sees slots 0 .. n - T + i
             return K, V, "causal"
-        k_pos = self.pos[:, :, :n]
+        k_pos = self.pos[:, :, lo:n]
         q_pos = step.q_pos
         if self.positions == "cache":  # by slot: the shift is the same for keys and queries
-            k_pos = torch.where(k_pos >= 0, torch.arange(n), -1)
+            k_pos = torch.where(k_pos >= 0, torch.arange(lo, n), -1)
             q_pos = torch.arange(step.start, n).expand_as(q_pos)
         mask = (k_pos[:, :, None, :] <= q_pos[:, None, :, None]) & (k_pos[:, :, None, :] >= 0)
         if windowed:  # by absolute token distance, whatever the position convention or evictions
-            mask &= self.pos[:, :, None, :n] > step.pos[:, None, :, None] - self.window
+            mask &= self.pos[:, :, None, lo:n] > step.pos[:, None, :, None] - self.window
         mask |= ~mask.any(-1, keepdim=True)  # padding queries see everything; their output is unused
         return K, V, mask
 
@@ -231,24 +235,49 @@ class LayerKV:
         n, e = self.n, b - a
         m = n - e
         for name in (*self.buffers(), "pos"):
-            _move_down(getattr(self, name), a, b, n)
+            _move(getattr(self, name), b, a, n - b)
         self.pos[:, :, m:n] = -1
         for value in self.policy_state.values():
             if isinstance(value, torch.Tensor) and value.shape[-1] == self.capacity:
                 value[..., a:m] = value[..., b:n].clone()
                 value[..., m:] = 0
-        self.n = m
+        self.n, self.first = m, 0
         self.natural = False
         if self.positions == "cache":
             if a and new_shift != shift:
-                home = getattr(self, "_home", None)
-                if home is None or home[0].shape[2] != a:
-                    home = self._home = (self._keys(0, a).clone(), shift)  # float32 keys are a view of the buffer
-                self._turn(0, a, new_shift - home[1], home[0])
+                self._turn(0, a, new_shift - self._sinks(0, a, shift), self._home[0])
             if new_shift != shift + e:  # the shift folded back: the keys behind the evicted ones turn too
                 self._turn(a, m, new_shift - shift - e)
         if self.page:
             self._summarize(0, m)
+
+    def slide(self, a: int, b: int, shift: int = 0) -> None:
+        """Evict the slots [a, b) as `drop` does, without moving the window: the sinks, slots [first, a), move up
+        to end at b (a few rows), and the slots before them are left unread (position -1, `first`), until the
+        cache needs their room (`KVCache.begin` compacts, once per `Policy.chunk` tokens or so). `cache`
+        positions: the sinks, s slots further on, turn by s (from their float32 copy); nothing else turns."""
+        s = a - self.first
+        t = b - s
+        if self.positions == "cache" and s:
+            at = self._sinks(self.first, a, shift)
+        for name in (*self.buffers(), "pos"):
+            _move(getattr(self, name), self.first, t, s)
+        self.pos[:, :, self.first:t] = -1
+        for value in self.policy_state.values():
+            if isinstance(value, torch.Tensor) and value.shape[-1] == self.capacity:
+                value[..., t:b] = value[..., self.first:a].clone()
+                value[..., self.first:t] = 0
+        self.first = t
+        self.natural = False
+        if self.positions == "cache" and s:
+            self._turn(t, b, t + shift - at, self._home[0])
+
+    def _sinks(self, r0: int, r1: int, shift: int) -> int:
+        """Keep the float32 copy of the sinks, slots [r0, r1) (`_home`: made once, while they are these rows);
+        returns the position its first row is rotated at (its rows follow)."""
+        if self._home is None or self._home[0].shape[2] != r1 - r0:
+            self._home = (self._keys(r0, r1).clone(), r0 + shift)  # clone: float32 keys are a view of the buffer
+        return self._home[1]
 
     def _keys(self, r0: int, r1: int) -> torch.Tensor:
         """The stored keys of slots [r0, r1) in float32 (int8: dequantised)."""
@@ -328,7 +357,12 @@ class KVCache:
 
     def begin(self, T: int, rope: Rope, real: bool = False) -> "Step":
         """Positions and rotation tables of the next T tokens, computed once for all layers; makes room."""
-        start = len(self)
+        start, first = self.layers[0].n, self.layers[0].first
+        if first and start + T > self.layers[0].capacity:  # the slots evicted by `slide` are needed now
+            new = self._shift_after(first)
+            for layer in self.layers:
+                layer.drop(0, first, self.shift, new)
+            self.shift, start = new, self.layers[0].n
         for layer in self.layers:
             layer._reserve(start + T)
         pos = self.seen + torch.arange(T)[None, :] - self.pad[:, None]
@@ -354,6 +388,9 @@ class KVCache:
             layer.paged = layer.n  # the native step summarised its key in place (eager: `update` did)
             if self.policy is not None and self.policy.due(layer):
                 span = self.policy.evict_span(layer)
+                if span and layer.page is None and layer.window is None:  # no copy of the window at all
+                    layer.slide(*span, shift)
+                    continue
                 idx = None if span else self.policy.to_keep(layer)
                 if i == 0:  # every layer evicts alike: one new shift for all
                     new = self._shift_after(span[1] - span[0] if span else layer.n - idx.shape[-1])
@@ -388,14 +425,15 @@ class KVCache:
         return sum(layer.nbytes() for layer in self.layers)
 
     def __len__(self) -> int:
-        return self.layers[0].n
+        """Tokens held (slots `slide` left unread before `first` do not count)."""
+        return self.layers[0].n - self.layers[0].first
 
 
 def cache_state(cache: KVCache) -> dict:
     """Everything needed to resume a stream later: slots, positions and policy state of every layer."""
     layers = [{**{name: getattr(l, name)[:, :, :l.n].clone() for name in l.buffers()},
                "pos": l.pos[:, :, :l.n].clone(), "n": l.n, "natural": l.natural, "padded": l.padded, "capacity": l.capacity,
-               "home": l._home,
+               "home": l._home, "first": l.first,
                "policy_state": {key: (val.clone() if isinstance(val, torch.Tensor) else val)
                                 for key, val in l.policy_state.items()}} for l in cache.layers]
     return {"layers": layers, "seen": cache.seen, "pad": cache.pad.clone(), "keys": KEY_FORMAT, "shift": cache.shift}
@@ -415,7 +453,7 @@ def load_cache_state(cache: KVCache, state: dict) -> None:
         layer.pos[:, :, n:] = -1
         layer.n, layer.natural, layer.padded = n, s["natural"], s["padded"]
         layer.policy_state = dict(s["policy_state"])
-        layer._home = s.get("home")
+        layer._home, layer.first = s.get("home"), s.get("first", 0)
         if layer.page and n:
             layer._summarize(0, n)
     cache.seen, cache.pad, cache.shift = state["seen"], state["pad"].clone(), state.get("shift", 0)

@@ -46,7 +46,7 @@ class Policy:
     must hold on top of the budget. `block` is block eviction: let the cache fill to
     budget + block - 1 slots and then evict down to budget in one go, so compaction happens
     once every `block` tokens instead of at every step; block 1 is the exact per-token policy
-    (for sink and window a one-slot memmove of the window per step, `LayerKV.drop`).
+    (for sink and window the sinks move up a slot per step, `LayerKV.slide`).
     """
     budget: int | float = 256
     positions: str = "cache"
@@ -121,7 +121,7 @@ class Policy:
 
     def due(self, kv) -> bool:
         """Whether layer kv must be compacted now: its block of slack is full."""
-        return kv.n > self.tokens + self.block - 1
+        return kv.n - kv.first > self.tokens + self.block - 1
 
     def to_keep(self, kv) -> torch.Tensor:
         """The `budget` best slots of every row and KV head: ascending idx [B, H_kv, budget]."""
@@ -130,13 +130,13 @@ class Policy:
 
     def evict_span(self, kv) -> tuple[int, int] | None:
         """The slots [a, b) to evict when this policy keeps only sinks and recent tokens (no ranking) and the
-        cache is unpadded, so its slots hold the sinks and then a run of consecutive positions: evicting is one
-        block move (`LayerKV.drop`); None: rank and gather (`to_keep`)."""
+        cache is unpadded, so its slots (from `kv.first`) hold the sinks and then a run of consecutive positions:
+        evicting moves the sinks or the window in a block (`LayerKV.slide`, `drop`); None: rank and gather (`to_keep`)."""
         budget = self.tokens
         s, r = self.n_sink(budget), self.n_recent(budget)
         if s + r != budget or kv.padded:
             return None
-        return s, kv.n - r
+        return kv.first + s, kv.n - r
 
     def describe(self) -> str:
         block = f", block={self.block}" if self.block > 1 else ""

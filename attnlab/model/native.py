@@ -189,7 +189,9 @@ class NativeStep:
         kv0 = layers[0]
         if kv0.padded or kv0.k.dtype not in KV_DTYPES or kv0.k.shape[0] != 1 or step.pos.shape != (1, 1):
             return None
-        if kv0.window is None or step.start + 1 <= kv0.window:
+        if kv0.window is None:
+            return kv0.first  # slots before it were evicted (`LayerKV.slide`)
+        if step.start + 1 <= kv0.window:
             return 0
         if quest is not None and kv0.page:
             return None

@@ -75,7 +75,7 @@ class Held:
         n = len(cache)
         layers, heads = [], []
         for layer in cache.layers:
-            pos, count = layer.pos[:, :, :n].flatten().unique(return_counts=True)
+            pos, count = layer.pos[:, :, :layer.n].flatten().unique(return_counts=True)
             keep = pos >= 0
             layers.append(pos[keep].tolist())
             heads.append(count[keep].tolist())

@@ -30,7 +30,7 @@ def run(lm, ids: torch.Tensor, policy, steps: list[int]):
         e = a + T - 1
         for li, layer in enumerate(cache.layers):
             now = torch.zeros(B, H, N, dtype=torch.bool)
-            now.scatter_(2, layer.pos[:, :, :layer.n], True)
+            now.scatter_(2, layer.pos[:, :, layer.first:layer.n], True)  # slots before `first` were evicted
             gone = present[li] & ~now
             evicted[li][gone] = e
             present[li] = now

@@ -82,12 +82,13 @@ def test_per_token_sink_eviction_rounds_each_sink_once(dtype):
     ref, low = caches[torch.float32], caches[dtype]
     assert low.shift == ref.shift and 0 < ref.shift <= ref.layers[0].capacity  # folded back, never past the capacity
     a, b = ref.layers[0], low.layers[0]  # the first layer's keys depend on the tokens alone, not on the KV dtype
-    assert torch.equal(b.pos[:, :, :4], torch.arange(4).expand_as(b.pos[:, :, :4]))
-    want = a.k[:, :, :4]
+    f = b.first  # the sinks' slots (`LayerKV.slide` moves them up)
+    assert a.first == f and torch.equal(b.pos[:, :, f:f + 4], torch.arange(4).expand_as(b.pos[:, :, f:f + 4]))
+    want = a.k[:, :, f:f + 4]
     if dtype == torch.int8:  # half a code step when written, half when turned
-        err, step = _kv(b)[:, :, :4] - want, b.k_scale[:, :, :4].repeat_interleave(32, -1)
+        err, step = _kv(b)[:, :, f:f + 4] - want, b.k_scale[:, :, f:f + 4].repeat_interleave(32, -1)
         bound = 1.5 * step
     else:  # half an ulp when written, half when turned (a turn keeps each pair's error's length)
-        err, bound = b.k[:, :, :4].float() - want, 2 ** -9 * want.abs().view(*want.shape[:3], -1, 2).norm(dim=-1)
+        err, bound = b.k[:, :, f:f + 4].float() - want, 2 ** -9 * want.abs().view(*want.shape[:3], -1, 2).norm(dim=-1)
         err = err.view(*err.shape[:3], -1, 2).norm(dim=-1)
     assert (err.abs() <= bound + 1e-6).all(), (err.abs() / bound).max()

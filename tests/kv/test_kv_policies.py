@@ -72,7 +72,7 @@ def test_sink_and_window_keep_exactly_what_they_promise(lm, ids):
     for name, expect in (("window", list(range(28, 40))), ("sink", [0, 1] + list(range(30, 40)))):
         _, _, _, cache = run(lm, ids, policy(name, "cache"), STEPS)
         for layer in cache.layers:
-            assert (layer.pos[:, :, :layer.n] == torch.tensor(expect)).all()
+            assert (layer.pos[:, :, layer.first:layer.n] == torch.tensor(expect)).all()
 
 
 class RecordingH2O(H2O):
@@ -179,3 +179,28 @@ def test_cache_positions_rerotation_keeps_yarn_magnitude(ids):
     assert yarn.model.rope.attention_factor > 1
     logits, evicted, _, _ = run(yarn, ids, policy("sink", "cache", block=3), STEPS)
     torch.testing.assert_close(logits, cache_reference(yarn, ids, evicted, STEPS), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("positions", ["cache", "original"])
+def test_per_token_eviction_leaves_the_window_in_place(lm, ids, positions):
+    """sink evicting one token per step moves only its sinks up a slot (`LayerKV.slide`): the window's keys and
+    values stay in their slots, untouched, until the cache needs the room of the slots left behind and compacts
+    them in one go (`KVCache.begin`); the logits are the reference's throughout (the tests above)."""
+    cache = lm.new_cache(2, policy=policy("sink", positions))
+    lm.prefill(ids[:, :16], cache, chunk=CHUNK)
+    slid = compacted = 0
+    for t in range(16, ids.shape[1]):
+        before = [(layer.first, layer.n, layer.k.clone(), layer.v.clone()) for layer in cache.layers]
+        lm.forward(ids[:, t:t + 1], cache)
+        assert len(cache) == BUDGET
+        for (first, n, k, v), layer in zip(before, cache.layers):
+            if layer.first == first + 1:  # slid: the window [first + 2 + 1, n) did not move
+                slid += 1
+                window = slice(first + 3, n)
+                assert torch.equal(layer.k[:, :, window], k[:, :, window])
+                assert torch.equal(layer.v[:, :, window], v[:, :, window])
+                assert (layer.pos[:, :, first] == -1).all()  # the sink's old slot is not read any more
+            else:
+                compacted += 1
+                assert layer.first == 1 and layer.n == BUDGET + 1  # compacted to BUDGET slots, one written, one slid
+    assert slid and compacted
