@@ -25,7 +25,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from attnlab.errors import AttnlabError
-from attnlab.kv.cache import LayerKV, Step
+from attnlab.kv.slots import LayerKV, Step
 from attnlab.kv.press import Press, PressRecorder, compress_layer, observed
 from attnlab.kv.policies import Policy
 from attnlab.rope import Rope

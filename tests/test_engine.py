@@ -50,7 +50,7 @@ def test_cache_positions_equal_original_without_eviction(tiny):
 
 
 def test_bounded_cache_refuses_overflow(tiny):
-    from attnlab.kv.cache import CacheFullError
+    from attnlab.kv import CacheFullError
     cache = tiny.new_cache(capacity=4, max_capacity=6)
     tiny.forward(torch.tensor([[1, 2, 3, 4, 5]]), cache)
     with pytest.raises(CacheFullError):

@@ -1,7 +1,7 @@
 """The number formats the kernels compute in, as plain torch: their reference and their fallback.
 
 Why here: the int8 block rounding is shared by int8 weights (`attnlab.quant.formats`), the activations
-of the integer matmuls and the int8 KV cache (`attnlab.kv.cache`); the 4-bit nibble layout is what the
+of the integer matmuls and the int8 KV cache (`attnlab.kv.slots`); the 4-bit nibble layout is what the
 C++ kernels read. Keeping the definitions beside the kernels lets `quant/` and `kv/` use them without
 importing each other.
 """
@@ -30,7 +30,7 @@ def unpack4(qs: torch.Tensor) -> torch.Tensor:
 
 def int8_blocks(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., K] -> int8 codes [..., K] and float32 scales [..., K/group], x ~ q * scale (symmetric).
-    The rule of `int8` weights and of the int8 KV cache (`attnlab.kv.cache`)."""
+    The rule of `int8` weights and of the int8 KV cache (`attnlab.kv.slots`)."""
     g = x.float().unflatten(-1, (-1, group))
     scale = g.abs().amax(-1).clamp_min(1e-12) / 127
     q = (g / scale[..., None]).round().clamp(-127, 127).to(torch.int8)

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from attnlab.errors import AttnlabError
-from attnlab.kv.cache import POSITIONS
+from attnlab.kv.slots import POSITIONS
 
 
 @dataclass

@@ -83,7 +83,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, need_probs: 
     q: [B, Hq, T, D]; k, v: [B, Hkv, L, D], or (int8 codes, scales) pairs from an int8 cache;
     mask: None (all), "causal" (query i sees keys 0 .. L - T + i) or bool [B, Hkv|1, T, L].
     window: a sliding window (Mistral) narrowing a "causal" mask to the last `window` keys;
-    tensor masks from a cache already carry it (see `attnlab.kv.cache.LayerKV`).
+    tensor masks from a cache already carry it (see `attnlab.kv.slots.LayerKV`).
     The G = Hq/Hkv query heads of a group are folded into the query axis, so every head of a
     group reads the same K/V. Returns out [B, Hq, T, D] and, if need_probs, the attention
     probabilities of every query head: [B, Hq, T, L] (float32; query head h reads KV head h // G).
