@@ -177,7 +177,8 @@ def test_model_decode_through_the_kernel_equals_sdpa():
     fused, plain = _decode(lm, ids, True), _decode(lm, ids, False)
     torch.testing.assert_close(fused, plain, atol=2e-5, rtol=1e-5)
     half, half_plain = _decode(lm, ids, True, torch.float16), _decode(lm, ids, False, torch.float16)
-    torch.testing.assert_close(half, half_plain, atol=2e-4, rtol=1e-4)
+    # a key the two paths compute 1e-7 apart may round to float16 one step apart, and stays (one such: 3.3e-4)
+    torch.testing.assert_close(half, half_plain, atol=5e-4, rtol=1e-4)
     assert (half - fused).norm() / fused.norm() < 5e-3
     assert (half - fused).abs().max() > 0  # the cache really was float16
 
