@@ -121,7 +121,8 @@ def add_parser(sub) -> None:
     p.add_argument("--max-batch", type=positive_int, default=8,
                    help="conversations prefilling or decoding together (one batched decode step); the rest wait")
     p.add_argument("--queue-timeout", type=float, default=60.0, help="seconds a request waits for a slot, then 503")
-    p.add_argument("--chunk", type=positive_int, default=128, help="prefill chunk (bounded caches hold budget + chunk)")
+    p.add_argument("--chunk", type=positive_int, default=512,
+                   help="prefill chunk (bounded caches hold budget + chunk; smaller: less memory per conversation, slower prefill)")
     p.add_argument("--header-timeout", type=positive_float, default=10.0,
                    help="seconds a request may take to send its headers, else 408 and closed")
     p.add_argument("--body-timeout", type=positive_float, default=30.0,

@@ -51,7 +51,7 @@ class Server:
 
     def __init__(self, lm, model_name: str, spec: PolicySpec = PolicySpec(), max_sessions: int = 16,
                  max_bytes: int = 1 << 30, max_tokens: int = 256, max_active: int = 8, queue_timeout: float = 60.0,
-                 max_prompt_tokens: int = 32768, chunk: int = 128, max_tokens_cap: int = 4096,
+                 max_prompt_tokens: int = 32768, chunk: int = 512, max_tokens_cap: int = 4096,
                  max_body: int = 1 << 20, hosts=LOOPBACK, api_keys=(), admin_keys=(), openapi: bool = False,
                  cors_origins=(), key_sessions: int | None = None, key_bytes: int | None = None, max_batch: int = 8):
         self.lm, self.model_name, self.spec, self.chunk = lm, model_name, spec, chunk

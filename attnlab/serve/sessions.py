@@ -92,7 +92,7 @@ class Held:
 class SessionStore:
     """Thread-safe LRU store of conversations, bounded by count and by allocated bytes, per owner and in total."""
 
-    def __init__(self, lm, max_sessions: int = 16, max_bytes: int = 1 << 30, chunk: int = 128,
+    def __init__(self, lm, max_sessions: int = 16, max_bytes: int = 1 << 30, chunk: int = 512,
                  key_sessions: int | None = None, key_bytes: int | None = None):
         self.lm, self.max_sessions, self.max_bytes, self.chunk = lm, max_sessions, max_bytes, chunk
         self.key_sessions, self.key_bytes = key_sessions or max_sessions, key_bytes or max_bytes
