@@ -12,7 +12,6 @@ itself (it evicts while reading). Prints one row per (length, depth) with each v
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import random
 import re
@@ -39,6 +38,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     import attnlab
     from attnlab.eval.passkey import passkey_prompt, retrieve
+    from benchmarks.quest_ruler import repaged  # a copy of the cache with summaries for a variant's page size
     from attnlab.kv import make_policy
     from attnlab.sampling import Sampler
     torch.set_num_threads(args.threads)
@@ -61,7 +61,8 @@ def main(argv=None) -> int:
                 logits = lm.prefill(torch.tensor([ids]), cache)
                 n_new = len(lm.encode_rendered(" " + key)) + 2
                 for s in specs:
-                    out = [int(x) for x in views[s].decode(copy.deepcopy(cache), logits, Sampler(), n_new)]
+                    page = views[s].options.attention.page if s != "full" else cache.layers[0].page
+                    out = [int(x) for x in views[s].decode(repaged(cache, page), logits, Sampler(), n_new)]
                     answer = lm.tokenizer.decode(out, skip_special_tokens=True)
                     digits = re.search(r"\d+", answer)
                     ok = bool(digits) and digits.group() == key
