@@ -202,12 +202,11 @@ class LayerKV:
             getattr(self, name)[:, :, :m] = t
         self.pos[:, :, :m] = torch.gather(self.pos[:, :, :self.n], 2, idx)
         self.pos[:, :, m:self.n] = -1
-        for value in self.policy_state.values():
-            if isinstance(value, torch.Tensor) and value.shape[-1] == self.capacity:
-                kept = torch.gather(value[..., :self.n], -1, idx.view(*idx.shape[:2], *[1] * (value.dim() - 3), -1)
-                                    .expand(*value.shape[:-1], m))
-                value.zero_()
-                value[..., :m] = kept
+        for value in self._slot_states():
+            kept = torch.gather(value[..., :self.n], -1, idx.view(*idx.shape[:2], *[1] * (value.dim() - 3), -1)
+                                .expand(*value.shape[:-1], m))
+            value.zero_()
+            value[..., :m] = kept
         self.n = m
         self.natural = False
         self._home = None
@@ -227,13 +226,8 @@ class LayerKV:
         turns do not pile up rounding errors in a float16 or int8 cache."""
         n, e = self.n, b - a
         m = n - e
-        for name in (*self.buffers(), "pos"):
-            _move(getattr(self, name), b, a, n - b)
-        self.pos[:, :, m:n] = -1
-        for value in self.policy_state.values():
-            if isinstance(value, torch.Tensor) and value.shape[-1] == self.capacity:
-                value[..., a:m] = value[..., b:n].clone()
-                value[..., m:] = 0
+        self._move_slots(b, a, n - b)
+        self._clear(m, n)
         self.n, self.first = m, 0
         self.natural = False
         if self.positions == "cache":
@@ -253,17 +247,29 @@ class LayerKV:
         t = b - s
         if self.positions == "cache" and s:
             at = self._sinks(self.first, a, shift)
-        for name in (*self.buffers(), "pos"):
-            _move(getattr(self, name), self.first, t, s)
-        self.pos[:, :, self.first:t] = -1
-        for value in self.policy_state.values():
-            if isinstance(value, torch.Tensor) and value.shape[-1] == self.capacity:
-                value[..., t:b] = value[..., self.first:a].clone()
-                value[..., self.first:t] = 0
+        self._move_slots(self.first, t, s)
+        self._clear(self.first, t)
         self.first = t
         self.natural = False
         if self.positions == "cache" and s:
             self._turn(t, b, t + shift - at, self._home[0])
+
+    def _move_slots(self, src: int, dst: int, count: int) -> None:
+        """Slots [src, src + count) to [dst, dst + count): keys, values, scales, positions and per-slot policy state."""
+        for name in (*self.buffers(), "pos"):
+            _move(getattr(self, name), src, dst, count)
+        for value in self._slot_states():
+            value[..., dst:dst + count] = value[..., src:src + count].clone()
+
+    def _clear(self, lo: int, hi: int) -> None:
+        """Slots [lo, hi) hold nothing any more: position -1, no policy state."""
+        self.pos[:, :, lo:hi] = -1
+        for value in self._slot_states():
+            value[..., lo:hi] = 0
+
+    def _slot_states(self):
+        """The policy's per-slot tensors [..., capacity] (they follow their tokens when slots move)."""
+        return [v for v in self.policy_state.values() if isinstance(v, torch.Tensor) and v.shape[-1] == self.capacity]
 
     def _sinks(self, r0: int, r1: int, shift: int) -> int:
         """Keep the float32 copy of the sinks, slots [r0, r1) (`_home`: made once, while they are these rows);
