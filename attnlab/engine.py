@@ -69,6 +69,7 @@ class LM:
             from attnlab.sparsity.plan import plan_from_spec
             plan = plan_from_spec(opts.sparsity, model)
         lm = cls(model, tok, path, why, opts.torch_kv_dtype, opts, plan)
+        lm._check_attention()
         if opts.compile is not False:  # the default wherever it applies
             lm.compile_decode()
         return lm
@@ -91,7 +92,13 @@ class LM:
         "quest:..." or None: full); caches made by either serve both (prefill is exact under Quest)."""
         view = copy.copy(self)
         view.options = self.options.but(attention=attention)
+        view._check_attention()
         return view
+
+    def _check_attention(self) -> None:
+        quest = self.options.attention
+        if quest is not None and quest.channels > self.cfg.head_dim:
+            raise AttnlabError(f"quest channels {quest.channels} > the model's head size {self.cfg.head_dim}")
 
     def with_sparsity(self, plan) -> "LM":
         """The same weights, cache settings and tokenizer under another sparsity plan (None = dense)."""
@@ -123,10 +130,11 @@ class LM:
     def new_cache(self, batch: int = 1, capacity: int = 256, policy=None, positions: str = "original",
                   max_capacity: int | None = None, pad: list[int] | None = None) -> KVCache:
         """An empty cache; a policy with a budget sets its size, otherwise it grows up to max_capacity."""
-        cfg = self.cfg
+        cfg, quest = self.cfg, self.options.attention
         return KVCache(cfg.n_layers, batch, cfg.n_kv_heads, cfg.head_dim, self.model.rope, self.kv_dtype or self.dtype,
                        capacity, positions, max_capacity, policy, window=cfg.sliding_window, pad=pad,
-                       page=self.options.attention.page if self.options.attention is not None else None)
+                       page=quest.page if quest is not None else None,
+                       channel_keys=quest is not None and quest.channels > 0)
 
     def default_policy(self, length: int | None = None):
         """A fresh policy of the options' default (None = full); a fractional budget needs `length`."""

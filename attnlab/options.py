@@ -78,7 +78,7 @@ class Options:
     or TEAL 'teal:0.3' (`attnlab.sparsity.plan.parse`). kv_dtype: KV-cache storage float32 | float16 | int8
     (default: float16 under float32 activations, half the memory and bytes read per token; else dtype).
     policy: the default KV-cache policy of generation and serving ('sink:1024' or a PolicySpec; None = full).
-    attention: query-aware sparse decode attention, 'quest:BUDGET[:PAGE[:DENSE]]' (`attnlab.kv.pages.QuestSpec`; None = full)."""
+    attention: query-aware sparse decode attention, 'quest:BUDGET[:PAGE[:DENSE[:CHANNELS]]]' (`attnlab.kv.pages.QuestSpec`; None = full)."""
     dtype: str | None = None
     threads: int | None = None
     quant: object = None

@@ -25,6 +25,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's attnlab
 
 
+def load_saved(path):
+    """(cache, logits) kept by --save, caches saved before the cache kept `shift`, `first`, `_home` and `keys_t`
+    (07e2c19 .. this commit) given their defaults."""
+    cache, logits = torch.load(path, weights_only=False)
+    cache.__dict__.setdefault("shift", 0)
+    for layer in cache.layers:
+        for name, value in (("first", 0), ("_home", None), ("keys_t", None)):
+            layer.__dict__.setdefault(name, value)
+    return cache, logits
+
+
 def repaged(cache, page: int):
     """A copy of a prefilled cache whose page summaries are recomputed for pages of `page` slots, so variants with
     different page sizes answer from one prefill (the summaries depend on the keys and the page size only)."""
@@ -81,7 +92,7 @@ def main(argv=None) -> int:
                 continue
             samples = [make_sample(task, lm.encode, length, args.seed, index) for task in tasks]
             if rec is not None and saved is not None and saved.exists():  # more variants from the kept cache
-                cache, logits = torch.load(saved, weights_only=False)
+                cache, logits = load_saved(saved)
             else:
                 t = time.perf_counter()
                 prompts = [s["ids"] for s in samples]

@@ -12,6 +12,7 @@ default 64; block 1 moves every layer's window one slot per step: `benchmarks/si
 
     python benchmarks/quest_speed.py --depths 4096 --budgets 512,1024,2048 --threads 1
     python benchmarks/quest_speed.py --depths 16384 --rope yarn:4 --budgets 512,1024,2048 --threads 1,2 --sink
+    python benchmarks/quest_speed.py --depths 16384 --rope yarn:4 --budgets 512,1024 --channels 0,16
 """
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ def main(argv=None) -> int:
     p.add_argument("--page", type=int, default=16)
     p.add_argument("--dense", type=int, default=None, help="layers that read every key (default: QuestSpec's)")
     p.add_argument("--threads", default="1")
+    p.add_argument("--channels", default="0", help="Quest's CHANNELS per budget: 0 = the bound, R = pages ranked by "
+                   "their best key's q.k on R channels (e.g. 0,16: both)")
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--sink", action="store_true", help="a sink cache of each budget too")
@@ -48,8 +51,15 @@ def main(argv=None) -> int:
     from attnlab.kv.pages import QuestSpec
 
     dense = {} if args.dense is None else {"dense": args.dense}
-    specs = {"full": None, **{f"quest:{b}": QuestSpec(int(b), args.page, **dense) for b in args.budgets.split(",")}}
-    lm = attnlab.load(args.model, kv_dtype=args.kv, rope=args.rope, tokenizer=False, attention=f"quest:{2 * args.page}:{args.page}")
+    channels = [int(c) for c in args.channels.split(",")]
+    specs = {"full": None}
+    for b in args.budgets.split(","):
+        for c in channels:
+            spec = QuestSpec(int(b), args.page, dense.get("dense", 0), c)
+            specs[f"quest:{b}" if not c else str(spec)] = spec
+    # the cache keeps page summaries (and keys_t where a variant reads it): every variant decodes from it
+    lm = attnlab.load(args.model, kv_dtype=args.kv, rope=args.rope, tokenizer=False,
+                      attention=QuestSpec(2 * args.page, args.page, 0, max(channels)))
     print(f"cpu: {cpu()}\nmodel: {args.model} ({lm.quant}), {args.kv} cache, rope {args.rope}, "
           f"load average at start {os.getloadavg()[0]:.1f}", flush=True)
     views = {name: lm.with_attention(spec) for name, spec in specs.items()}

@@ -54,10 +54,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="KV-cache storage (float16: half the cache memory and bytes read per token; int8: codes "
                         "and a scale per 32 numbers, 0.28x of float32; default: float16 under float32 activations, "
                         "else --dtype)")
-    p.add_argument("--attention", type=attention_spec, default=None, metavar="quest:BUDGET[:PAGE[:DENSE]]",
+    p.add_argument("--attention", type=attention_spec, default=None, metavar="quest:BUDGET[:PAGE[:DENSE[:CHANNELS]]]",
                    help="Quest query-aware decode attention: per step read only the cache pages (PAGE tokens, default "
                         "16) whose key bound is highest, BUDGET tokens in all, in the layers past the first DENSE; "
-                        "prefill stays exact")
+                        "CHANNELS R > 0 ranks pages by their best key's q.k on the R channels of largest |q| instead "
+                        "(e.g. quest:1024:16:0:16; keeps a channel-major copy of the keys); prefill stays exact")
 
 
 def attention_spec(text: str):

@@ -93,10 +93,10 @@ struct DecodeStep : torch::CustomClassHolder {
   std::vector<at::Tensor> norms;    // attn_norm, mlp_norm per layer, then the final norm
   std::vector<std::vector<Linear>> linears;  // wqkv, wo, w13, w2 per layer, then the head: segments in row order
   struct Bound {  // one conversation's cache: per-layer buffers (Quest's page summaries where it keeps them)
-    std::vector<at::Tensor> k, v, k_scale, v_scale, pos, page_min, page_max;
+    std::vector<at::Tensor> k, v, k_scale, v_scale, pos, page_min, page_max, keys_t;
     int64_t page = 0;
   };
-  int64_t quest_budget = 0, quest_dense = 0;  // Quest: tokens read per step (0: all), layers before quest_dense read all
+  int64_t quest_budget = 0, quest_dense = 0, quest_channels = 0;  // Quest: tokens read per step (0: all), layers before quest_dense read all
   std::vector<Bound> bound;  // row b of a batch reads bound[b]
   // Phase timings when profiling (`profile(true)`): seconds per thread and phase of its own work ("busy"), and
   // of the phase until its barrier released thread 0 ("wall"), summed over the calls since.
@@ -222,12 +222,14 @@ struct DecodeStep : torch::CustomClassHolder {
                     "scales: contiguous float32 [1, Hkv, C, D/32], k and v alike");
     }
     if (row == static_cast<int64_t>(bound.size())) bound.emplace_back();
-    bound[row] = Bound{std::move(k_), std::move(v_), std::move(ks), std::move(vs), std::move(p), {}, {}, 0};
+    bound[row] = Bound{std::move(k_), std::move(v_), std::move(ks), std::move(vs), std::move(p), {}, {}, {}, 0};
   }
 
   // Quest's page summaries of bound row b's cache per layer (after its bind_rows): lo, hi contiguous float16
   // [1, Hkv, capacity / page rounded up, D]; the step reads them to select pages and keeps them up to date.
-  void bind_pages(int64_t row, int64_t page, std::vector<at::Tensor> lo, std::vector<at::Tensor> hi) {
+  // keys_t: none, or per layer the keys channel-major, contiguous float16 [1, Hkv, D, capacity] (Quest's CHANNELS).
+  void bind_pages(int64_t row, int64_t page, std::vector<at::Tensor> lo, std::vector<at::Tensor> hi,
+                  std::vector<at::Tensor> keys_t) {
     TORCH_CHECK(row >= 0 && row < static_cast<int64_t>(bound.size()), "bind_pages after bind_rows of row ", row);
     Bound& c = bound[row];
     TORCH_CHECK(page > 0 && lo.size() == c.k.size() && hi.size() == c.k.size(), "one page_min and page_max per layer");
@@ -236,14 +238,21 @@ struct DecodeStep : torch::CustomClassHolder {
         TORCH_CHECK(t.scalar_type() == at::kHalf && t.is_contiguous() && t.dim() == 4 && t.size(1) == n_kv &&
                     t.size(3) == head_dim && t.size(2) * page >= c.k[i].size(2),
                     "page summaries: contiguous float16 [1, Hkv, capacity / page, D]");
-    c.page_min = std::move(lo), c.page_max = std::move(hi), c.page = page;
+    TORCH_CHECK(keys_t.empty() || keys_t.size() == c.k.size(), "keys_t: none or one per layer");
+    for (size_t i = 0; i < keys_t.size(); ++i)
+      TORCH_CHECK(keys_t[i].scalar_type() == at::kHalf && keys_t[i].is_contiguous() && keys_t[i].dim() == 4 &&
+                      keys_t[i].size(1) == n_kv && keys_t[i].size(2) == head_dim && keys_t[i].size(3) == c.k[i].size(2),
+                  "keys_t: contiguous float16 [1, Hkv, D, capacity]");
+    c.page_min = std::move(lo), c.page_max = std::move(hi), c.keys_t = std::move(keys_t), c.page = page;
   }
 
   // Quest for the next calls: each step reads `budget` tokens of a row with page summaries (whole pages: the
-  // first, the most recent, the highest bounds), from layer `dense` on; budget 0 reads every slot.
-  void set_quest(int64_t budget, int64_t dense) {
-    TORCH_CHECK(budget >= 0 && dense >= 0, "quest budget and dense layers must be >= 0");
-    quest_budget = budget, quest_dense = dense;
+  // first, the most recent, the highest bounds), from layer `dense` on; budget 0 reads every slot. channels > 0:
+  // pages ranked by their best key's q.k on that many channels (rows bound with keys_t), not by the bound.
+  void set_quest(int64_t budget, int64_t dense, int64_t channels) {
+    TORCH_CHECK(budget >= 0 && dense >= 0 && channels >= 0 && channels <= head_dim,
+                "quest budget and dense layers must be >= 0, channels in 0 .. head size");
+    quest_budget = budget, quest_dense = dense, quest_channels = channels;
   }
 
   // One token at cache slot `slot` (absolute position `position`), attending to slots [first, slot] of bound row
@@ -287,6 +296,7 @@ struct DecodeStep : torch::CustomClassHolder {
       const Bound& c = bound[r];
       if (!c.page) continue;
       TORCH_CHECK(c.page_min[0].size(2) * c.page > slots[r], "row ", r, ": page summaries smaller than its cache");
+      TORCH_CHECK(!quest_channels || !c.keys_t.empty(), "row ", r, ": quest channels need its keys_t bound");
       most = std::max(most, slots[r] / c.page + 1);
     }
     if (most) b.bounds = at::empty({B, n_kv, most}, f32);
@@ -399,8 +409,13 @@ struct DecodeStep : torch::CustomClassHolder {
             continue;
           }
           const int64_t most = b.bounds.size(2);
-          attnlab_quest::bound_share(Q, pages_of(bound[r], l), n_kv, n_heads / n_kv, D, P, tid, threads,
-                                     b.bounds.data_ptr<float>() + r * n_kv * most, most);
+          float* scores = b.bounds.data_ptr<float>() + r * n_kv * most;
+          if (quest_channels)
+            attnlab_quest::score_share(Q, pages_of(bound[r], l), n_kv, n_heads / n_kv, D, P, quest_channels, tid,
+                                       threads, scores, most);
+          else
+            attnlab_quest::bound_share(Q, pages_of(bound[r], l), n_kv, n_heads / n_kv, D, P, tid, threads, scores,
+                                       most);
         }
       });
       if (selecting) phase(1, [&] {
@@ -473,8 +488,12 @@ struct DecodeStep : torch::CustomClassHolder {
             int8 ? c.k_scale[l].stride(2) : 0, int8 ? c.k_scale[l].stride(1) : 0, dtype};
   }
   static attnlab_quest::Pages pages_of(const Bound& c, int64_t l) {
-    return {static_cast<uint16_t*>(c.page_min[l].data_ptr()), static_cast<uint16_t*>(c.page_max[l].data_ptr()),
-            c.page_min[l].stride(1), c.page};
+    attnlab_quest::Pages pg{static_cast<uint16_t*>(c.page_min[l].data_ptr()),
+                            static_cast<uint16_t*>(c.page_max[l].data_ptr()), c.page_min[l].stride(1), c.page};
+    if (!c.keys_t.empty())
+      pg.keys_t = static_cast<uint16_t*>(c.keys_t[l].data_ptr()), pg.t_head = c.keys_t[l].stride(1),
+      pg.t_row = c.keys_t[l].stride(2);
+    return pg;
   }
 
   // Row r's stretch outputs merged per query head, weighted by e^(lse_t - max lse) (every thread, into its own o).

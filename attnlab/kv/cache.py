@@ -25,20 +25,21 @@ class KVCache:
     A policy with a budget fixes the cache's size (`policy.capacity`) and position convention; without
     one the cache grows (amortised doubling) up to max_capacity. pad: the left padding of each row of
     a batch of prompts of unequal length (its slots hold position -1 and are never attended). page: keep
-    Quest's page summaries of this size in every layer (None: none).
+    Quest's page summaries of this size in every layer (None: none); channel_keys: and a channel-major copy of
+    the keys (Quest with CHANNELS > 0).
     """
 
     def __init__(self, n_layers: int, batch: int, heads: int, head_dim: int, rope: Rope,
                  dtype: torch.dtype = torch.float32, capacity: int = 256, positions: str = "original",
                  max_capacity: int | None = None, policy=None, window: int | None = None,
-                 pad: list[int] | None = None, page: int | None = None):
+                 pad: list[int] | None = None, page: int | None = None, channel_keys: bool = False):
         if getattr(policy, "capacity", None):
             capacity = max_capacity = policy.capacity
             positions = policy.positions
         if positions not in POSITIONS:
             raise AttnlabError(f"unknown positions {positions!r}; choose from {', '.join(POSITIONS)}")
-        self.layers = [LayerKV(batch, heads, head_dim, capacity, dtype, rope, positions, max_capacity, window, page)
-                       for _ in range(n_layers)]
+        self.layers = [LayerKV(batch, heads, head_dim, capacity, dtype, rope, positions, max_capacity, window, page,
+                               channel_keys) for _ in range(n_layers)]
         self.batch, self.policy, self.positions = batch, policy, positions
         self.seen = 0                                   # tokens fed per row, padding included
         self.shift = 0  # `cache` positions: keys and queries are rotated at slot + shift (see LayerKV.keep)

@@ -19,41 +19,49 @@ from attnlab.errors import AttnlabError
 class QuestSpec:
     """budget: keys read per decode step, in tokens (whole pages: budget // page of them);
     page: slots per page (16, Quest's default); dense: the first layers, which read every key (Quest leaves
-    its first two layers dense, where attention is not sparse)."""
+    its first two layers dense, where attention is not sparse); channels: 0 ranks pages by Quest's bound
+    from the page's key min/max; R > 0 by the largest q.k of the page's keys on the R channels where the
+    query group's |q| is largest (SparQ's approximate scores, Ribar et al. 2024), read from a channel-major
+    float16 copy of the keys the cache then keeps (`LayerKV.keys_t`)."""
     budget: int
     page: int = 16
     dense: int = 0
+    channels: int = 0
 
     def __post_init__(self):
         for name in ("budget", "page"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise AttnlabError(f"quest {name} must be a positive integer, got {value!r}")
-        if isinstance(self.dense, bool) or not isinstance(self.dense, int) or self.dense < 0:
-            raise AttnlabError(f"quest dense layers must be an integer >= 0, got {self.dense!r}")
+        for name in ("dense", "channels"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise AttnlabError(f"quest {name} must be an integer >= 0, got {value!r}")
         if self.budget < 2 * self.page:
             raise AttnlabError(f"quest budget {self.budget} must hold at least two pages of {self.page} "
                                "(the first and the most recent page are always read)")
 
     @classmethod
     def parse(cls, text: "str | QuestSpec | None") -> "QuestSpec | None":
-        """'quest:1024', 'quest:1024:16', 'quest:1024:16:2' (BUDGET:PAGE:DENSE), 'full' or None (= full attention)
-        -> a spec."""
+        """'quest:1024', 'quest:1024:16', 'quest:1024:16:2' (BUDGET:PAGE:DENSE), 'quest:1024:16:0:8'
+        (BUDGET:PAGE:DENSE:CHANNELS), 'full' or None (= full attention) -> a spec."""
         if text is None or isinstance(text, QuestSpec):
             return text
         parts = str(text).strip().split(":")
         if parts == ["full"]:
             return None
-        if parts[0] != "quest" or not 2 <= len(parts) <= 4:
-            raise AttnlabError(f"unknown attention {text!r}; use quest:BUDGET[:PAGE[:DENSE]] (e.g. quest:1024) or full")
+        if parts[0] != "quest" or not 2 <= len(parts) <= 5:
+            raise AttnlabError(f"unknown attention {text!r}; use quest:BUDGET[:PAGE[:DENSE[:CHANNELS]]] "
+                               "(e.g. quest:1024) or full")
         try:
             numbers = [int(p) for p in parts[1:]]
         except ValueError:
-            raise AttnlabError(f"attention {text!r}: BUDGET, PAGE and DENSE must be integers") from None
+            raise AttnlabError(f"attention {text!r}: BUDGET, PAGE, DENSE and CHANNELS must be integers") from None
         return cls(*numbers)
 
     def __str__(self) -> str:
-        return f"quest:{self.budget}:{self.page}" + (f":{self.dense}" if self.dense else "")
+        return f"quest:{self.budget}:{self.page}" + (f":{self.dense}" if self.dense or self.channels else "") + \
+            (f":{self.channels}" if self.channels else "")
 
 
 def summarize(keys: torch.Tensor, valid: torch.Tensor, page: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -75,11 +75,13 @@ class LayerKV:
     """One layer's slots. k, v: [B, H_kv, C, D]; pos: [B, H_kv, C] (absolute position, -1 = empty);
     an int8 cache adds k_scale, v_scale: [B, H_kv, C, D/32] (None otherwise). page: Quest's page size; the
     layer then keeps page_min, page_max [B, H_kv, ceil(n/page), D] (float16, rounded outward) of its stored keys (`attnlab.kv.pages`): views
-    of buffers preallocated for the capacity (`pages_lo`, `pages_hi`), which the native step binds and updates."""
+    of buffers preallocated for the capacity (`pages_lo`, `pages_hi`), which the native step binds and updates.
+    channel_keys: also keep keys_t [B, H_kv, D, capacity], the stored keys channel-major in float16 (zeros at
+    padding), from which Quest with CHANNELS > 0 scores every key on a few channels (`attnlab.model.quest`)."""
 
     def __init__(self, batch: int, heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
                  rope: Rope, positions: str = "original", max_capacity: int | None = None,
-                 window: int | None = None, page: int | None = None):
+                 window: int | None = None, page: int | None = None, channel_keys: bool = False):
         self.rope, self.positions, self.max_capacity = rope, positions, max_capacity
         self.page, self.paged = page, 0  # paged: the slots the page summaries cover
         self.window = window  # sliding-window attention: keys more than window - 1 tokens back are masked
@@ -95,6 +97,8 @@ class LayerKV:
         if page:
             self.pages_lo = torch.zeros(batch, heads, -(-capacity // page), head_dim, dtype=torch.float16)
             self.pages_hi = torch.zeros_like(self.pages_lo)
+        self.keys_t = torch.zeros(batch, heads, head_dim, capacity, dtype=torch.float16) if page and channel_keys \
+            else None
         self.n = 0            # filled slots, equal for every row and head
         self.first = 0        # slots before it were evicted and are not read (`slide`); `KVCache.begin` compacts
         self.natural = True   # slot j holds the j-th token of every row (no padding, no eviction)
@@ -136,6 +140,8 @@ class LayerKV:
             more = -(-new // self.page) - self.pages_lo.shape[2]
             self.pages_lo, self.pages_hi = (torch.cat([t, t.new_zeros(*t.shape[:2], more, t.shape[3])], dim=2)
                                             for t in (self.pages_lo, self.pages_hi))
+        if self.keys_t is not None:
+            self.keys_t = torch.cat([self.keys_t, self.keys_t.new_zeros(*self.keys_t.shape[:3], grow)], dim=3)
 
     def update(self, k: torch.Tensor, v: torch.Tensor, step: "Step"):
         """Store a chunk and return what its queries attend to.
@@ -298,19 +304,30 @@ class LayerKV:
         else:
             self.k[:, :, r0:r1], self.k_scale[:, :, r0:r1] = ops.quantize_kv(keys)
 
+    def keep_channel_keys(self) -> None:
+        """Start keeping keys_t (a cache built for Quest's bound, read under CHANNELS > 0)."""
+        if self.keys_t is None:
+            B, H, C, D = self.k.shape
+            self.keys_t = torch.zeros(B, H, D, C, dtype=torch.float16)
+            self._summarize(0, self.paged)
+
     def _summarize(self, first: int, n: int) -> None:
-        """Recompute the page summaries from the page holding slot `first` up to slot n (pages before stay)."""
+        """Recompute the page summaries (and keys_t) from the page holding slot `first` up to slot n (pages before
+        stay)."""
         p0 = first // self.page
         a = p0 * self.page
         self.paged = n
         if n <= a:
             return
-        keys = self._keys(a, n)
-        lo, hi = summarize(keys, self.pos[:, :, a:n] >= 0, self.page)
+        keys, valid = self._keys(a, n), self.pos[:, :, a:n] >= 0
+        if self.keys_t is not None:
+            self.keys_t[:, :, :, a:n] = keys.masked_fill(~valid[..., None], 0.0).transpose(-1, -2)
+        lo, hi = summarize(keys, valid, self.page)
         self.pages_lo[:, :, p0:p0 + lo.shape[2]] = lo
         self.pages_hi[:, :, p0:p0 + hi.shape[2]] = hi
 
     def nbytes(self) -> int:
         """Bytes of the allocated key/value buffers (scales and Quest's page summaries included)."""
         pages = (self.pages_lo, self.pages_hi) if self.page else ()
+        pages += (self.keys_t,) if self.keys_t is not None else ()
         return sum(t.numel() * t.element_size() for t in (*(getattr(self, name) for name in self.buffers()), *pages))

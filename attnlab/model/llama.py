@@ -209,7 +209,7 @@ class Attention(nn.Module):
         else:
             k, v, mask = kv.update(k, v, ctx.step)
             if ctx.quest is not None and T == 1 and kv.page and i >= ctx.quest.dense:  # Quest; prefill stays exact
-                k, v, mask, slots = read_pages(q, kv, ctx.quest.budget, k, v, mask)
+                k, v, mask, slots = read_pages(q, kv, ctx.quest, k, v, mask)
         ctx.record(i, "q", qk[:, :self.n_heads])  # pre-RoPE queries (a press's scorer reads them)
         out, probs = attend(q, k, v, mask, need_probs=ctx.needs_probs, window=self.cfg.sliding_window)
         if ctx.needs_probs:

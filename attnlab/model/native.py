@@ -145,8 +145,8 @@ class NativeStep:
                     raise ValueError(f"{op}: operands the native step cannot pass")
                 bias = None if bias is None else bias.detach()[r0:r1].float()
                 self.step.add_linear(op, tensors, ints, floats, bias, r0, r1 - r0, thread)
-        self._bound: list[tuple] = []  # per row: the bound cache's first and last key buffers
-        self._quest = (0, 0)  # the step's Quest setting (budget, dense layers)
+        self._bound: list[tuple] = []  # per row: what its binding holds (`_held`)
+        self._quest = (0, 0, 0)  # the step's Quest setting (budget, dense layers, channels)
 
     def __call__(self, ids: torch.Tensor, step, kvs: list, quest=None) -> torch.Tensor | None:
         """Logits [1, 1, vocab] of one token at the cache's step (`KVCache.begin`), or None where not covered."""
@@ -167,12 +167,15 @@ class NativeStep:
             raise ValueError(f"one token per row: ids {tuple(ids.shape)} for {len(steps)} rows")
         if torch.get_num_threads() != self.threads and self.team:
             self._build(torch.get_num_threads())
-        setting = (quest.budget, quest.dense) if quest is not None else (0, 0)
+        setting = (quest.budget, quest.dense, quest.channels) if quest is not None else (0, 0, 0)
         if setting != self._quest:
             self.step.set_quest(*setting)
             self._quest = setting
         for b, layers in enumerate(kvs):
-            if b >= len(self._bound) or layers[0].k is not self._bound[b][0] or layers[-1].k is not self._bound[b][1]:
+            if quest is not None and quest.channels and layers[0].page:
+                for layer in layers:
+                    layer.keep_channel_keys()
+            if b >= len(self._bound) or any(x is not y for x, y in zip(self._bound[b], self._held(layers))):
                 self._bind(b, layers)
         rots = torch.cat([(s.rot if not s.rot.is_complex() else torch.view_as_real(s.rot)).reshape(1, -1)
                           for s in steps])
@@ -205,6 +208,12 @@ class NativeStep:
                             [layer.k_scale for layer in kvs] if int8 else [],
                             [layer.v_scale for layer in kvs] if int8 else [], [layer.pos for layer in kvs])
         if kvs[0].page:
-            self.step.bind_pages(row, kvs[0].page, [layer.pages_lo for layer in kvs], [layer.pages_hi for layer in kvs])
-        bound = (kvs[0].k, kvs[-1].k)
-        self._bound[row:row + 1] = [bound]
+            self.step.bind_pages(row, kvs[0].page, [layer.pages_lo for layer in kvs], [layer.pages_hi for layer in kvs],
+                                 [layer.keys_t for layer in kvs] if kvs[0].keys_t is not None else [])
+        self._bound[row:row + 1] = [self._held(kvs)]
+
+    @staticmethod
+    def _held(kvs: list) -> tuple:
+        """What a binding holds: a row is bound again when one of these is another tensor (a cache grew, keys_t
+        appeared)."""
+        return kvs[0].k, kvs[-1].k, kvs[0].keys_t

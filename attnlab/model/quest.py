@@ -23,6 +23,30 @@ def page_bounds(q: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor)
     return per_head.amax(-1)
 
 
+def channel_scores(q: torch.Tensor, keys_t: torch.Tensor, channels: int, page: int) -> torch.Tensor:
+    """q [B, Hq, 1, D]; keys_t [B, Hkv, D, n] (the keys channel-major, float16) -> per KV head and page the largest
+    approximate q.k of the page's keys [B, Hkv, P], over the group's heads.
+
+    Why: the bound adds up per-channel extremes that different keys reach, so on a small model whose keys
+    wander (RoPE turns most channel pairs within a page) it ranks pages far from their true best key
+    (docs/kv.md: 16.1 RULER points of full's 36.8 at 1/8, against 36.5 for pages ranked by their true best key).
+    SparQ's step 1 (Ribar et al. 2024) approximates each key's q.k on the few channels that carry most of
+    it: the R channels where the group's summed |q| is largest (ties: the lower channel), one set per KV head
+    so the group reads R rows of keys_t. A page's score is its best key's."""
+    B, Hq, _, D = q.shape
+    Hkv, n = keys_t.shape[1], keys_t.shape[3]
+    G = Hq // Hkv
+    qg = q.float().reshape(B, Hkv, G, D)
+    weight = qg[:, :, 0].abs()
+    for g in range(1, G):  # in head order, as the native step sums them
+        weight = weight + qg[:, :, g].abs()
+    chosen = weight.sort(dim=-1, descending=True, stable=True).indices[..., :channels]  # [B, Hkv, R]
+    rows = keys_t.gather(2, chosen[..., None].expand(-1, -1, -1, n)).float()  # [B, Hkv, R, n]
+    s = (qg.gather(-1, chosen[:, :, None].expand(-1, -1, G, -1)) @ rows).amax(2)  # [B, Hkv, n]
+    P = -(-n // page)
+    return torch.nn.functional.pad(s, (0, P * page - n), value=float("-inf")).view(B, Hkv, P, page).amax(-1)
+
+
 def select_pages(bounds: torch.Tensor, budget: int, page: int) -> torch.Tensor | None:
     """bounds [B, Hkv, P] -> the pages to read [B, Hkv, budget // page], ascending: the first (sink) and the last
     (most recent) page, then the highest bounds; None when every page fits in the budget."""
@@ -35,14 +59,23 @@ def select_pages(bounds: torch.Tensor, budget: int, page: int) -> torch.Tensor |
     return ranked.topk(k, dim=-1).indices.sort(-1).values
 
 
-def read_pages(q: torch.Tensor, kv, budget: int, k, v, mask):
+def read_pages(q: torch.Tensor, kv, spec, k, v, mask):
     """One decode step's keys and values narrowed to Quest's pages (exact attention over them follows).
 
-    q [B, Hq, 1, D]; kv: a cache layer with page summaries (`LayerKV.page`, `page_min`, `page_max`) and `read`; k, v, mask:
-    what `kv.update` returned (K, V [B, Hkv, n, D] or int8 pairs; mask None or bool [B, Hkv, 1, n]).
+    q [B, Hq, 1, D]; kv: a cache layer with page summaries (`LayerKV.page`, `page_min`, `page_max`; `keys_t` under
+    spec.channels) and `read`; spec: the `QuestSpec`; k, v, mask: what `kv.update` returned (K, V [B, Hkv, n, D]
+    or int8 pairs; mask None or bool [B, Hkv, 1, n]).
     Returns (k, v, mask, slots): the chosen slots' rows, in cache order, and slots [B, Hkv, m] (None: all read).
     Every KV head reads the same number m of slots: the same number of pages, the last (partial) one included."""
-    pages = select_pages(page_bounds(q, kv.page_min, kv.page_max), budget, kv.page)
+    budget = spec.budget
+    if -(-kv.paged // kv.page) <= budget // kv.page:  # every page fits: nothing to rank
+        return k, v, mask, None
+    if spec.channels:
+        kv.keep_channel_keys()
+        scores = channel_scores(q, kv.keys_t[..., :kv.paged], spec.channels, kv.page)
+    else:
+        scores = page_bounds(q, kv.page_min, kv.page_max)
+    pages = select_pages(scores, budget, kv.page)
     if pages is None:
         return k, v, mask, None
     n = (k[0] if isinstance(k, tuple) else k).shape[2]

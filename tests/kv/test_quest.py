@@ -1,4 +1,4 @@
-"""Quest (query-aware page selection, `--attention quest:BUDGET[:PAGE]`), the eager reference.
+"""Quest (query-aware page selection, `--attention quest:BUDGET[:PAGE[:DENSE[:CHANNELS]]]`), the eager reference.
 
 A budget covering the context is full attention; a small one is full attention with the unselected pages
 masked, the selection recomputed here from the definition; page summaries stay true under eviction; and on
@@ -39,11 +39,20 @@ def test_spec_parsing_and_errors():
     assert Options(attention="full").attention is None
     assert Options(attention="quest:256:16:2").attention == QuestSpec(256, 16, 2)
     assert str(QuestSpec(256, 16, 2)) == "quest:256:16:2" and str(QuestSpec(256)) == "quest:256:16"
+    assert Options(attention="quest:256:16:0:8").attention == QuestSpec(256, 16, 0, 8) == \
+        QuestSpec.parse(str(QuestSpec(256, 16, 0, 8)))
     for bad, why in [("quest:16:16", "two pages"), ("quest", "quest:BUDGET"), ("sparse:64", "unknown attention"),
                      ("quest:a", "integers"), ("quest:64:0", "positive"), ("quest:64:16:-1", "dense"),
-                     ("quest:64:16:2:1", "unknown attention")]:
+                     ("quest:64:16:0:-1", "channels"), ("quest:64:16:2:1:1", "unknown attention")]:
         with pytest.raises(AttnlabError, match=why):
             Options(attention=bad)
+
+
+def test_channels_past_the_head_size_fail_clearly():
+    lm = tiny_lm()  # head size 16
+    assert lm.with_attention("quest:16:4:0:16").options.attention.channels == 16
+    with pytest.raises(AttnlabError, match="head size 16"):
+        lm.with_attention("quest:16:4:0:17")
 
 
 def test_every_model_command_takes_attention(capsys):
@@ -76,10 +85,12 @@ def test_budget_covering_the_context_is_full_attention():
         assert cache.layers[0].page_min.shape[2] == -(-48 // int(spec.split(":")[2]))
 
 
-def reference_logits(lm, ids, prefill, budget, page):
+def reference_logits(lm, ids, prefill, budget, page, channels=0):
     """Brute force from the definition: one causal pass over all tokens where each decode query t sees only
     its chosen pages (per KV head: bound = max over the group's heads of sum_c max(q_c min_c, q_c max_c) over
-    the page's keys 0..t; the first and last page, then the highest bounds, budget // page pages)."""
+    the page's keys 0..t; the first and last page, then the highest bounds, budget // page pages). channels:
+    a page's score is instead the largest q_g . k over its keys (float16) and the group's heads g, summed over
+    the `channels` channels of largest sum_g |q_g| only."""
     model, cfg = lm.model, lm.cfg
     B, N = ids.shape
     G = cfg.n_heads // cfg.n_kv_heads
@@ -97,11 +108,19 @@ def reference_logits(lm, ids, prefill, budget, page):
             for b in range(B):
                 for h in range(cfg.n_kv_heads):
                     bounds = []
+                    heads = range(h * G, (h + 1) * G)
+                    weight = [sum(abs(float(q[b, g, t, c])) for g in heads) for c in range(cfg.head_dim)]
+                    chosen = sorted(range(cfg.head_dim), key=lambda c: (-weight[c], c))[:channels]
                     for p in range(n_pages):
                         keys = k[b, h, p * page:min((p + 1) * page, t + 1)]
+                        if channels:
+                            keys = keys.half().float()
+                            bounds.append(max(float(sum(q[b, g, t, c] * keys[j, c] for c in chosen))
+                                              for g in heads for j in range(keys.shape[0])))
+                            continue
                         lo, hi = keys.min(0).values, keys.max(0).values
                         bounds.append(max(float(torch.maximum(q[b, g, t] * lo, q[b, g, t] * hi).sum())
-                                          for g in range(h * G, (h + 1) * G)))
+                                          for g in heads))
                     middle = sorted(range(1, n_pages - 1), key=lambda p: -bounds[p])[:budget // page - 2]
                     keep = torch.zeros(N, dtype=torch.bool)
                     for p in [0, n_pages - 1, *middle]:
@@ -114,12 +133,12 @@ def reference_logits(lm, ids, prefill, budget, page):
     return model.lm_head(model.norm(x)).float()
 
 
-@pytest.mark.parametrize("budget,page", [(16, 4), (24, 8)])
-def test_small_budget_equals_masked_full_attention(budget, page):
+@pytest.mark.parametrize("budget,page,channels", [(16, 4, 0), (24, 8, 0), (16, 4, 3), (24, 8, 5)])
+def test_small_budget_equals_masked_full_attention(budget, page, channels):
     lm = tiny_lm(seed=1)
     ids = torch.randint(1, 97, (2, 56))
-    got, _ = decode_all(lm.with_attention(f"quest:{budget}:{page}"), ids, 12)
-    ref = reference_logits(lm, ids, 12, budget, page)
+    got, _ = decode_all(lm.with_attention(f"quest:{budget}:{page}:0:{channels}"), ids, 12)
+    ref = reference_logits(lm, ids, 12, budget, page, channels)
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
     full, _ = decode_all(lm, ids, 12)
     assert (got[:, 12 + budget:] - full[:, 12 + budget:]).abs().max() > 1e-2  # the selection changed the output
@@ -168,9 +187,10 @@ def test_page_summaries_follow_growth_and_eviction(kv_dtype):
     view = lm.with_attention("quest:16:4")
     ids = torch.randint(1, 97, (1, 70))
     for policy in (None, make_policy("sink_h2o", 40, positions="cache", n_sink=4, chunk=8)):
-        _, cache = decode_all(view, ids, 9, policy)
-        assert policy is None or len(cache) < 70  # eviction happened
-        assert_summaries_fresh(cache, 4)
+        for v in (view, view.with_attention("quest:16:4:0:8")):
+            _, cache = decode_all(v, ids, 9, policy)
+            assert policy is None or len(cache) < 70  # eviction happened
+            assert_summaries_fresh(cache, 4)
 
 
 def test_a_saved_cache_gets_its_summaries_back():
@@ -235,6 +255,9 @@ def assert_summaries_fresh(cache, page: int) -> None:
             dequantize_int8_blocks(layer.k[:, :, :n], layer.k_scale[:, :, :n])
         lo, hi = summarize(keys, layer.pos[:, :, :n] >= 0, page)
         assert torch.equal(layer.page_min, lo) and torch.equal(layer.page_max, hi)
+        if layer.keys_t is not None:  # Quest's CHANNELS: the keys channel-major, float16, zeros at padding
+            want = keys.masked_fill(layer.pos[:, :, :n, None] < 0, 0.0).half().transpose(-1, -2)
+            assert torch.equal(layer.keys_t[..., :n], want)
 
 
 def test_float16_summaries_round_outward():

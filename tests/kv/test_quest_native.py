@@ -52,7 +52,7 @@ KVS = [torch.float32, torch.float16, torch.int8]
 
 
 @pytest.mark.parametrize("kv", KVS, ids=["f32", "f16", "int8"])
-@pytest.mark.parametrize("spec", ["quest:16:4", "quest:24:8", "quest:32:4:1"])
+@pytest.mark.parametrize("spec", ["quest:16:4", "quest:24:8", "quest:32:4:1", "quest:16:4:0:5", "quest:24:8:1:32"])
 def test_native_quest_equals_eager(kv, spec):
     eager, fast = _pair(kv)
     ref, _ = decode_all(eager.with_attention(spec), IDS, PREFILL)
@@ -78,10 +78,11 @@ def test_long_runs_of_pages(kv):
 @pytest.mark.parametrize("kv", KVS, ids=["f32", "f16", "int8"])
 def test_native_quest_inside_an_eviction_policy(kv):
     eager, fast = _pair(kv)
-    ref, _ = decode_all(eager.with_attention("quest:16:4"), IDS, PREFILL, _sink())
-    got, cache = decode_all(fast.with_attention("quest:16:4"), IDS, PREFILL, _sink())
-    assert len(cache) < IDS.shape[1] and fast.compiled.calls["eager"] == 0
-    _close(got, ref, kv)
+    for spec in ("quest:16:4", "quest:16:4:0:6"):
+        ref, _ = decode_all(eager.with_attention(spec), IDS, PREFILL, _sink())
+        got, cache = decode_all(fast.with_attention(spec), IDS, PREFILL, _sink())
+        assert len(cache) < IDS.shape[1] and fast.compiled.calls["eager"] == 0
+        _close(got, ref, kv)
 
 
 def test_a_budget_covering_the_context_is_full_attention_bit_for_bit():
@@ -97,8 +98,10 @@ def test_the_step_keeps_the_page_summaries(kv):
     """After native steps (and compactions between them) the summaries equal those recomputed from the keys."""
     _, fast = _pair(kv)
     for policy in (None, _sink()):
-        _, cache = decode_all(fast.with_attention("quest:16:4"), IDS, PREFILL, policy)
-        assert_summaries_fresh(cache, 4)
+        for spec in ("quest:16:4", "quest:16:4:0:6"):
+            _, cache = decode_all(fast.with_attention(spec), IDS, PREFILL, policy)
+            assert_summaries_fresh(cache, 4)
+            assert (cache.layers[0].keys_t is not None) == spec.endswith(":6")
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -111,7 +114,7 @@ def test_a_team_of_threads_selects_as_eager(n, kv):
     torch.set_num_threads(n)
     try:
         eager, fast = _pair(kv)
-        for spec in ("quest:16:4", "quest:24:8:1"):
+        for spec in ("quest:16:4", "quest:24:8:1", "quest:24:8:0:7"):
             ref, _ = decode_all(eager.with_attention(spec), IDS, PREFILL)
             got, _ = decode_all(fast.with_attention(spec), IDS, PREFILL)
             _close(got, ref, kv)
@@ -121,13 +124,14 @@ def test_a_team_of_threads_selects_as_eager(n, kv):
 
 
 @pytest.mark.parametrize("kv", [torch.float16, torch.int8], ids=["f16", "int8"])
-def test_conversations_in_one_batch_each_select_their_pages(kv):
+@pytest.mark.parametrize("spec", ["quest:16:4", "quest:16:4:0:6"])
+def test_conversations_in_one_batch_each_select_their_pages(kv, spec):
     """Four conversations of different lengths (one still inside its budget) in one step_batch call per token,
     against each decoded alone by eager: the same greedy tokens and logits."""
     eager, fast = _pair(kv)
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(1, 97, (1, n), generator=g) for n in (20, 41, 9, 33)]
-    steps, spec = 24, "quest:16:4"
+    steps = 24
 
     def alone(lm, prompt):
         view, cache = lm.with_attention(spec), None
@@ -159,7 +163,7 @@ def test_a_mutated_bound_fails_the_comparison(monkeypatch):
 
     def swapped(self, row, kvs):
         bind(self, row, kvs)
-        self.step.bind_pages(row, kvs[0].page, [layer.pages_hi for layer in kvs], [layer.pages_lo for layer in kvs])
+        self.step.bind_pages(row, kvs[0].page, [layer.pages_hi for layer in kvs], [layer.pages_lo for layer in kvs], [])
 
     eager, fast = _pair(torch.float16)
     ref, _ = decode_all(eager.with_attention("quest:16:4"), IDS, PREFILL)
@@ -167,5 +171,27 @@ def test_a_mutated_bound_fails_the_comparison(monkeypatch):
     got, _ = decode_all(fast.with_attention("quest:16:4"), IDS, PREFILL)
     assert fast.compiled.calls["native"] > 0
     print(f"mutated bound: relative {_rel(got, ref):.3g}")
+    with pytest.raises(AssertionError):
+        _close(got, ref, torch.float16)
+
+
+def test_mutated_channel_keys_fail_the_comparison(monkeypatch):
+    """Quest's CHANNELS scoring keys read from another slot's place (keys_t bound with its slots reversed): far
+    from eager, so the comparison above sees which keys the step scores."""
+    bind = native.NativeStep._bind
+
+    def reversed_slots(self, row, kvs):
+        bind(self, row, kvs)
+        self.junk = [layer.keys_t.flip(-1).contiguous() for layer in kvs]
+        self.step.bind_pages(row, kvs[0].page, [layer.pages_lo for layer in kvs], [layer.pages_hi for layer in kvs],
+                             self.junk)
+
+    eager, fast = _pair(torch.float16)
+    spec = "quest:16:4:0:6"
+    ref, _ = decode_all(eager.with_attention(spec), IDS, PREFILL)
+    monkeypatch.setattr(native.NativeStep, "_bind", reversed_slots)
+    got, _ = decode_all(fast.with_attention(spec), IDS, PREFILL)
+    assert fast.compiled.calls["native"] > 0
+    print(f"mutated channel keys: relative {_rel(got, ref):.3g}")
     with pytest.raises(AssertionError):
         _close(got, ref, torch.float16)
