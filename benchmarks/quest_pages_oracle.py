@@ -32,25 +32,12 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 
 def oracle_read(q, kv, spec, k, v, mask):
     """`read_pages` with pages ranked by the largest true score of their keys (over the KV head's query heads)."""
-    from attnlab.model.quest import select_pages
-    K = k[0] if isinstance(k, tuple) else k
     if isinstance(k, tuple):
         raise SystemExit("the oracle reads float caches only")
     B, Hq, _, D = q.shape
-    Hkv, n = K.shape[1], K.shape[2]
-    s = (q.float().reshape(B, Hkv, Hq // Hkv, D) @ K.float().transpose(-1, -2)).amax(-2)  # [B, Hkv, n]
-    if mask is not None:
-        s = s.masked_fill(~mask[:, :, 0], float("-inf"))
-    P = kv.page_min.shape[2]
-    s = torch.nn.functional.pad(s, (0, P * kv.page - n), value=float("-inf")).reshape(B, Hkv, P, kv.page).amax(-1)
-    pages = select_pages(s, spec.budget, kv.page)
-    if pages is None:
-        return k, v, mask, None
-    last = n - (P - 1) * kv.page
-    m = (pages.shape[-1] - 1) * kv.page + last
-    slots = (pages[..., None] * kv.page + torch.arange(kv.page)).flatten(-2)[..., :m]
-    mask = None if mask is None else mask.gather(3, slots[:, :, None])
-    return (*kv.read(slots), mask, slots)
+    Hkv = k.shape[1]
+    s = (q.float().reshape(B, Hkv, Hq // Hkv, D) @ k.float().transpose(-1, -2)).amax(-2)  # [B, Hkv, n]
+    return _ranked_read(s, kv, spec, k, v, mask)
 
 
 def box_scores(lam, top=None):
@@ -71,7 +58,7 @@ def box_scores(lam, top=None):
 
 def mean_read(q, kv, spec, k, v, mask):
     """`read_pages` with pages ranked by q . (their mean key), over the KV head's query heads."""
-    from attnlab.model.quest import select_pages
+    from attnlab.model.quest import read_chosen, select_pages
     if isinstance(k, tuple):
         raise SystemExit("the mean reads float caches only")
     B, Hq, _, D = q.shape
@@ -82,32 +69,18 @@ def mean_read(q, kv, spec, k, v, mask):
     counts[-1] = n - (P - 1) * kv.page
     means = K.sum(3) / counts[:, None]
     s = (means @ q.float().reshape(B, Hkv, Hq // Hkv, D).transpose(-1, -2)).amax(-1)
-    pages = select_pages(s, spec.budget, kv.page)
-    if pages is None:
-        return k, v, mask, None
-    last = n - (P - 1) * kv.page
-    m = (pages.shape[-1] - 1) * kv.page + last
-    slots = (pages[..., None] * kv.page + torch.arange(kv.page)).flatten(-2)[..., :m]
-    mask = None if mask is None else mask.gather(3, slots[:, :, None])
-    return (*kv.read(slots), mask, slots)
+    return read_chosen(select_pages(s, spec.budget, kv.page), kv, k, v, mask)
 
 
 def _ranked_read(s, kv, spec, k, v, mask):
-    """Read the pages with the largest per-token scores s [B, Hkv, n] (their page's max), as `oracle_read` does."""
-    from attnlab.model.quest import select_pages
+    """Read the pages with the largest per-token scores s [B, Hkv, n] (their page's max)."""
+    from attnlab.model.quest import read_chosen, select_pages
     n = s.shape[-1]
     P = kv.page_min.shape[2]
     if mask is not None:
         s = s.masked_fill(~mask[:, :, 0], float("-inf"))
     s = torch.nn.functional.pad(s, (0, P * kv.page - n), value=float("-inf")).reshape(*s.shape[:2], P, kv.page).amax(-1)
-    pages = select_pages(s, spec.budget, kv.page)
-    if pages is None:
-        return k, v, mask, None
-    last = n - (P - 1) * kv.page
-    m = (pages.shape[-1] - 1) * kv.page + last
-    slots = (pages[..., None] * kv.page + torch.arange(kv.page)).flatten(-2)[..., :m]
-    mask = None if mask is None else mask.gather(3, slots[:, :, None])
-    return (*kv.read(slots), mask, slots)
+    return read_chosen(select_pages(s, spec.budget, kv.page), kv, k, v, mask)
 
 
 _BASES: dict = {}

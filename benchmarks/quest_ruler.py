@@ -16,6 +16,7 @@ import argparse
 import copy
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -78,6 +79,9 @@ def main(argv=None) -> int:
     print(f"model {args.model}, {args.kv} cache, rope {args.rope}, {args.threads} thread(s), "
           f"load average {os.getloadavg()[0]:.1f}", flush=True)
     records = []
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).resolve().parent).stdout.strip() or "unknown"
+    command = "python " + " ".join(sys.argv)
     for length in [int(x) for x in args.lengths.split(",")]:
         for index in range(args.samples):
             path = out / f"{length}-s{index}.json"
@@ -115,7 +119,7 @@ def main(argv=None) -> int:
                 page = views[s].options.attention.page if s != "full" else cache.layers[0].page
                 preds = answer_batch(views[s], repaged(cache, page), logits.clone(), [[] for _ in samples],
                                      [x["max_new"] for x in samples])
-                rec["variants"][s] = {"seconds": time.perf_counter() - t, "results": [
+                rec["variants"][s] = {"seconds": time.perf_counter() - t, "commit": commit, "command": command, "results": [
                     {"task": x["task"], "score": 100 * string_match_all(pr, x["answers"]), "pred": pr,
                      "answers": x["answers"]} for x, pr in zip(samples, preds)]}
             rec["load"] = os.getloadavg()[0]

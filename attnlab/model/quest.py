@@ -75,7 +75,11 @@ def read_pages(q: torch.Tensor, kv, spec, k, v, mask):
         scores = channel_scores(q, kv.keys_t[..., :kv.paged], spec.channels, kv.page)
     else:
         scores = page_bounds(q, kv.page_min, kv.page_max)
-    pages = select_pages(scores, budget, kv.page)
+    return read_chosen(select_pages(scores, budget, kv.page), kv, k, v, mask)
+
+
+def read_chosen(pages: torch.Tensor | None, kv, k, v, mask):
+    """`read_pages`'s result for the chosen pages [B, Hkv, k] (None: every page)."""
     if pages is None:
         return k, v, mask, None
     n = (k[0] if isinstance(k, tuple) else k).shape[2]
