@@ -122,6 +122,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache", required=True, help="a cache kept by quest_ruler.py --save")
     p.add_argument("--budget", type=int, default=512)
+    p.add_argument("--page", type=int, default=16, help="pages of this many slots (the kept cache's summaries are "
+                   "recomputed for it: quest_ruler.repaged)")
     p.add_argument("--modes", default="std,oracle")
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
@@ -129,11 +131,13 @@ def main(argv=None) -> int:
     import attnlab.model.llama as llama
     from attnlab.eval.ruler import TASKS, make_sample, string_match_all
     from attnlab.eval.ruler_run import answer_batch
-    from quest_ruler import load_saved
+    from quest_ruler import load_saved, repaged
     torch.set_num_threads(args.threads)
     lm = attnlab.load(args.model, kv_dtype=args.kv, rope=args.rope, attention="quest:32:16")
     samples = [make_sample(t, lm.encode, args.length, args.seed, args.index) for t in TASKS]
     cache, logits = load_saved(args.cache)
+    if args.page != cache.layers[0].page:
+        cache = repaged(cache, args.page)
     import attnlab.model.quest as quest
     quest_read, bounds = llama.read_pages, quest.page_bounds
     for mode in args.modes.split(","):
@@ -147,9 +151,9 @@ def main(argv=None) -> int:
         if mode.startswith("top"):
             r, _, lam = mode[3:].partition("_lam")
             quest.page_bounds = box_scores(float(lam or 1), int(r))
-        spec = f"quest:{args.budget}:16:{mode[5:]}" if mode.startswith("dense") else \
-            f"quest:{args.budget}:16:0:{mode[2:]}" if mode.startswith("ch") else \
-            None if mode == "full" else f"quest:{args.budget}"
+        spec = f"quest:{args.budget}:{args.page}:{mode[5:]}" if mode.startswith("dense") else \
+            f"quest:{args.budget}:{args.page}:0:{mode[2:]}" if mode.startswith("ch") else \
+            None if mode == "full" else f"quest:{args.budget}:{args.page}"
         preds = answer_batch(lm.with_attention(spec), copy.deepcopy(cache), logits.clone(), [[] for _ in samples],
                              [x["max_new"] for x in samples])
         scores = [100 * string_match_all(pr, x["answers"]) for pr, x in zip(preds, samples)]

@@ -28,12 +28,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 
 def load_saved(path):
     """(cache, logits) kept by --save, caches saved before the cache kept `shift`, `first`, `_home` and `keys_t`
-    (07e2c19 .. this commit) given their defaults."""
+    (07e2c19 .. this commit) given their defaults; a float16 keys_t (3074d91 .. int8 keys_t) dropped, to be rebuilt
+    in int8 when a variant reads it."""
     cache, logits = torch.load(path, weights_only=False)
     cache.__dict__.setdefault("shift", 0)
     for layer in cache.layers:
-        for name, value in (("first", 0), ("_home", None), ("keys_t", None)):
+        for name, value in (("first", 0), ("_home", None), ("keys_t", None), ("keys_s", None)):
             layer.__dict__.setdefault(name, value)
+        if layer.keys_t is not None and layer.keys_t.dtype != torch.int8:
+            layer.keys_t = layer.keys_s = None
     return cache, logits
 
 

@@ -1,8 +1,9 @@
 """Decode tok/s at long depths: full attention against Quest's page selection (`--attention quest:BUDGET`),
 all in the native step, one process, one model.
 
-Per depth the prompt is prefilled once into a cache that keeps page summaries; every variant decodes from it
-(rolled back to the depth before each timed run, `KVCache.truncate`), runs interleaved with the order rotating
+Per depth the prompt is prefilled once (with the most threads asked for) into a cache that keeps page summaries;
+every variant decodes from it (rolled back to the depth before each timed run, `KVCache.truncate`), at each thread
+count, runs interleaved with the order rotating
 every repeat, medians printed with the CPU model, its ISA flags, the thread count and the load average. Also
 printed: what keeping the summaries in Python after each step (`LayerKV._summarize` of the new slot, every
 layer) would cost, against the step keeping them itself in C++ (measured inside the native step's time), and the
@@ -45,6 +46,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--sink", action="store_true", help="a sink cache of each budget too")
     p.add_argument("--sink-block", type=int, default=64, help="the sink caches' block eviction (1: every step)")
+    p.add_argument("--phases", action="store_true", help="also each variant's attention and the rest of the step, "
+                   "ms per step (`DecodeStep.profile`, median of the repeats; quest:2*PAGE is the page scoring alone)")
     args = p.parse_args(argv)
     import attnlab
     from attnlab.kv import make_policy
@@ -64,21 +67,30 @@ def main(argv=None) -> int:
           f"load average at start {os.getloadavg()[0]:.1f}", flush=True)
     views = {name: lm.with_attention(spec) for name, spec in specs.items()}
     tok = torch.tensor([[7]])
-    for threads in [int(t) for t in args.threads.split(",")]:
-        torch.set_num_threads(threads)
+    thread_counts = [int(t) for t in args.threads.split(",")]
+    prefilled = {}  # depth -> (cache, sink caches): prefilled once, with the most threads asked for
+    for threads in thread_counts:
         rows = {}
         for n in [int(d) for d in args.depths.split(",")]:
-            ids = torch.randint(0, lm.cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
-            cache = lm.new_cache(capacity=n + args.steps + 1)  # page summaries kept: every variant decodes from it
-            t = time.perf_counter()
-            lm.prefill(ids, cache)
-            print(f"depth {n}: prefill {time.perf_counter() - t:.1f} s; {cache.nbytes() / n:.0f} bytes per token "
-                  "(keys, values and page summaries, all layers)", flush=True)
-            sinks = {}
-            for b in (args.budgets.split(",") if args.sink else []):
-                sinks[f"sink:{b}"] = c = views["full"].new_cache(policy=make_policy("sink", int(b), chunk=64, block=args.sink_block))
-                views["full"].prefill(ids[:, :int(b) + 64], c)
+            if n not in prefilled:
+                torch.set_num_threads(max(thread_counts))
+                ids = torch.randint(0, lm.cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
+                cache = lm.new_cache(capacity=n + args.steps + 1)  # page summaries kept: every variant decodes from it
+                t = time.perf_counter()
+                lm.prefill(ids, cache)
+                print(f"depth {n}: prefill {time.perf_counter() - t:.1f} s at {max(thread_counts)} thread(s); "
+                      f"{cache.nbytes() / n:.0f} bytes per token (keys, values, page summaries and what CHANNELS "
+                      "reads, all layers)", flush=True)
+                sinks = {}
+                for b in (args.budgets.split(",") if args.sink else []):
+                    sinks[f"sink:{b}"] = c = views["full"].new_cache(
+                        policy=make_policy("sink", int(b), chunk=64, block=args.sink_block))
+                    views["full"].prefill(ids[:, :int(b) + 64], c)
+                prefilled[n] = cache, sinks
+            cache, sinks = prefilled[n]
+            torch.set_num_threads(threads)
             times = {name: [] for name in [*views, *sinks]}
+            phases = {name: [] for name in times}
             order = list(times)
             for _ in range(args.repeats):
                 order = order[1:] + order[:1]
@@ -87,15 +99,26 @@ def main(argv=None) -> int:
                     c = sinks.get(name, cache)
                     if name not in sinks:
                         c.truncate(n)
-                    view.forward(tok, c)  # warm-up step
+                    view.forward(tok, c)  # warm-up step (builds the step for this thread count)
+                    if args.phases:
+                        lm.compiled.step.profile(True)
                     t = time.perf_counter()
                     for _ in range(args.steps):
                         view.forward(tok, c)
                     times[name].append(args.steps / (time.perf_counter() - t))
+                    if args.phases:
+                        ms = {k: v[0] * 1e3 for k, v in lm.compiled.step.profile(False).items()}
+                        phases[name].append((ms["attention"], sum(ms.values()) - ms["attention"]))
             assert lm.compiled is not None and lm.compiled.calls["eager"] == 0, "a step left the native path"
             cache.truncate(n)
             py = python_summaries(cache, n)
             rows[n] = times, py
+            if args.phases:
+                print(f"\ndepth {n}, {threads} thread(s): ms per step, attention / the rest (wall, thread 0's "
+                      "barrier to barrier), medians")
+                for name, got in phases.items():
+                    print(f"  {name}: {statistics.median(a for a, _ in got):.2f} / "
+                          f"{statistics.median(r for _, r in got):.2f}", flush=True)
         load = os.getloadavg()[0]
         print(f"\n### {threads} thread{'s' if threads > 1 else ''}: decode tok/s, median of {args.repeats} x "
               f"{args.steps} steps (x full; min-max), load average {load:.1f} at the end\n")

@@ -43,11 +43,16 @@ inline void bound4(const float* up, const uint16_t* lo, const uint16_t* hi, int6
   for (int g = 0; g < GN; ++g) best = _mm_max_ps(best, hsum4(acc[g]));
 }
 
-// Keys 0 .. n - 1 of channel-major rows kt (channel c at kt + c * ld): m[t] = max(m[t] if more, max over the GN query
-// heads g of sum_i q[g * R + i] * k[order[i]][t]); 32 keys at a time (4 x GN independent FMA chains), then 8, then 1.
+inline __m256 codes8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// Keys 0 .. n - 1 of channel-major int8 rows kt (channel c at kt + c * ld) with scales ks: m[t] = max(m[t] if more,
+// ks[t] * max over the GN query heads g of sum_i q[g * R + i] * code[order[i]][t]); 32 keys at a time (4 x GN
+// independent FMA chains), then 8, then 1. ks >= 0, so scaling the heads' max equals the max of scaled scores.
 template <int GN>
-inline void score32(const float* q, const uint16_t* kt, const int64_t* order, int64_t R, int64_t ld, int64_t n,
-                    bool more, float* m) {
+inline void score32(const float* q, const int8_t* kt, const float* ks, const int64_t* order, int64_t R, int64_t ld,
+                    int64_t n, bool more, float* m) {
   const int64_t t1 = n;
   int64_t t = 0;
   for (; t + 32 <= t1; t += 32) {
@@ -55,17 +60,19 @@ inline void score32(const float* q, const uint16_t* kt, const int64_t* order, in
     for (int g = 0; g < GN; ++g)
       for (int j = 0; j < 4; ++j) acc[g][j] = _mm256_setzero_ps();
     for (int64_t i = 0; i < R; ++i) {  // 12 accumulators, 3 weights and one widened row: the 16 registers
-      const uint16_t* row = kt + order[i] * ld + t;
+      const int8_t* row = kt + order[i] * ld + t;
       __m256 w[GN];
       for (int g = 0; g < GN; ++g) w[g] = _mm256_set1_ps(q[g * R + i]);
       for (int j = 0; j < 4; ++j) {
-        const __m256 k = half8(row + 8 * j);
+        const __m256 k = codes8(row + 8 * j);
         for (int g = 0; g < GN; ++g) acc[g][j] = _mm256_fmadd_ps(w[g], k, acc[g][j]);
       }
     }
     for (int j = 0; j < 4; ++j) {
-      __m256 top = more ? _mm256_loadu_ps(m + t + 8 * j) : acc[0][j];
-      for (int g = 0; g < GN; ++g) top = _mm256_max_ps(top, acc[g][j]);
+      __m256 top = acc[0][j];
+      for (int g = 1; g < GN; ++g) top = _mm256_max_ps(top, acc[g][j]);
+      top = _mm256_mul_ps(top, _mm256_loadu_ps(ks + t + 8 * j));
+      if (more) top = _mm256_max_ps(_mm256_loadu_ps(m + t + 8 * j), top);
       _mm256_storeu_ps(m + t + 8 * j, top);
     }
   }
@@ -73,22 +80,24 @@ inline void score32(const float* q, const uint16_t* kt, const int64_t* order, in
     __m256 acc[GN];
     for (int g = 0; g < GN; ++g) acc[g] = _mm256_setzero_ps();
     for (int64_t i = 0; i < R; ++i) {
-      const __m256 k = half8(kt + order[i] * ld + t);
+      const __m256 k = codes8(kt + order[i] * ld + t);
       for (int g = 0; g < GN; ++g) acc[g] = _mm256_fmadd_ps(_mm256_set1_ps(q[g * R + i]), k, acc[g]);
     }
-    __m256 top = more ? _mm256_loadu_ps(m + t) : acc[0];
-    for (int g = 0; g < GN; ++g) top = _mm256_max_ps(top, acc[g]);
+    __m256 top = acc[0];
+    for (int g = 1; g < GN; ++g) top = _mm256_max_ps(top, acc[g]);
+    top = _mm256_mul_ps(top, _mm256_loadu_ps(ks + t));
+    if (more) top = _mm256_max_ps(_mm256_loadu_ps(m + t), top);
     _mm256_storeu_ps(m + t, top);
   }
   for (; t < t1; ++t) {  // pages of fewer than 8 slots: the tail
-    float top = more ? m[t] : -INFINITY;
+    float top = -INFINITY;
     for (int g = 0; g < GN; ++g) {
       float acc = 0.f;
-      for (int64_t i = 0; i < R; ++i)
-        acc = std::fma(q[g * R + i], static_cast<float>(c10::Half(kt[order[i] * ld + t], c10::Half::from_bits())), acc);
+      for (int64_t i = 0; i < R; ++i) acc = std::fma(q[g * R + i], static_cast<float>(kt[order[i] * ld + t]), acc);
       top = std::max(top, acc);
     }
-    m[t] = top;
+    top *= ks[t];
+    m[t] = more ? std::max(m[t], top) : top;
   }
 }
 
@@ -155,14 +164,15 @@ void score_share(const float* q, const Pages& pg, int64_t Hkv, int64_t G, int64_
                       [w](int64_t a, int64_t b) { return w[a] > w[b] || (w[a] == w[b] && a < b); });
     for (int64_t g = 0; g < G; ++g)
       for (int64_t i = 0; i < R; ++i) qs[g * R + i] = q[(h * G + g) * D + order[i]];
-    const uint16_t* kt = pg.keys_t + h * pg.t_head;
+    const int8_t* kt = pg.keys_t + h * pg.t_head;
+    const float* ks = pg.keys_s + h * pg.s_head + s0;
     for (int64_t g0 = 0; g0 < G; g0 += 3) {  // 3 query heads a pass: 32 keys x 3 heads = 12 FMA chains
       const int64_t gn = std::min<int64_t>(3, G - g0);
       const float* qg = qs.data() + g0 * R;
-      const uint16_t* from = kt + s0;  // best[t - s0] for key t
-      if (gn == 3) score32<3>(qg, from, order.data(), R, pg.t_row, s1 - s0, g0 > 0, best.data());
-      else if (gn == 2) score32<2>(qg, from, order.data(), R, pg.t_row, s1 - s0, g0 > 0, best.data());
-      else score32<1>(qg, from, order.data(), R, pg.t_row, s1 - s0, g0 > 0, best.data());
+      const int8_t* from = kt + s0;  // best[t - s0] for key t
+      if (gn == 3) score32<3>(qg, from, ks, order.data(), R, pg.t_row, s1 - s0, g0 > 0, best.data());
+      else if (gn == 2) score32<2>(qg, from, ks, order.data(), R, pg.t_row, s1 - s0, g0 > 0, best.data());
+      else score32<1>(qg, from, ks, order.data(), R, pg.t_row, s1 - s0, g0 > 0, best.data());
     }
     float* o = out + h * ld;
     for (int64_t p = p0; p < p1; ++p) o[p] = *std::max_element(best.begin() + (p - p0) * page, best.begin() + (p - p0 + 1) * page);
@@ -223,8 +233,15 @@ void add_key(const Pages& pg, const attnlab_attend::Cache& c, int64_t Hkv, int64
                : c.dtype == 1 ? static_cast<float>(static_cast<const c10::Half*>(c.k)[at + i])
                               : static_cast<float>(static_cast<const int8_t*>(c.k)[at + i]) *
                                     c.ks[h * c.shead + slot * c.srow + i / 32];
-    if (pg.keys_t)
-      for (int64_t i = 0; i < D; ++i) pg.keys_t[h * pg.t_head + i * pg.t_row + slot] = c10::Half(key[i]).x;
+    if (pg.keys_t) {  // as channel_codes: one scale per key, codes rounded to nearest even (the default mode)
+      float top = 0.f;
+      for (int64_t i = 0; i < D; ++i) top = std::max(top, std::fabs(key[i]));
+      const float scale = top / 127.f;
+      for (int64_t i = 0; i < D; ++i)
+        pg.keys_t[h * pg.t_head + i * pg.t_row + slot] =
+            static_cast<int8_t>(scale > 0.f ? std::clamp(std::nearbyint(key[i] / scale), -127.f, 127.f) : 0.f);
+      pg.keys_s[h * pg.s_head + slot] = scale;
+    }
     uint16_t *lo = pg.lo + h * pg.head + slot / pg.size * D, *hi = pg.hi + h * pg.head + slot / pg.size * D;
     const bool opens = slot % pg.size == 0;
     for (int64_t i = 0; i < D; i += 8) {  // min and max in float32, stored rounded outward (the eager `outward`)

@@ -15,8 +15,9 @@ namespace attnlab_quest {
 struct Pages {
   uint16_t *lo, *hi;
   int64_t head, size;  // elements between heads; slots per page
-  uint16_t* keys_t = nullptr;   // CHANNELS > 0: the keys channel-major [Hkv, D, capacity] float16 bits, or null
-  int64_t t_head = 0, t_row = 0;  // elements between heads, between channels
+  int8_t* keys_t = nullptr;  // CHANNELS > 0: the keys channel-major [Hkv, D, capacity] int8, or null,
+  float* keys_s = nullptr;   // times each key's scale [Hkv, capacity] (attnlab.kv.pages.channel_codes)
+  int64_t t_head = 0, t_row = 0, s_head = 0;  // elements between heads, between channels; between heads of keys_s
 };
 
 // Thread tid of `threads`: its share of pages 1 .. P - 2 (the first and the last are read anyway) of every KV
@@ -26,8 +27,9 @@ void bound_share(const float* q, const Pages& pg, int64_t Hkv, int64_t G, int64_
 
 // As bound_share, but a page's score is its best key's approximate q.k (SparQ's step 1; model/quest.py's
 // channel_scores): per KV head the `channels` channels of largest sum over the group of |q| (ties: the lower
-// channel), and out[h * ld + p] = max over the page's keys and the group's heads of q_g . k on those channels
-// only, read from pg.keys_t (`channels` rows of every key instead of every page's min and max).
+// channel), and out[h * ld + p] = max over the page's keys of their scale times the max over the group's heads of
+// q_g . codes on those channels only, read from pg.keys_t (`channels` int8 rows of every key instead of every
+// page's min and max).
 void score_share(const float* q, const Pages& pg, int64_t Hkv, int64_t G, int64_t D, int64_t P, int64_t channels,
                  int64_t tid, int64_t threads, float* out, int64_t ld);
 
@@ -43,7 +45,8 @@ void attend_share(const float* q, const attnlab_attend::Cache& c, const float* b
 
 // After the keys of the Hkv heads were stored at `slot` of c: their page's min and max follow them, over the keys
 // as stored (float16 widened, int8 codes times their scale, as the eager summaries); a slot opening a page starts them.
-// Where pg.keys_t is set the key is also written there, column `slot`, rounded to float16 (to nearest even).
+// Where pg.keys_t is set the key is also written there, column `slot`: int8 codes of key / scale rounded to nearest
+// (even), scale = its largest |channel| / 127 in keys_s (attnlab.kv.pages.channel_codes).
 void add_key(const Pages& pg, const attnlab_attend::Cache& c, int64_t Hkv, int64_t slot, int64_t D);
 
 }  // namespace attnlab_quest

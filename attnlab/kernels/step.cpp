@@ -93,7 +93,7 @@ struct DecodeStep : torch::CustomClassHolder {
   std::vector<at::Tensor> norms;    // attn_norm, mlp_norm per layer, then the final norm
   std::vector<std::vector<Linear>> linears;  // wqkv, wo, w13, w2 per layer, then the head: segments in row order
   struct Bound {  // one conversation's cache: per-layer buffers (Quest's page summaries where it keeps them)
-    std::vector<at::Tensor> k, v, k_scale, v_scale, pos, page_min, page_max, keys_t;
+    std::vector<at::Tensor> k, v, k_scale, v_scale, pos, page_min, page_max, keys_t, keys_s;
     int64_t page = 0;
   };
   int64_t quest_budget = 0, quest_dense = 0, quest_channels = 0;  // Quest: tokens read per step (0: all), layers before quest_dense read all
@@ -222,14 +222,15 @@ struct DecodeStep : torch::CustomClassHolder {
                     "scales: contiguous float32 [1, Hkv, C, D/32], k and v alike");
     }
     if (row == static_cast<int64_t>(bound.size())) bound.emplace_back();
-    bound[row] = Bound{std::move(k_), std::move(v_), std::move(ks), std::move(vs), std::move(p), {}, {}, {}, 0};
+    bound[row] = Bound{std::move(k_), std::move(v_), std::move(ks), std::move(vs), std::move(p), {}, {}, {}, {}, 0};
   }
 
   // Quest's page summaries of bound row b's cache per layer (after its bind_rows): lo, hi contiguous float16
   // [1, Hkv, capacity / page rounded up, D]; the step reads them to select pages and keeps them up to date.
-  // keys_t: none, or per layer the keys channel-major, contiguous float16 [1, Hkv, D, capacity] (Quest's CHANNELS).
+  // keys_t, keys_s: none, or per layer the keys channel-major, contiguous int8 [1, Hkv, D, capacity], and each key's
+  // scale, contiguous float32 [1, Hkv, capacity] (Quest's CHANNELS).
   void bind_pages(int64_t row, int64_t page, std::vector<at::Tensor> lo, std::vector<at::Tensor> hi,
-                  std::vector<at::Tensor> keys_t) {
+                  std::vector<at::Tensor> keys_t, std::vector<at::Tensor> keys_s) {
     TORCH_CHECK(row >= 0 && row < static_cast<int64_t>(bound.size()), "bind_pages after bind_rows of row ", row);
     Bound& c = bound[row];
     TORCH_CHECK(page > 0 && lo.size() == c.k.size() && hi.size() == c.k.size(), "one page_min and page_max per layer");
@@ -238,12 +239,18 @@ struct DecodeStep : torch::CustomClassHolder {
         TORCH_CHECK(t.scalar_type() == at::kHalf && t.is_contiguous() && t.dim() == 4 && t.size(1) == n_kv &&
                     t.size(3) == head_dim && t.size(2) * page >= c.k[i].size(2),
                     "page summaries: contiguous float16 [1, Hkv, capacity / page, D]");
-    TORCH_CHECK(keys_t.empty() || keys_t.size() == c.k.size(), "keys_t: none or one per layer");
-    for (size_t i = 0; i < keys_t.size(); ++i)
-      TORCH_CHECK(keys_t[i].scalar_type() == at::kHalf && keys_t[i].is_contiguous() && keys_t[i].dim() == 4 &&
+    TORCH_CHECK((keys_t.empty() || keys_t.size() == c.k.size()) && keys_s.size() == keys_t.size(),
+                "keys_t and keys_s: none or one each per layer");
+    for (size_t i = 0; i < keys_t.size(); ++i) {
+      TORCH_CHECK(keys_t[i].scalar_type() == at::kChar && keys_t[i].is_contiguous() && keys_t[i].dim() == 4 &&
                       keys_t[i].size(1) == n_kv && keys_t[i].size(2) == head_dim && keys_t[i].size(3) == c.k[i].size(2),
-                  "keys_t: contiguous float16 [1, Hkv, D, capacity]");
-    c.page_min = std::move(lo), c.page_max = std::move(hi), c.keys_t = std::move(keys_t), c.page = page;
+                  "keys_t: contiguous int8 [1, Hkv, D, capacity]");
+      TORCH_CHECK(keys_s[i].scalar_type() == at::kFloat && keys_s[i].is_contiguous() && keys_s[i].dim() == 3 &&
+                      keys_s[i].size(1) == n_kv && keys_s[i].size(2) == c.k[i].size(2),
+                  "keys_s: contiguous float32 [1, Hkv, capacity]");
+    }
+    c.page_min = std::move(lo), c.page_max = std::move(hi), c.keys_t = std::move(keys_t), c.keys_s = std::move(keys_s);
+    c.page = page;
   }
 
   // Quest for the next calls: each step reads `budget` tokens of a row with page summaries (whole pages: the
@@ -491,8 +498,8 @@ struct DecodeStep : torch::CustomClassHolder {
     attnlab_quest::Pages pg{static_cast<uint16_t*>(c.page_min[l].data_ptr()),
                             static_cast<uint16_t*>(c.page_max[l].data_ptr()), c.page_min[l].stride(1), c.page};
     if (!c.keys_t.empty())
-      pg.keys_t = static_cast<uint16_t*>(c.keys_t[l].data_ptr()), pg.t_head = c.keys_t[l].stride(1),
-      pg.t_row = c.keys_t[l].stride(2);
+      pg.keys_t = c.keys_t[l].data_ptr<int8_t>(), pg.t_head = c.keys_t[l].stride(1), pg.t_row = c.keys_t[l].stride(2),
+      pg.keys_s = c.keys_s[l].data_ptr<float>(), pg.s_head = c.keys_s[l].stride(1);
     return pg;
   }
 

@@ -36,7 +36,7 @@ import torch
 from attnlab.errors import AttnlabError
 from attnlab.kernels import ops
 from attnlab.kernels.reference import dequantize_int8_blocks
-from attnlab.kv.pages import summarize
+from attnlab.kv.pages import channel_codes, summarize
 from attnlab.rope import Rope, apply as rope_apply
 
 POSITIONS = ("original", "cache")
@@ -76,8 +76,9 @@ class LayerKV:
     an int8 cache adds k_scale, v_scale: [B, H_kv, C, D/32] (None otherwise). page: Quest's page size; the
     layer then keeps page_min, page_max [B, H_kv, ceil(n/page), D] (float16, rounded outward) of its stored keys (`attnlab.kv.pages`): views
     of buffers preallocated for the capacity (`pages_lo`, `pages_hi`), which the native step binds and updates.
-    channel_keys: also keep keys_t [B, H_kv, D, capacity], the stored keys channel-major in float16 (zeros at
-    padding), from which Quest with CHANNELS > 0 scores every key on a few channels (`attnlab.model.quest`)."""
+    channel_keys: also keep keys_t [B, H_kv, D, capacity], the stored keys channel-major in int8, and keys_s
+    [B, H_kv, capacity], each key's float32 scale (`attnlab.kv.pages.channel_codes`; zeros at padding), from which
+    Quest with CHANNELS > 0 scores every key on a few channels (`attnlab.model.quest`)."""
 
     def __init__(self, batch: int, heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
                  rope: Rope, positions: str = "original", max_capacity: int | None = None,
@@ -97,8 +98,10 @@ class LayerKV:
         if page:
             self.pages_lo = torch.zeros(batch, heads, -(-capacity // page), head_dim, dtype=torch.float16)
             self.pages_hi = torch.zeros_like(self.pages_lo)
-        self.keys_t = torch.zeros(batch, heads, head_dim, capacity, dtype=torch.float16) if page and channel_keys \
-            else None
+        self.keys_t = self.keys_s = None
+        if page and channel_keys:
+            self.keys_t = torch.zeros(batch, heads, head_dim, capacity, dtype=torch.int8)
+            self.keys_s = torch.zeros(batch, heads, capacity)
         self.n = 0            # filled slots, equal for every row and head
         self.first = 0        # slots before it were evicted and are not read (`slide`); `KVCache.begin` compacts
         self.natural = True   # slot j holds the j-th token of every row (no padding, no eviction)
@@ -142,6 +145,7 @@ class LayerKV:
                                             for t in (self.pages_lo, self.pages_hi))
         if self.keys_t is not None:
             self.keys_t = torch.cat([self.keys_t, self.keys_t.new_zeros(*self.keys_t.shape[:3], grow)], dim=3)
+            self.keys_s = torch.cat([self.keys_s, self.keys_s.new_zeros(*self.keys_s.shape[:2], grow)], dim=2)
 
     def update(self, k: torch.Tensor, v: torch.Tensor, step: "Step"):
         """Store a chunk and return what its queries attend to.
@@ -308,7 +312,8 @@ class LayerKV:
         """Start keeping keys_t (a cache built for Quest's bound, read under CHANNELS > 0)."""
         if self.keys_t is None:
             B, H, C, D = self.k.shape
-            self.keys_t = torch.zeros(B, H, D, C, dtype=torch.float16)
+            self.keys_t = torch.zeros(B, H, D, C, dtype=torch.int8)
+            self.keys_s = torch.zeros(B, H, C)
             self._summarize(0, self.paged)
 
     def _summarize(self, first: int, n: int) -> None:
@@ -321,7 +326,7 @@ class LayerKV:
             return
         keys, valid = self._keys(a, n), self.pos[:, :, a:n] >= 0
         if self.keys_t is not None:
-            self.keys_t[:, :, :, a:n] = keys.masked_fill(~valid[..., None], 0.0).transpose(-1, -2)
+            self.keys_t[:, :, :, a:n], self.keys_s[:, :, a:n] = channel_codes(keys, valid)
         lo, hi = summarize(keys, valid, self.page)
         self.pages_lo[:, :, p0:p0 + lo.shape[2]] = lo
         self.pages_hi[:, :, p0:p0 + hi.shape[2]] = hi
@@ -329,5 +334,5 @@ class LayerKV:
     def nbytes(self) -> int:
         """Bytes of the allocated key/value buffers (scales and Quest's page summaries included)."""
         pages = (self.pages_lo, self.pages_hi) if self.page else ()
-        pages += (self.keys_t,) if self.keys_t is not None else ()
+        pages += (self.keys_t, self.keys_s) if self.keys_t is not None else ()
         return sum(t.numel() * t.element_size() for t in (*(getattr(self, name) for name in self.buffers()), *pages))

@@ -208,8 +208,10 @@ class NativeStep:
                             [layer.k_scale for layer in kvs] if int8 else [],
                             [layer.v_scale for layer in kvs] if int8 else [], [layer.pos for layer in kvs])
         if kvs[0].page:
+            channels = kvs[0].keys_t is not None
             self.step.bind_pages(row, kvs[0].page, [layer.pages_lo for layer in kvs], [layer.pages_hi for layer in kvs],
-                                 [layer.keys_t for layer in kvs] if kvs[0].keys_t is not None else [])
+                                 [layer.keys_t for layer in kvs] if channels else [],
+                                 [layer.keys_s for layer in kvs] if channels else [])
         self._bound[row:row + 1] = [self._held(kvs)]
 
     @staticmethod

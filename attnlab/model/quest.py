@@ -23,16 +23,18 @@ def page_bounds(q: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor)
     return per_head.amax(-1)
 
 
-def channel_scores(q: torch.Tensor, keys_t: torch.Tensor, channels: int, page: int) -> torch.Tensor:
-    """q [B, Hq, 1, D]; keys_t [B, Hkv, D, n] (the keys channel-major, float16) -> per KV head and page the largest
-    approximate q.k of the page's keys [B, Hkv, P], over the group's heads.
+def channel_scores(q: torch.Tensor, keys_t: torch.Tensor, keys_s: torch.Tensor, channels: int, page: int) -> torch.Tensor:
+    """q [B, Hq, 1, D]; keys_t [B, Hkv, D, n] (the keys channel-major, int8) and keys_s [B, Hkv, n] (each key's
+    scale, `attnlab.kv.pages.channel_codes`) -> per KV head and page the largest approximate q.k of the page's
+    keys [B, Hkv, P], over the group's heads.
 
     Why: the bound adds up per-channel extremes that different keys reach, so on a small model whose keys
     wander (RoPE turns most channel pairs within a page) it ranks pages far from their true best key
     (docs/kv.md: 16.1 RULER points of full's 36.8 at 1/8, against 36.5 for pages ranked by their true best key).
     SparQ's step 1 (Ribar et al. 2024) approximates each key's q.k on the few channels that carry most of
     it: the R channels where the group's summed |q| is largest (ties: the lower channel), one set per KV head
-    so the group reads R rows of keys_t. A page's score is its best key's."""
+    so the group reads R rows of keys_t. A page's score is its best key's: the codes' dot product, its max over
+    the group's heads, times the key's scale (as the native step orders it)."""
     B, Hq, _, D = q.shape
     Hkv, n = keys_t.shape[1], keys_t.shape[3]
     G = Hq // Hkv
@@ -42,7 +44,7 @@ def channel_scores(q: torch.Tensor, keys_t: torch.Tensor, channels: int, page: i
         weight = weight + qg[:, :, g].abs()
     chosen = weight.sort(dim=-1, descending=True, stable=True).indices[..., :channels]  # [B, Hkv, R]
     rows = keys_t.gather(2, chosen[..., None].expand(-1, -1, -1, n)).float()  # [B, Hkv, R, n]
-    s = (qg.gather(-1, chosen[:, :, None].expand(-1, -1, G, -1)) @ rows).amax(2)  # [B, Hkv, n]
+    s = (qg.gather(-1, chosen[:, :, None].expand(-1, -1, G, -1)) @ rows).amax(2) * keys_s  # [B, Hkv, n]
     P = -(-n // page)
     return torch.nn.functional.pad(s, (0, P * page - n), value=float("-inf")).view(B, Hkv, P, page).amax(-1)
 
@@ -72,7 +74,7 @@ def read_pages(q: torch.Tensor, kv, spec, k, v, mask):
         return k, v, mask, None
     if spec.channels:
         kv.keep_channel_keys()
-        scores = channel_scores(q, kv.keys_t[..., :kv.paged], spec.channels, kv.page)
+        scores = channel_scores(q, kv.keys_t[..., :kv.paged], kv.keys_s[..., :kv.paged], spec.channels, kv.page)
     else:
         scores = page_bounds(q, kv.page_min, kv.page_max)
     return read_chosen(select_pages(scores, budget, kv.page), kv, k, v, mask)

@@ -15,7 +15,7 @@ from attnlab import AttnlabError, Options
 from attnlab.eval.passkey import passkey_prompt, retrieve
 from attnlab.kernels import ops
 from attnlab.kernels.reference import dequantize_int8_blocks
-from attnlab.kv.pages import QuestSpec, summarize
+from attnlab.kv.pages import QuestSpec, channel_codes, summarize
 from attnlab.kv.policies import make_policy
 from attnlab.model.llama import attend
 from attnlab.rope import apply as rope_apply
@@ -89,8 +89,8 @@ def reference_logits(lm, ids, prefill, budget, page, channels=0):
     """Brute force from the definition: one causal pass over all tokens where each decode query t sees only
     its chosen pages (per KV head: bound = max over the group's heads of sum_c max(q_c min_c, q_c max_c) over
     the page's keys 0..t; the first and last page, then the highest bounds, budget // page pages). channels:
-    a page's score is instead the largest q_g . k over its keys (float16) and the group's heads g, summed over
-    the `channels` channels of largest sum_g |q_g| only."""
+    a page's score is instead the largest q_g . k over its keys and the group's heads g, summed over the
+    `channels` channels of largest sum_g |q_g| only, each key rounded to int8 against its largest |channel|."""
     model, cfg = lm.model, lm.cfg
     B, N = ids.shape
     G = cfg.n_heads // cfg.n_kv_heads
@@ -114,8 +114,11 @@ def reference_logits(lm, ids, prefill, budget, page, channels=0):
                     for p in range(n_pages):
                         keys = k[b, h, p * page:min((p + 1) * page, t + 1)]
                         if channels:
-                            keys = keys.half().float()
-                            bounds.append(max(float(sum(q[b, g, t, c] * keys[j, c] for c in chosen))
+                            scale = [float(keys[j].abs().max()) / 127 for j in range(keys.shape[0])]
+                            codes = [[round(float(keys[j, c]) / scale[j]) if scale[j] else 0 for c in chosen]
+                                     for j in range(keys.shape[0])]
+                            bounds.append(max(scale[j] * float(sum(float(q[b, g, t, c]) * x
+                                                                   for c, x in zip(chosen, codes[j])))
                                               for g in heads for j in range(keys.shape[0])))
                             continue
                         lo, hi = keys.min(0).values, keys.max(0).values
@@ -255,9 +258,9 @@ def assert_summaries_fresh(cache, page: int) -> None:
             dequantize_int8_blocks(layer.k[:, :, :n], layer.k_scale[:, :, :n])
         lo, hi = summarize(keys, layer.pos[:, :, :n] >= 0, page)
         assert torch.equal(layer.page_min, lo) and torch.equal(layer.page_max, hi)
-        if layer.keys_t is not None:  # Quest's CHANNELS: the keys channel-major, float16, zeros at padding
-            want = keys.masked_fill(layer.pos[:, :, :n, None] < 0, 0.0).half().transpose(-1, -2)
-            assert torch.equal(layer.keys_t[..., :n], want)
+        if layer.keys_t is not None:  # Quest's CHANNELS: the keys channel-major in int8, a scale per key
+            codes, scale = channel_codes(keys, layer.pos[:, :, :n] >= 0)
+            assert torch.equal(layer.keys_t[..., :n], codes) and torch.equal(layer.keys_s[..., :n], scale)
 
 
 def test_float16_summaries_round_outward():

@@ -163,7 +163,7 @@ def test_a_mutated_bound_fails_the_comparison(monkeypatch):
 
     def swapped(self, row, kvs):
         bind(self, row, kvs)
-        self.step.bind_pages(row, kvs[0].page, [layer.pages_hi for layer in kvs], [layer.pages_lo for layer in kvs], [])
+        self.step.bind_pages(row, kvs[0].page, [layer.pages_hi for layer in kvs], [layer.pages_lo for layer in kvs], [], [])
 
     eager, fast = _pair(torch.float16)
     ref, _ = decode_all(eager.with_attention("quest:16:4"), IDS, PREFILL)
@@ -182,9 +182,10 @@ def test_mutated_channel_keys_fail_the_comparison(monkeypatch):
 
     def reversed_slots(self, row, kvs):
         bind(self, row, kvs)
-        self.junk = [layer.keys_t.flip(-1).contiguous() for layer in kvs]
+        self.junk = ([layer.keys_t.flip(-1).contiguous() for layer in kvs],
+                     [layer.keys_s.flip(-1).contiguous() for layer in kvs])
         self.step.bind_pages(row, kvs[0].page, [layer.pages_lo for layer in kvs], [layer.pages_hi for layer in kvs],
-                             self.junk)
+                             *self.junk)
 
     eager, fast = _pair(torch.float16)
     spec = "quest:16:4:0:6"
