@@ -5,6 +5,7 @@ under the same budget, with pages ranked three ways (the first and last page alw
   std     Quest: the upper bound from the page's key min/max (`attnlab.model.quest`)
   oracle  the largest true q.k over the page's keys and the group's query heads (reads every key: a diagnostic)
   denseN  Quest with the first N layers dense
+  hmaxR   CHANNELS R scored per query head, the max over the group's heads (CHANNELS before it summed the group)
   chR     Quest with CHANNELS R (quest:BUDGET:16:0:R: pages by their best key's q.k on R channels, `attnlab.model.quest`)
   lamL    the box's centre plus L times its half-width: q.(min+max)/2 + L |q|.(max-min)/2 (L=1 is Quest's bound,
           L=0 the centre's score); the same summaries and the same two products as the bound
@@ -112,6 +113,20 @@ def sparq_read(r, shared=False):
     return read
 
 
+def head_max_channels(q, keys_t, keys_s, channels, page):
+    """CHANNELS' first scores: each query head's own product on the channels of largest sum_g |q_g|, the page's
+    score the max over its keys and the group's heads (`channel_scores` sums the group's queries instead)."""
+    B, Hq, _, D = q.shape
+    Hkv, n = keys_t.shape[1], keys_t.shape[3]
+    G = Hq // Hkv
+    qg = q.float().reshape(B, Hkv, G, D)
+    chosen = qg.abs().sum(2).sort(dim=-1, descending=True, stable=True).indices[..., :channels]  # [B, Hkv, R]
+    rows = keys_t.gather(2, chosen[..., None].expand(-1, -1, -1, n)).float()  # [B, Hkv, R, n]
+    s = (qg.gather(-1, chosen[:, :, None].expand(-1, -1, G, -1)) @ rows).amax(2) * keys_s  # [B, Hkv, n]
+    P = -(-n // page)
+    return torch.nn.functional.pad(s, (0, P * page - n), value=float("-inf")).view(B, Hkv, P, page).amax(-1)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
@@ -139,7 +154,7 @@ def main(argv=None) -> int:
     if args.page != cache.layers[0].page:
         cache = repaged(cache, args.page)
     import attnlab.model.quest as quest
-    quest_read, bounds = llama.read_pages, quest.page_bounds
+    quest_read, bounds, by_channels = llama.read_pages, quest.page_bounds, quest.channel_scores
     for mode in args.modes.split(","):
         llama.read_pages = {"oracle": oracle_read, "mean": mean_read}.get(mode, quest_read)
         if mode.startswith("pca"):
@@ -148,18 +163,20 @@ def main(argv=None) -> int:
         elif mode.startswith("sparq"):
             llama.read_pages = sparq_read(int(mode[5:].lstrip("g")), shared=mode[5:].startswith("g"))
         quest.page_bounds = box_scores(float(mode[3:])) if mode.startswith("lam") else bounds
+        quest.channel_scores = head_max_channels if mode.startswith("hmax") else by_channels
         if mode.startswith("top"):
             r, _, lam = mode[3:].partition("_lam")
             quest.page_bounds = box_scores(float(lam or 1), int(r))
         spec = f"quest:{args.budget}:{args.page}:{mode[5:]}" if mode.startswith("dense") else \
             f"quest:{args.budget}:{args.page}:0:{mode[2:]}" if mode.startswith("ch") else \
+            f"quest:{args.budget}:{args.page}:0:{mode[4:]}" if mode.startswith("hmax") else \
             None if mode == "full" else f"quest:{args.budget}:{args.page}"
         preds = answer_batch(lm.with_attention(spec), copy.deepcopy(cache), logits.clone(), [[] for _ in samples],
                              [x["max_new"] for x in samples])
         scores = [100 * string_match_all(pr, x["answers"]) for pr, x in zip(preds, samples)]
         print(f"{args.length} s{args.index} {mode} ({spec}): avg {sum(scores) / len(scores):.1f} | " +
               " ".join(f"{t}={s:.1f}" for t, s in zip(TASKS, scores)), flush=True)
-    llama.read_pages, quest.page_bounds = quest_read, bounds
+    llama.read_pages, quest.page_bounds, quest.channel_scores = quest_read, bounds, by_channels
     return 0
 
 

@@ -47,57 +47,31 @@ inline __m256 codes8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
-// Keys 0 .. n - 1 of channel-major int8 rows kt (channel c at kt + c * ld) with scales ks: m[t] = max(m[t] if more,
-// ks[t] * max over the GN query heads g of sum_i q[g * R + i] * code[order[i]][t]); 32 keys at a time (4 x GN
-// independent FMA chains), then 8, then 1. ks >= 0, so scaling the heads' max equals the max of scaled scores.
-template <int GN>
-inline void score32(const float* q, const int8_t* kt, const float* ks, const int64_t* order, int64_t R, int64_t ld,
-                    int64_t n, bool more, float* m) {
-  const int64_t t1 = n;
+// Keys 0 .. n - 1 of channel-major int8 rows kt (channel c at kt + c * ld) with scales ks: m[t] = ks[t] * sum_i q[i]
+// * code[order[i]][t]; 64 keys at a time (8 independent FMA chains: one chain would wait on the FMA latency), then
+// 8, then 1.
+inline void score_keys(const float* q, const int8_t* kt, const float* ks, const int64_t* order, int64_t R, int64_t ld,
+                       int64_t n, float* m) {
   int64_t t = 0;
-  for (; t + 32 <= t1; t += 32) {
-    __m256 acc[GN][4];
-    for (int g = 0; g < GN; ++g)
-      for (int j = 0; j < 4; ++j) acc[g][j] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < R; ++i) {  // 12 accumulators, 3 weights and one widened row: the 16 registers
-      const int8_t* row = kt + order[i] * ld + t;
-      __m256 w[GN];
-      for (int g = 0; g < GN; ++g) w[g] = _mm256_set1_ps(q[g * R + i]);
-      for (int j = 0; j < 4; ++j) {
-        const __m256 k = codes8(row + 8 * j);
-        for (int g = 0; g < GN; ++g) acc[g][j] = _mm256_fmadd_ps(w[g], k, acc[g][j]);
-      }
-    }
-    for (int j = 0; j < 4; ++j) {
-      __m256 top = acc[0][j];
-      for (int g = 1; g < GN; ++g) top = _mm256_max_ps(top, acc[g][j]);
-      top = _mm256_mul_ps(top, _mm256_loadu_ps(ks + t + 8 * j));
-      if (more) top = _mm256_max_ps(_mm256_loadu_ps(m + t + 8 * j), top);
-      _mm256_storeu_ps(m + t + 8 * j, top);
-    }
-  }
-  for (; t + 8 <= t1; t += 8) {
-    __m256 acc[GN];
-    for (int g = 0; g < GN; ++g) acc[g] = _mm256_setzero_ps();
+  for (; t + 64 <= n; t += 64) {
+    __m256 acc[8];
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
     for (int64_t i = 0; i < R; ++i) {
-      const __m256 k = codes8(kt + order[i] * ld + t);
-      for (int g = 0; g < GN; ++g) acc[g] = _mm256_fmadd_ps(_mm256_set1_ps(q[g * R + i]), k, acc[g]);
+      const int8_t* row = kt + order[i] * ld + t;
+      const __m256 w = _mm256_set1_ps(q[i]);
+      for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(w, codes8(row + 8 * j), acc[j]);
     }
-    __m256 top = acc[0];
-    for (int g = 1; g < GN; ++g) top = _mm256_max_ps(top, acc[g]);
-    top = _mm256_mul_ps(top, _mm256_loadu_ps(ks + t));
-    if (more) top = _mm256_max_ps(_mm256_loadu_ps(m + t), top);
-    _mm256_storeu_ps(m + t, top);
+    for (int j = 0; j < 8; ++j) _mm256_storeu_ps(m + t + 8 * j, _mm256_mul_ps(acc[j], _mm256_loadu_ps(ks + t + 8 * j)));
   }
-  for (; t < t1; ++t) {  // pages of fewer than 8 slots: the tail
-    float top = -INFINITY;
-    for (int g = 0; g < GN; ++g) {
-      float acc = 0.f;
-      for (int64_t i = 0; i < R; ++i) acc = std::fma(q[g * R + i], static_cast<float>(kt[order[i] * ld + t]), acc);
-      top = std::max(top, acc);
-    }
-    top *= ks[t];
-    m[t] = more ? std::max(m[t], top) : top;
+  for (; t + 8 <= n; t += 8) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < R; ++i) acc = _mm256_fmadd_ps(_mm256_set1_ps(q[i]), codes8(kt + order[i] * ld + t), acc);
+    _mm256_storeu_ps(m + t, _mm256_mul_ps(acc, _mm256_loadu_ps(ks + t)));
+  }
+  for (; t < n; ++t) {  // pages of fewer than 8 slots: the tail
+    float acc = 0.f;
+    for (int64_t i = 0; i < R; ++i) acc = std::fma(q[i], static_cast<float>(kt[order[i] * ld + t]), acc);
+    m[t] = acc * ks[t];
   }
 }
 
@@ -149,31 +123,23 @@ void score_share(const float* q, const Pages& pg, int64_t Hkv, int64_t G, int64_
   const int64_t mid = P - 2, p0 = 1 + mid * tid / threads, p1 = 1 + mid * (tid + 1) / threads;
   if (p1 <= p0) return;
   const int64_t page = pg.size, s0 = p0 * page, s1 = p1 * page, R = channels;  // pages before P - 1 are whole
-  thread_local std::vector<float> weight, qs, best;
+  thread_local std::vector<float> sum, qs, best;
   thread_local std::vector<int64_t> order;
-  weight.resize(D), order.resize(D), qs.resize(G * R), best.resize(s1 - s0);
+  sum.resize(D), order.resize(D), qs.resize(R), best.resize(s1 - s0);
   for (int64_t h = 0; h < Hkv; ++h) {
-    for (int64_t c = 0; c < D; ++c) {  // summed in head order, as the eager reference
-      float w = 0.f;
-      for (int64_t g = 0; g < G; ++g) w += std::fabs(q[(h * G + g) * D + c]);
-      weight[c] = w;
+    for (int64_t c = 0; c < D; ++c) {  // the group's query, summed in head order as the eager reference
+      float x = 0.f;
+      for (int64_t g = 0; g < G; ++g) x += q[(h * G + g) * D + c];
+      sum[c] = x;
     }
     std::iota(order.begin(), order.end(), int64_t{0});
-    const float* w = weight.data();
-    std::partial_sort(order.begin(), order.begin() + R, order.end(),
-                      [w](int64_t a, int64_t b) { return w[a] > w[b] || (w[a] == w[b] && a < b); });
-    for (int64_t g = 0; g < G; ++g)
-      for (int64_t i = 0; i < R; ++i) qs[g * R + i] = q[(h * G + g) * D + order[i]];
-    const int8_t* kt = pg.keys_t + h * pg.t_head;
-    const float* ks = pg.keys_s + h * pg.s_head + s0;
-    for (int64_t g0 = 0; g0 < G; g0 += 3) {  // 3 query heads a pass: 32 keys x 3 heads = 12 FMA chains
-      const int64_t gn = std::min<int64_t>(3, G - g0);
-      const float* qg = qs.data() + g0 * R;
-      const int8_t* from = kt + s0;  // best[t - s0] for key t
-      if (gn == 3) score32<3>(qg, from, ks, order.data(), R, pg.t_row, s1 - s0, g0 > 0, best.data());
-      else if (gn == 2) score32<2>(qg, from, ks, order.data(), R, pg.t_row, s1 - s0, g0 > 0, best.data());
-      else score32<1>(qg, from, ks, order.data(), R, pg.t_row, s1 - s0, g0 > 0, best.data());
-    }
+    const float* w = sum.data();
+    std::partial_sort(order.begin(), order.begin() + R, order.end(), [w](int64_t a, int64_t b) {
+      return std::fabs(w[a]) > std::fabs(w[b]) || (std::fabs(w[a]) == std::fabs(w[b]) && a < b);
+    });
+    for (int64_t i = 0; i < R; ++i) qs[i] = sum[order[i]];
+    score_keys(qs.data(), pg.keys_t + h * pg.t_head + s0, pg.keys_s + h * pg.s_head + s0, order.data(), R, pg.t_row,
+               s1 - s0, best.data());  // best[t - s0] for key t
     float* o = out + h * ld;
     for (int64_t p = p0; p < p1; ++p) o[p] = *std::max_element(best.begin() + (p - p0) * page, best.begin() + (p - p0 + 1) * page);
   }

@@ -25,10 +25,10 @@ struct Pages {
 void bound_share(const float* q, const Pages& pg, int64_t Hkv, int64_t G, int64_t D, int64_t P, int64_t tid,
                  int64_t threads, float* out, int64_t ld);
 
-// As bound_share, but a page's score is its best key's approximate q.k (SparQ's step 1; model/quest.py's
-// channel_scores): per KV head the `channels` channels of largest sum over the group of |q| (ties: the lower
-// channel), and out[h * ld + p] = max over the page's keys of their scale times the max over the group's heads of
-// q_g . codes on those channels only, read from pg.keys_t (`channels` int8 rows of every key instead of every
+// As bound_share, but a page's score is its best key's approximate q.k (SparQ's step 1 with the group's query summed;
+// model/quest.py's channel_scores): per KV head the group's heads' queries summed (in head order), its `channels`
+// channels of largest |sum| (ties: the lower channel), and out[h * ld + p] = max over the page's keys of their scale
+// times sum . codes on those channels only, read from pg.keys_t (`channels` int8 rows of every key instead of every
 // page's min and max).
 void score_share(const float* q, const Pages& pg, int64_t Hkv, int64_t G, int64_t D, int64_t P, int64_t channels,
                  int64_t tid, int64_t threads, float* out, int64_t ld);

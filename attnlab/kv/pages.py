@@ -20,9 +20,9 @@ class QuestSpec:
     """budget: keys read per decode step, in tokens (whole pages: budget // page of them);
     page: slots per page (16, Quest's default); dense: the first layers, which read every key (Quest leaves
     its first two layers dense, where attention is not sparse); channels: 0 ranks pages by Quest's bound
-    from the page's key min/max; R > 0 by the largest q.k of the page's keys on the R channels where the
-    query group's |q| is largest (SparQ's approximate scores, Ribar et al. 2024), read from a channel-major
-    int8 copy of the keys the cache then keeps (`LayerKV.keys_t`, `channel_codes`)."""
+    from the page's key min/max; R > 0 by the largest q.k of the page's keys, q the KV head's group of queries
+    summed, on the R channels where its |q| is largest (SparQ's approximate scores, Ribar et al. 2024), read from
+    a channel-major int8 copy of the keys the cache then keeps (`LayerKV.keys_t`, `channel_codes`)."""
     budget: int
     page: int = 16
     dense: int = 0

@@ -25,26 +25,26 @@ def page_bounds(q: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor)
 
 def channel_scores(q: torch.Tensor, keys_t: torch.Tensor, keys_s: torch.Tensor, channels: int, page: int) -> torch.Tensor:
     """q [B, Hq, 1, D]; keys_t [B, Hkv, D, n] (the keys channel-major, int8) and keys_s [B, Hkv, n] (each key's
-    scale, `attnlab.kv.pages.channel_codes`) -> per KV head and page the largest approximate q.k of the page's
-    keys [B, Hkv, P], over the group's heads.
+    scale, `attnlab.kv.pages.channel_codes`) -> per KV head and page the largest approximate score of the page's
+    keys [B, Hkv, P].
 
     Why: the bound adds up per-channel extremes that different keys reach, so on a small model whose keys
     wander (RoPE turns most channel pairs within a page) it ranks pages far from their true best key
     (docs/kv.md: 16.1 RULER points of full's 36.8 at 1/8, against 36.5 for pages ranked by their true best key).
-    SparQ's step 1 (Ribar et al. 2024) approximates each key's q.k on the few channels that carry most of
-    it: the R channels where the group's summed |q| is largest (ties: the lower channel), one set per KV head
-    so the group reads R rows of keys_t. A page's score is its best key's: the codes' dot product, its max over
-    the group's heads, times the key's scale (as the native step orders it)."""
+    SparQ's step 1 (Ribar et al. 2024) approximates each key's q.k on the few channels that carry most of it.
+    Here the query is the KV head's group summed (the keys are shared; one product per key instead of one per
+    query head, and the scoring is bound by its arithmetic), the channels the R of largest |sum| (ties: the
+    lower channel), a key's score its codes' dot product times its scale, a page's its best key's. Measured
+    against the max over the group's heads: docs/kv.md."""
     B, Hq, _, D = q.shape
     Hkv, n = keys_t.shape[1], keys_t.shape[3]
-    G = Hq // Hkv
-    qg = q.float().reshape(B, Hkv, G, D)
-    weight = qg[:, :, 0].abs()
-    for g in range(1, G):  # in head order, as the native step sums them
-        weight = weight + qg[:, :, g].abs()
-    chosen = weight.sort(dim=-1, descending=True, stable=True).indices[..., :channels]  # [B, Hkv, R]
+    qg = q.float().reshape(B, Hkv, Hq // Hkv, D)
+    summed = qg[:, :, 0]
+    for g in range(1, Hq // Hkv):  # in head order, as the native step sums them
+        summed = summed + qg[:, :, g]
+    chosen = summed.abs().sort(dim=-1, descending=True, stable=True).indices[..., :channels]  # [B, Hkv, R]
     rows = keys_t.gather(2, chosen[..., None].expand(-1, -1, -1, n)).float()  # [B, Hkv, R, n]
-    s = (qg.gather(-1, chosen[:, :, None].expand(-1, -1, G, -1)) @ rows).amax(2) * keys_s  # [B, Hkv, n]
+    s = (summed.gather(-1, chosen)[:, :, None] @ rows)[:, :, 0] * keys_s  # [B, Hkv, n]
     P = -(-n // page)
     return torch.nn.functional.pad(s, (0, P * page - n), value=float("-inf")).view(B, Hkv, P, page).amax(-1)
 

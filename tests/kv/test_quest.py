@@ -89,8 +89,8 @@ def reference_logits(lm, ids, prefill, budget, page, channels=0):
     """Brute force from the definition: one causal pass over all tokens where each decode query t sees only
     its chosen pages (per KV head: bound = max over the group's heads of sum_c max(q_c min_c, q_c max_c) over
     the page's keys 0..t; the first and last page, then the highest bounds, budget // page pages). channels:
-    a page's score is instead the largest q_g . k over its keys and the group's heads g, summed over the
-    `channels` channels of largest sum_g |q_g| only, each key rounded to int8 against its largest |channel|."""
+    a page's score is instead the largest (sum_g q_g) . k over its keys, on the `channels` channels of largest
+    |sum_g q_g| only, each key rounded to int8 against its largest |channel|."""
     model, cfg = lm.model, lm.cfg
     B, N = ids.shape
     G = cfg.n_heads // cfg.n_kv_heads
@@ -109,17 +109,16 @@ def reference_logits(lm, ids, prefill, budget, page, channels=0):
                 for h in range(cfg.n_kv_heads):
                     bounds = []
                     heads = range(h * G, (h + 1) * G)
-                    weight = [sum(abs(float(q[b, g, t, c])) for g in heads) for c in range(cfg.head_dim)]
-                    chosen = sorted(range(cfg.head_dim), key=lambda c: (-weight[c], c))[:channels]
+                    summed = [sum(float(q[b, g, t, c]) for g in heads) for c in range(cfg.head_dim)]
+                    chosen = sorted(range(cfg.head_dim), key=lambda c: (-abs(summed[c]), c))[:channels]
                     for p in range(n_pages):
                         keys = k[b, h, p * page:min((p + 1) * page, t + 1)]
                         if channels:
                             scale = [float(keys[j].abs().max()) / 127 for j in range(keys.shape[0])]
                             codes = [[round(float(keys[j, c]) / scale[j]) if scale[j] else 0 for c in chosen]
                                      for j in range(keys.shape[0])]
-                            bounds.append(max(scale[j] * float(sum(float(q[b, g, t, c]) * x
-                                                                   for c, x in zip(chosen, codes[j])))
-                                              for g in heads for j in range(keys.shape[0])))
+                            bounds.append(max(scale[j] * sum(summed[c] * x for c, x in zip(chosen, codes[j]))
+                                              for j in range(keys.shape[0])))
                             continue
                         lo, hi = keys.min(0).values, keys.max(0).values
                         bounds.append(max(float(torch.maximum(q[b, g, t] * lo, q[b, g, t] * hi).sum())
