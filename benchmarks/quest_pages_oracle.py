@@ -75,12 +75,10 @@ def mean_read(q, kv, spec, k, v, mask):
 
 def _ranked_read(s, kv, spec, k, v, mask):
     """Read the pages with the largest per-token scores s [B, Hkv, n] (their page's max)."""
-    from attnlab.model.quest import read_chosen, select_pages
-    n = s.shape[-1]
-    P = kv.page_min.shape[2]
+    from attnlab.model.quest import page_best, read_chosen, select_pages
     if mask is not None:
         s = s.masked_fill(~mask[:, :, 0], float("-inf"))
-    s = torch.nn.functional.pad(s, (0, P * kv.page - n), value=float("-inf")).reshape(*s.shape[:2], P, kv.page).amax(-1)
+    s = page_best(s, kv.page)
     return read_chosen(select_pages(s, spec.budget, kv.page), kv, k, v, mask)
 
 
@@ -122,9 +120,8 @@ def head_max_channels(q, keys_t, keys_s, channels, page):
     qg = q.float().reshape(B, Hkv, G, D)
     chosen = qg.abs().sum(2).sort(dim=-1, descending=True, stable=True).indices[..., :channels]  # [B, Hkv, R]
     rows = keys_t.gather(2, chosen[..., None].expand(-1, -1, -1, n)).float()  # [B, Hkv, R, n]
-    s = (qg.gather(-1, chosen[:, :, None].expand(-1, -1, G, -1)) @ rows).amax(2) * keys_s  # [B, Hkv, n]
-    P = -(-n // page)
-    return torch.nn.functional.pad(s, (0, P * page - n), value=float("-inf")).view(B, Hkv, P, page).amax(-1)
+    from attnlab.model.quest import page_best
+    return page_best((qg.gather(-1, chosen[:, :, None].expand(-1, -1, G, -1)) @ rows).amax(2) * keys_s, page)
 
 
 def main(argv=None) -> int:

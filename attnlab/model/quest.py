@@ -44,9 +44,14 @@ def channel_scores(q: torch.Tensor, keys_t: torch.Tensor, keys_s: torch.Tensor, 
         summed = summed + qg[:, :, g]
     chosen = summed.abs().sort(dim=-1, descending=True, stable=True).indices[..., :channels]  # [B, Hkv, R]
     rows = keys_t.gather(2, chosen[..., None].expand(-1, -1, -1, n)).float()  # [B, Hkv, R, n]
-    s = (summed.gather(-1, chosen)[:, :, None] @ rows)[:, :, 0] * keys_s  # [B, Hkv, n]
+    return page_best((summed.gather(-1, chosen)[:, :, None] @ rows)[:, :, 0] * keys_s, page)
+
+
+def page_best(s: torch.Tensor, page: int) -> torch.Tensor:
+    """Per-key scores s [B, Hkv, n] -> each page's largest [B, Hkv, ceil(n / page)] (the last page may be partial)."""
+    n = s.shape[-1]
     P = -(-n // page)
-    return torch.nn.functional.pad(s, (0, P * page - n), value=float("-inf")).view(B, Hkv, P, page).amax(-1)
+    return torch.nn.functional.pad(s, (0, P * page - n), value=float("-inf")).view(*s.shape[:2], P, page).amax(-1)
 
 
 def select_pages(bounds: torch.Tensor, budget: int, page: int) -> torch.Tensor | None:
