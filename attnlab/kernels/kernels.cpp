@@ -246,6 +246,15 @@ struct Q8 {
     const auto d = per == 1 ? dot_q8<R::value, 1> : dot_q8<R::value, 0>;
     d(Q, S, rows, G, per, xa.q + m * K, xa.d + m * K / 32, o);
   }
+  // R weight rows times activation rows m .. m + 3 into o[a * ldo + i] (group 32)
+  bool batched() const { return per == 1; }
+  template <class R>
+  void four(R, const int64_t* rows, int64_t m, float* o, int64_t ldo) const {
+    const int8_t* X[4];
+    const float* D[4];
+    for (int a = 0; a < 4; ++a) X[a] = xa.q + (m + a) * K, D[a] = xa.d + (m + a) * K / 32;
+    for (int i = 0; i < R::value; ++i) dot_q8_x4(Q + rows[i] * K, S + rows[i] * G, G, X, D, o + i, ldo);
+  }
   Rows rows() const { return Rows(Q, K, K); }
 };
 

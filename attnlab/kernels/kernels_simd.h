@@ -211,6 +211,22 @@ inline void dot_q8(const int8_t* Q, const float* S, const int64_t* rows, int64_t
   for (int i = 0; i < R; ++i) out[i] = hsum(acc[i]);
 }
 
+// dot_q8<1, 1> of one weight row (group 32) against 4 activation rows (X[a], D[a]) into out[a * ldo]: each block's
+// |w| is made once for the four. Per activation row the same operations in the same order as dot_q8, so each
+// output has the same bits (a batched decode step equals four single steps); about 1.3x the rows per second.
+inline void dot_q8_x4(const int8_t* w, const float* sr, int64_t G, const int8_t* const* X, const float* const* D,
+                      float* out, int64_t ldo) {
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t b = 0; b < G; ++b) {
+    const __m256i wv = load32(w + b * 32), u = _mm256_sign_epi8(wv, wv);
+    for (int a = 0; a < 4; ++a) {
+      const __m256 p = dot_u8i8(u, _mm256_sign_epi8(load32(X[a] + b * 32), wv));
+      acc[a] = _mm256_fmadd_ps(p, _mm256_set1_ps(D[a][b] * sr[b]), acc[a]);
+    }
+  }
+  for (int a = 0; a < 4; ++a) out[a * ldo] = hsum(acc[a]);
+}
+
 // lut4: one byte shuffle turns 32 codes into their int8 centroids, then q8's integer dot.
 template <int R, int P = 0>  // P: `per` known at compile time (1 for group 32), 0 if not
 inline void dot_lut4(const uint8_t* Q, const int8_t* L, const float* LS, const int64_t* rows, int64_t G, int64_t per_,

@@ -25,8 +25,8 @@ def test_kernel_op_equals_forward(spec, rows):
 @pytest.mark.parametrize("spec", ["int8", "int8:32", "int4:32", "int4:64", "kmeans:4"])
 @pytest.mark.parametrize("K", [128, 1536])
 def test_a_batch_of_rows_gives_each_row_the_bits_it_gets_alone(spec, K):
-    """A batched decode step hands the kernels B activation rows (int4 at group 32 takes them four at a time per
-    weight read): each output row must be the product that row gets alone, bit for bit."""
+    """A batched decode step hands the kernels B activation rows (int4 and int8 at group 32 take them four at a
+    time per weight read): each output row must be the product that row gets alone, bit for bit."""
     if not ops.load():
         pytest.skip("no C++ kernels on this machine")
     torch.manual_seed(0)
