@@ -45,6 +45,11 @@ class Kind:
             return False
         return self.name == "int4" or group in (16, 32) or group % 32 == 0
 
+    def batched(self, K: int, group: int) -> bool:
+        """Does the row layout's matmul read each weight once for four activation rows (int4 at group 32 with K of
+        64k, int8 at group 32)? Then it beats dequantising the weight for a float matmul up to a few hundred rows."""
+        return self.name in ("int4", "int8") and group == 32 and (self.name == "int8" or K % 64 == 0)
+
     def needs_repack(self, group: int, has_min: bool) -> bool:
         """No row-layout kernel: int8 with a min or in groups of 16 (GGUF K-quants)."""
         return self.min_flag and (has_min or group % 32 != 0)

@@ -2,8 +2,9 @@
 
 At batch 1 the layer multiplies straight from the codes (a fused kernel, see
 `attnlab.kernels`: int8 activations, k-means centroids rounded to int8);
-from `FUSED_MAX_ROWS` rows on (prefill, perplexity) it dequantises the weight
-once and runs a float matmul, which is compute-bound anyway, except where the weights are
+past `FUSED_MAX_ROWS` rows (`BATCHED_MAX_ROWS` where the kernel reads each weight once for four rows:
+a server's prefill chunks beside decoding rows) it dequantises the weight per call and runs a float matmul,
+which is compute-bound anyway, except where the weights are
 repacked into 16-row blocks (`attnlab.kernels.repack`, AVX-512 VNNI): there the integer kernel
 serves every M (measured faster than the float matmul at M = 512). `fused=False` keeps the talk's cautionary baseline: look the weights up,
 then matmul, at every call.
@@ -22,6 +23,9 @@ from attnlab.quant.formats import Packed, cat_rows, common_format
 from attnlab.quant.kinds import KINDS
 
 FUSED_MAX_ROWS = 8
+# Measured per layer, integer kernel against dequantise + float matmul, 1 thread (AVX2): Qwen2.5-0.5B's int8 w13
+# [9728, 896] 5.3 / 52.2 ms at 16 rows, 74.5 / 102.5 at 256, 159 / 146 at 512; SmolLM2's int4 w13 11.8 / 13.4 at 256.
+BATCHED_MAX_ROWS = 256
 METHODS = tuple(KINDS)
 
 
@@ -91,7 +95,7 @@ class QuantLinear(nn.Module):
     `packed`, `row_operands`, the state dict: rebuilt on demand, paid only by their users); its forward,
     `nbytes` and the native step (`spans`, `kernel(rows)`) work per part."""
 
-    max_rows = FUSED_MAX_ROWS  # longer inputs are multiplied by the dequantised matrix (faster for prefill)
+    max_rows: int | None = None  # longer inputs are multiplied by the dequantised matrix; None: by the format
 
     def __init__(self, packed: Packed | list[Packed], bias: torch.Tensor | None = None, fused: bool = True):
         super().__init__()
@@ -257,7 +261,7 @@ class QuantLinear(nn.Module):
                 y = y + self.bias
             return y.view(*shape[:-1], self.out_features).to(x.dtype)
         # repacked blocks: the integer kernel at any M (prefill too: faster than dequantise + float matmul)
-        if self.fused and (x2.shape[0] <= self.max_rows or self.repacked) and ops.enabled():
+        if self.fused and (x2.shape[0] <= self.fused_rows() or self.repacked) and ops.enabled():
             name, args = self.kernel()
             y = getattr(ops, name)(x2.contiguous(), *args)
             if self.bias is not None:
@@ -265,6 +269,12 @@ class QuantLinear(nn.Module):
         else:
             y = F.linear(x2, self.dequantize(), self.bias)
         return y.view(*shape[:-1], self.out_features).to(x.dtype)
+
+    def fused_rows(self) -> int:
+        """The most rows the integer kernel multiplies; past them, the dequantised matrix (see the module's notes)."""
+        if self.max_rows is not None:
+            return self.max_rows
+        return BATCHED_MAX_ROWS if self.fmt.batched(self.in_features, self.group) else FUSED_MAX_ROWS
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of this layer's output, its rows gate then up (an MLP's w13): `ops.silu_mul(self(x))`,

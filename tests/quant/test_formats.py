@@ -5,7 +5,6 @@ import torch
 from attnlab.kernels import ops
 from attnlab.quant import QuantLinear, QuantSpec
 from attnlab.quant.formats import pack4, quantize_int4, quantize_int8, quantize_kmeans, round_activations, unpack4
-from attnlab.quant.linear import FUSED_MAX_ROWS
 
 SPECS = ["int8", "int8:32", "int4:32", "int4:64", "int4:128", "kmeans:4", "kmeans:3", "kmeans:4:64", "kmeans-naive:4"]
 
@@ -67,10 +66,10 @@ def _integer_reference(layer, x, bias):
 
 
 @pytest.mark.parametrize("spec", SPECS)
-@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("rows", [1, 3, 16, 160])
 def test_layer_equals_dequantised_matmul(w, spec, rows):
     """Every path against dequantise-then-float-matmul: exact with float activations (the naive
-    path, and every row-layout format from FUSED_MAX_ROWS rows on), within activation (and centroid)
+    path, and every row-layout format past its `fused_rows()`), within activation (and centroid)
     rounding for the integer kernels, whose own arithmetic is checked against a float emulation."""
     s = QuantSpec.parse(spec)
     bias = torch.randn(96)
@@ -79,7 +78,7 @@ def test_layer_equals_dequantised_matmul(w, spec, rows):
     ref = torch.nn.functional.linear(x, layer.dequantize(), bias)
     got = layer(x)
     # repacked layers (AVX-512 VNNI) run the integer kernel at every M
-    integer = s.fused and (2 * rows <= FUSED_MAX_ROWS or layer.repacked) and ops.enabled()
+    integer = s.fused and (2 * rows <= layer.fused_rows() or layer.repacked) and ops.enabled()
     if integer:
         torch.testing.assert_close(got, _integer_reference(layer, x, bias), atol=1e-4, rtol=1e-5)
         assert (got - ref).norm() / (ref - bias).norm() < 3e-2  # int8 activations: about 1% on random data

@@ -125,7 +125,7 @@ def test_the_rounding_left_is_bounded(lm):
 
 def test_the_quantized_default_differs_more_and_is_bounded(smollm2):
     """The file's own int4 weights (the default load): a decode step multiplies int8-rounded activations
-    (`attnlab.quant.linear`, fewer than FUSED_MAX_ROWS rows), a prefill chunk the dequantised weight in
+    (`attnlab.quant.linear`, up to `fused_rows()` rows), a longer prefill chunk the dequantised weight in
     float, so the held reply's keys and values differ from a replay's: measured 0.28-0.84 in logits."""
     import attnlab
     model = attnlab.load("smollm2-135m")
