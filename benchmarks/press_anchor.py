@@ -41,12 +41,13 @@ def _unique(recs: dict) -> list:
 
 
 def run(samples_path: str, out: str, presses: list[str], ratios: list[float], model: str, extra: list[str],
-        questions: list[str], argv: list[str], quest: bool = False) -> None:
+        questions: list[str], argv: list[str], quest: tuple[int, ...] = ()) -> None:
     """questions: "out" (kvpress's protocol: the context pressed, the question fed after) and/or "in" (the whole
     prompt pressed). Both from one context prefill: "in" continues a copy of it with the question, observed.
-    quest: a cell per ratio R that presses nothing and answers with Quest reading (1 - R) of the prompt's tokens
-    per step (whole pages of 16 by their bound, question out): the same share of the cache read as a press of
-    ratio R leaves, but every token kept in memory, so a later query can still reach it."""
+    quest: channel counts; per count C and ratio R a cell that presses nothing and answers with Quest reading
+    (1 - R) of the prompt's tokens per step (whole pages of 16, ranked by Quest's bound for C = 0, by the best key
+    on C channels otherwise; question out): the same share of the cache read as a press of ratio R leaves, but
+    every token kept in memory, so a later query can still reach it. Named "quest" (C = 0) or "quest:cC"."""
     import attnlab
     from attnlab.eval.ruler_run import answer_batch
     from attnlab.io import provenance, write_json
@@ -59,7 +60,8 @@ def run(samples_path: str, out: str, presses: list[str], ratios: list[float], mo
     samples = json.loads(Path(samples_path).read_text())
     names = [n for n in presses + extra if n]
     cells = [("full", "out", 0.0)] + [(n, q, r) for q in questions for n in names for r in ratios]
-    cells += [("quest", "out", r) for r in ratios] if quest else []
+    quests = {("quest" if c == 0 else f"quest:c{c}"): c for c in quest}
+    cells += [(name, "out", r) for name in quests for r in ratios]
     results = []
     for s in samples:
         start = time.process_time()
@@ -81,8 +83,9 @@ def run(samples_path: str, out: str, presses: list[str], ratios: list[float], mo
             base, recorders, first, rest = state[question]
             pressed = copy.deepcopy(base)
             answerer = full
-            if name == "quest":
-                answerer = lm.with_attention(QuestSpec(16 * max(2, round((1 - ratio) * len(s["ids"]) / 16)), 16))
+            if name in quests:
+                budget = 16 * max(2, round((1 - ratio) * len(s["ids"]) / 16))
+                answerer = lm.with_attention(QuestSpec(budget, 16, 0, quests[name]))
             elif name != "full":
                 compress(pressed, made[(name, ratio)], recorders[name])
             pred = answer_batch(answerer, pressed, first, [rest], [s["max_new"]])[0]
@@ -229,8 +232,9 @@ def main() -> int:
     p.add_argument("--extra", default="", help="our presses kvpress has not (h2o, sink_h2o)")
     p.add_argument("--ratios", default="0.25,0.5,0.75")
     p.add_argument("--question", default="out", help="out, in, or out,in: press the question too (in)")
-    p.add_argument("--quest", action="store_true",
-                   help="also Quest over the unpressed cache, reading (1 - ratio) of the prompt per step")
+    p.add_argument("--quest", nargs="?", const="0", default="",
+                   help="also Quest over the unpressed cache, reading (1 - ratio) of the prompt per step; "
+                        "optional channel counts (0: Quest's bound; e.g. 0,16)")
     p.add_argument("--out", default=None)
     p.add_argument("--compare-kept", default=None, metavar="KVPRESS_PT", help="compare kept indices with kvpress's")
     a = p.parse_args()
@@ -240,7 +244,8 @@ def main() -> int:
         merge(*a.merge, a.out)
     else:
         run(a.samples, a.out, a.presses.split(","), [float(r) for r in a.ratios.split(",")], a.model,
-            [x for x in a.extra.split(",") if x], a.question.split(","), sys.argv[1:], a.quest)
+            [x for x in a.extra.split(",") if x], a.question.split(","), sys.argv[1:],
+            tuple(int(c) for c in a.quest.split(",") if c))
     return 0
 
 
