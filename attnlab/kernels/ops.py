@@ -116,6 +116,21 @@ def silu_mul(h: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------- quantized matmuls
 
+def dequant_q8(q: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """int8 codes q [N, K] (scale, min [N, K/group]) dequantised into out [N, K] float32, and returned: one pass,
+    no new tensor (a long prompt's float matmul; `dequantize_int8_blocks`' bits)."""
+    if enabled():
+        return torch.ops.attnlab.dequant_q8(q, scale, min_, out)
+    return out.copy_(dequantize_int8_blocks(q, scale, min_=min_))
+
+
+def dequant_q4(qs: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """int4 codes qs [N, K/2] (scale, min [N, K/group]) dequantised into out [N, K] float32 (`dequantize_int4`'s bits)."""
+    if enabled():
+        return torch.ops.attnlab.dequant_q4(qs, scale, min_, out)
+    return out.copy_(dequantize_int4(qs, scale, min_, 2 * qs.shape[-1] // scale.shape[-1]))
+
+
 def q8_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
     if enabled():
         return torch.ops.attnlab.q8_mm(x, q, scale, group)

@@ -11,6 +11,7 @@ then matmul, at every call.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +27,18 @@ FUSED_MAX_ROWS = 8
 # Measured per layer, integer kernel against dequantise + float matmul, 1 thread (AVX2): Qwen2.5-0.5B's int8 w13
 # [9728, 896] 5.3 / 52.2 ms at 16 rows, 74.5 / 102.5 at 256, 159 / 146 at 512; SmolLM2's int4 w13 11.8 / 13.4 at 256.
 BATCHED_MAX_ROWS = 256
+SCRATCH_MAX = 1 << 24  # floats (64 MiB): larger weights (a vocabulary's head) get a new tensor per call
 METHODS = tuple(KINDS)
+_SCRATCH = threading.local()
+
+
+def _scratch(n: int) -> torch.Tensor:
+    """n floats of this thread's dequantisation buffer, which every layer's float matmul reuses (grown, never shrunk)."""
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.numel() < n:
+        with torch.inference_mode(False):  # a normal tensor: written in place in and out of inference mode
+            buf = _SCRATCH.buf = torch.empty(n)
+    return buf[:n]
 
 
 @dataclass(frozen=True)
@@ -267,8 +279,22 @@ class QuantLinear(nn.Module):
             if self.bias is not None:
                 y = y + self.bias
         else:
-            y = F.linear(x2, self.dequantize(), self.bias)
+            y = F.linear(x2, self._float_weight(x2.requires_grad), self.bias)
         return y.view(*shape[:-1], self.out_features).to(x.dtype)
+
+    def _float_weight(self, keep: bool) -> torch.Tensor:
+        """The dequantised matrix a float matmul multiplies by. The fused int8 / int4 row layouts write it in one pass
+        into this thread's scratch buffer (`ops.dequant_q8` / `dequant_q4`; torch's cast and multiply, each into new
+        pages, cost Qwen2.5-0.5B's w13 64 ms a call); keep (autograd will read it later), the naive baseline, other
+        formats and large weights get `dequantize()`'s new tensor."""
+        N, K = self.out_features, self.in_features
+        if (keep or not self.fused or self.repacked or self.kind not in ("int8", "int4") or N * K > SCRATCH_MAX
+                or self.scale.dtype != torch.float32):
+            return self.dequantize()
+        out = _scratch(N * K).view(N, K)
+        if self.kind == "int8":
+            return ops.dequant_q8(self.q, self.scale, self.min if self.has_min else None, out)
+        return ops.dequant_q4(self.qs, self.scale, self.min, out)
 
     def fused_rows(self) -> int:
         """The most rows the integer kernel multiplies; past them, the dequantised matrix (see the module's notes)."""

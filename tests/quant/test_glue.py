@@ -71,3 +71,76 @@ def test_a_quantized_mlp_gates_in_the_matmul(spec, monkeypatch):
         assert torch.equal(mlp.activation(x), ops.silu_mul(mlp.w13(x)))
         assert len(calls) == (T >= 16)
         calls.clear()
+
+
+@pytest.mark.parametrize("kind,group,with_min", [("int8", 32, False), ("int8", 16, True), ("int8", 0, False),
+                                                 ("int4", 32, True), ("int4", 64, True)])
+def test_dequantising_into_a_buffer_keeps_dequantize_bits(kind, group, with_min):
+    """`ops.dequant_q8` / `dequant_q4` write what `Packed.dequantize()` returns, bit for bit (a multiply, then the
+    min added: no fused multiply-add), over whatever the buffer held; the fallback too."""
+    from attnlab.quant.formats import Packed
+
+    g = torch.Generator().manual_seed(4)
+    N, K = 37, 192
+    G = K // (group or K)
+    scale, min_ = torch.rand(N, G, generator=g) * 0.03 + 1e-4, torch.randn(N, G, generator=g) * 0.1
+    if kind == "int8":
+        q = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
+        p = Packed("int8", (N, K), group or K, 8, q=q, scale=scale, min=min_ if with_min else None)
+        run = lambda out: ops.dequant_q8(q, scale, p.min, out)  # noqa: E731
+    else:
+        qs = torch.randint(0, 256, (N, K // 2), generator=g, dtype=torch.uint8)
+        p = Packed("int4", (N, K), group, 4, qs=qs, scale=scale, min=min_)
+        run = lambda out: ops.dequant_q4(qs, scale, min_, out)  # noqa: E731
+    want = p.dequantize()
+    out = torch.full((N, K), float("nan"))
+    assert run(out) is out and torch.equal(out, want)
+    with ops.disabled():
+        assert torch.equal(run(torch.zeros(N, K)), want)
+
+
+@pytest.mark.parametrize("spec", ["int8:32", "int4:32"])
+def test_a_long_input_multiplies_the_layers_own_weight(spec):
+    """Past the integer kernels' rows a layer multiplies its dequantised weight from a buffer every layer of the
+    thread reuses: each layer's product is still x W^T of its own W (two layers in turn, the first again), and
+    autograd gets a weight of its own (a later layer's dequantisation does not overwrite it)."""
+    from attnlab.quant import QuantSpec
+    from attnlab.quant.linear import QuantLinear
+
+    g = torch.Generator().manual_seed(5)
+    a, b = (QuantLinear(QuantSpec.parse(spec).quantize(torch.randn(n, 64, generator=g) * 0.1)) for n in (96, 160))
+    x = torch.randn(300, 64, generator=g)
+    assert x.shape[0] > a.fused_rows()
+    ya = a(x)
+    assert torch.equal(ya, F.linear(x, a.dequantize()))
+    assert torch.equal(b(x), F.linear(x, b.dequantize()))
+    assert torch.equal(a(x), ya)
+    xg = x.clone().requires_grad_()
+    y = a(xg)
+    b(x)  # the shared buffer now holds b's weight
+    y.sum().backward()
+    torch.testing.assert_close(xg.grad, torch.ones(300, 96) @ a.dequantize(), rtol=1e-6, atol=1e-6)
+
+
+def test_the_buffer_serves_inference_mode_and_outside_it():
+    """A thread's buffer made under torch.inference_mode is written again outside it (and by the fallback)."""
+    import threading
+
+    from attnlab.quant import QuantSpec
+    from attnlab.quant.linear import QuantLinear
+
+    layer = QuantLinear(QuantSpec.parse("int8:32").quantize(torch.randn(64, 64) * 0.1))
+    x, want, got = torch.randn(300, 64), None, []
+
+    def run():
+        with torch.inference_mode():
+            got.append(layer(x).clone())
+        with ops.disabled():
+            got.append(layer(x))
+        got.append(layer(x))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    want = F.linear(x, layer.dequantize())
+    assert len(got) == 3 and all(torch.equal(y, want) for y in got)
