@@ -1,13 +1,10 @@
 """A linear layer whose weight stays quantized, and the swap that puts it into a network.
 
-At batch 1 the layer multiplies straight from the codes (a fused kernel, see
-`attnlab.kernels`: int8 activations, k-means centroids rounded to int8);
-past `FUSED_MAX_ROWS` rows (`BATCHED_MAX_ROWS` where the kernel reads each weight once for four rows:
-a server's prefill chunks beside decoding rows) it dequantises the weight per call and runs a float matmul,
-which is compute-bound anyway, except where the weights are
-repacked into 16-row blocks (`attnlab.kernels.repack`, AVX-512 VNNI): there the integer kernel
-serves every M (measured faster than the float matmul at M = 512). `fused=False` keeps the talk's cautionary baseline: look the weights up,
-then matmul, at every call.
+At batch 1 the layer multiplies straight from the codes (a fused kernel, see `attnlab.kernels`); past
+`FUSED_MAX_ROWS` rows (`BATCHED_MAX_ROWS` where the kernel reads each weight once for four rows) it dequantises
+the weight per call into a reused buffer and runs a float matmul, except where the weights are repacked into
+16-row blocks (`attnlab.kernels.repack`): there the integer kernel serves every M. `fused=False` keeps the talk's
+cautionary baseline: look the weights up, then matmul, at every call.
 """
 from __future__ import annotations
 
@@ -28,12 +25,11 @@ FUSED_MAX_ROWS = 8
 # [9728, 896] 5.3 / 52.2 ms at 16 rows, 74.5 / 102.5 at 256, 159 / 146 at 512; SmolLM2's int4 w13 11.8 / 13.4 at 256.
 BATCHED_MAX_ROWS = 256
 SCRATCH_MAX = 1 << 24  # floats (64 MiB): larger weights (a vocabulary's head) get a new tensor per call
-METHODS = tuple(KINDS)
-_SCRATCH = threading.local()
+METHODS, _SCRATCH = tuple(KINDS), threading.local()
 
 
 def _scratch(n: int) -> torch.Tensor:
-    """n floats of this thread's dequantisation buffer, which every layer's float matmul reuses (grown, never shrunk)."""
+    """n floats of this thread's dequantisation buffer, reused by every layer (grown, never shrunk)."""
     buf = getattr(_SCRATCH, "buf", None)
     if buf is None or buf.numel() < n:
         with torch.inference_mode(False):  # a normal tensor: written in place in and out of inference mode
@@ -283,10 +279,8 @@ class QuantLinear(nn.Module):
         return y.view(*shape[:-1], self.out_features).to(x.dtype)
 
     def _float_weight(self, keep: bool) -> torch.Tensor:
-        """The dequantised matrix a float matmul multiplies by. The fused int8 / int4 row layouts write it in one pass
-        into this thread's scratch buffer (`ops.dequant_q8` / `dequant_q4`; torch's cast and multiply, each into new
-        pages, cost Qwen2.5-0.5B's w13 64 ms a call); keep (autograd will read it later), the naive baseline, other
-        formats and large weights get `dequantize()`'s new tensor."""
+        """The dequantised matrix for a float matmul: int8 / int4 rows in one pass into this thread's buffer
+        (`ops.dequant_q8` / `dequant_q4`); keep (autograd reads it later), naive, other formats: `dequantize()`."""
         N, K = self.out_features, self.in_features
         if (keep or not self.fused or self.repacked or self.kind not in ("int8", "int4") or N * K > SCRATCH_MAX
                 or self.scale.dtype != torch.float32):
