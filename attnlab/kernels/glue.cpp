@@ -46,8 +46,8 @@ torch::Tensor silu_mul(const torch::Tensor& h) {
 
 // Why: past the integer kernels' rows a prompt's chunk is multiplied by the dequantised matrix, and torch's
 // dequantisation (a cast, then a broadcast multiply, each into a new tensor whose pages fault in) took 64 ms
-// for Qwen2.5-0.5B's w13 [9728, 896] at 1 thread: about a third of its float matmul at 512 rows. One pass
-// here, into a buffer the caller keeps. The same bits as `dequantize()`: w = c * s, then + m (no fused
+// for Qwen2.5-0.5B's w13 [9728, 896] at 1 thread (other jobs running; `benchmarks/prefill_dequant.py` measures
+// it). One pass here, into a buffer the caller keeps. The same bits as `dequantize()`: w = c * s, then + m (no fused
 // multiply-add, as torch's two ops round twice).
 inline void scale_8(const __m256 c, float s, const float* m, float* o) {
   __m256 w = _mm256_mul_ps(c, _mm256_set1_ps(s));
