@@ -100,12 +100,15 @@ def test_dequantising_into_a_buffer_keeps_dequantize_bits(kind, group, with_min)
 
 
 @pytest.mark.parametrize("spec", ["int8:32", "int4:32"])
-def test_a_long_input_multiplies_the_layers_own_weight(spec):
+def test_a_long_input_multiplies_the_layers_own_weight(spec, monkeypatch):
     """Past the integer kernels' rows a layer multiplies its dequantised weight from a buffer every layer of the
     thread reuses: each layer's product is still x W^T of its own W (two layers in turn, the first again), and
-    autograd gets a weight of its own (a later layer's dequantisation does not overwrite it)."""
+    autograd gets a weight of its own (a later layer's dequantisation does not overwrite it). The row layout:
+    repacked weights (AVX-512 VNNI) take the integer kernel at any M."""
     from attnlab.quant import QuantSpec
     from attnlab.quant.linear import QuantLinear
+
+    monkeypatch.setenv("ATTNLAB_REPACK", "0")
 
     g = torch.Generator().manual_seed(5)
     a, b = (QuantLinear(QuantSpec.parse(spec).quantize(torch.randn(n, 64, generator=g) * 0.1)) for n in (96, 160))
@@ -122,13 +125,14 @@ def test_a_long_input_multiplies_the_layers_own_weight(spec):
     torch.testing.assert_close(xg.grad, torch.ones(300, 96) @ a.dequantize(), rtol=1e-6, atol=1e-6)
 
 
-def test_the_buffer_serves_inference_mode_and_outside_it():
+def test_the_buffer_serves_inference_mode_and_outside_it(monkeypatch):
     """A thread's buffer made under torch.inference_mode is written again outside it (and by the fallback)."""
     import threading
 
     from attnlab.quant import QuantSpec
     from attnlab.quant.linear import QuantLinear
 
+    monkeypatch.setenv("ATTNLAB_REPACK", "0")  # the row layout (see above)
     layer = QuantLinear(QuantSpec.parse("int8:32").quantize(torch.randn(64, 64) * 0.1))
     x, want, got = torch.randn(300, 64), None, []
 
