@@ -312,6 +312,14 @@ inline void add_mins(const Block& w, const float* fs, int64_t V, float k, int64_
 
 struct NoTiles {};
 
+// Activation rows a 16-row block is read for at once (AVX-512 only: the AVX2 path has half the registers): a
+// batched decode step's B rows, a prompt's rows on the vector path. `rows(p, m, first, o)` writes rows m..m+3
+// times the block at p into o[16 r ..], its codes loaded (and unpacked) once for the four; per row the operations
+// of `blk` in the same order, so each row gets the bits it gets alone.
+constexpr int64_t kRowsAtOnce = V::R == 16 ? 4 : 0;
+constexpr int64_t kRowsBuf = kRowsAtOnce > 0 ? kRowsAtOnce : 1;  // array sizes
+struct NoRows {};
+
 // A thread's share of blocks from which run reads NS streams even beside a second reader: on the 1B-shaped
 // Q4_0 file at 2 threads, four streams each 25.1 -> 29.7 tok/s (medians of 3 alternating processes); on
 // SmolLM2, whose shares are 18-48 blocks and whose weights the host's cache partly holds, no change beyond
@@ -330,9 +338,9 @@ void check_w(const torch::Tensor& w, int64_t NB, int64_t G, int64_t stride) {
               "repacked weight must be contiguous uint8 [", NB, ", ", G, ", ", stride, "]");
 }
 
-template <int NS = 1, class Blk, class Tiles = NoTiles>
+template <int NS = 1, class Blk, class Tiles = NoTiles, class Rows = NoRows>
 torch::Tensor run(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int64_t G, int64_t stride, Blk blk,
-                  Tiles tiles = {}) {
+                  Tiles tiles = {}, Rows rows = {}) {
   const int64_t M = x.size(0), NB = (N + 15) / 16;
   check_w(w, NB, G, stride);
   auto out = torch::empty({M, N}, x.options());
@@ -373,6 +381,24 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int
 #else
     const bool alone = at::get_num_threads() == 1;
 #endif
+    if constexpr (kRowsAtOnce > 0 && !std::is_same_v<Rows, NoRows>)
+      if (M - mt >= kRowsAtOnce) {  // one block at a time, its rows four at a time, then the rest one by one
+        alignas(64) float four[16 * kRowsBuf];
+        for (int64_t b = b0; b < b1; ++b) {
+          const uint8_t* p = W + b * G * stride;
+          const size_t bytes = std::min<int64_t>(16, N - 16 * b) * sizeof(float);
+          int64_t m = mt;
+          for (; m + kRowsAtOnce <= M; m += kRowsAtOnce) {
+            rows(p, m, m == mt, four);
+            for (int64_t r = 0; r < kRowsAtOnce; ++r) std::memcpy(O + (m + r) * N + 16 * b, four + 16 * r, bytes);
+          }
+          for (; m < M; ++m) {
+            blk(std::integral_constant<int, 1>{}, 0, p, m, tmp);
+            std::memcpy(O + m * N + 16 * b, tmp, bytes);
+          }
+        }
+        mt = M;
+      }
     for (int64_t b = b0; b < b1 && mt < M;) {
       const int64_t ns = (alone || b1 - b0 >= kTeamStreams) && b + NS <= b1 ? NS : 1;
       for (int64_t m = mt; m < M; ++m) {
@@ -394,9 +420,9 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int
 // combines them with `attnlab_simd::silu_mul` (silu_mul_row's arithmetic: silu_mul after run gives the same
 // bits). What it saves is the [M, N] output's trip through memory and back (SmolLM2's w13 in a 512-token prefill:
 // 6 MiB written, read again, 3 MiB written). One weight stream per thread: for prompts, not matvecs.
-template <class Blk, class Tiles = NoTiles>
+template <class Blk, class Tiles = NoTiles, class Rows = NoRows>
 torch::Tensor run_glu(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int64_t G, int64_t stride, Blk blk,
-                      Tiles tiles = {}) {
+                      Tiles tiles = {}, Rows rows = {}) {
   TORCH_CHECK(N % 32 == 0, "a gated matmul needs gate and up rows in whole 16-row blocks (N a multiple of 32)");
   const int64_t M = x.size(0), H = N / 2, NP = N / 32;
   check_w(w, 2 * NP, G, stride);
@@ -422,7 +448,10 @@ torch::Tensor run_glu(const torch::Tensor& x, const torch::Tensor& w, int64_t N,
         if constexpr (!std::is_same_v<Tiles, NoTiles>)
           for (int64_t m0 = 0; m0 < mt; m0 += amx::kRows) tiles(pb, m0, s + 16 * m0);
 #endif
-        for (int64_t m = mt; m < M; ++m)
+        int64_t m = mt;
+        if constexpr (kRowsAtOnce > 0 && !std::is_same_v<Rows, NoRows>)
+          for (; m + kRowsAtOnce <= M; m += kRowsAtOnce) rows(pb, m, m == mt, s + 16 * m);
+        for (; m < M; ++m)
           for (int h = 0; h < 16 / V::R; ++h) blk(std::integral_constant<int, 1>{}, h, pb, m, s + 16 * m + h * V::R);
       }
       for (int64_t m = 0; m < M; ++m) {
@@ -493,6 +522,38 @@ inline typename V::I q4dot(const uint8_t* c, const int8_t* xb) {
   return V::add(V::add(i0, i1), V::add(i2, i3));
 }
 
+// q4dot for kRowsAtOnce activation rows xb[r] over one block's codes at c, unpacked once: the same integer sums
+// (two chains a row instead of four; int32 addition is exact, so the same bits).
+inline void q4dot_rows(const uint8_t* c, const int8_t* const* xb, typename V::I* t) {
+  const typename V::I w0 = V::load(c), w1 = V::load(c + 64), w2 = V::load(c + 128), w3 = V::load(c + 192);
+  const typename V::I l0 = V::lo4(w0), h0 = V::hi4(w0), l1 = V::lo4(w1), h1 = V::hi4(w1);
+  const typename V::I l2 = V::lo4(w2), h2 = V::hi4(w2), l3 = V::lo4(w3), h3 = V::hi4(w3);
+#pragma GCC unroll 4
+  for (int64_t r = 0; r < kRowsAtOnce; ++r) {
+    const int8_t* x = xb[r];
+    typename V::I i0 = V::dp7(V::zero(), l0, V::bcast(x)), i1 = V::dp7(V::zero(), h0, V::bcast(x + 16));
+    i0 = V::dp7(i0, l1, V::bcast(x + 4)), i1 = V::dp7(i1, h1, V::bcast(x + 20));
+    i0 = V::dp7(i0, l2, V::bcast(x + 8)), i1 = V::dp7(i1, h2, V::bcast(x + 24));
+    i0 = V::dp7(i0, l3, V::bcast(x + 12)), i1 = V::dp7(i1, h3, V::bcast(x + 28));
+    t[r] = V::add(i0, i1);
+  }
+}
+
+// The frame of `rows` (see kRowsAtOnce): per group g body(g, p, acc, accm) with each row's accumulators, then
+// o[16 r ..] = fmadd(1, acc[r], accm[r]), as over_blocks ends a row.
+template <class Body>
+inline void over_rows(const uint8_t* p, int64_t G, int64_t stride, bool first, float* o, Body body) {
+  typename V::F acc[kRowsBuf], accm[kRowsBuf];
+#pragma GCC unroll 4
+  for (int64_t r = 0; r < kRowsAtOnce; ++r) acc[r] = V::zerof(), accm[r] = V::zerof();
+  for (int64_t g = 0; g < G; ++g, p += stride) {
+    if (first) prefetch(p, stride);
+    body(g, p, acc, accm);
+  }
+#pragma GCC unroll 4
+  for (int64_t r = 0; r < kRowsAtOnce; ++r) V::store(o + 16 * r, V::fmadd(V::set1(1.f), acc[r], accm[r]));
+}
+
 // Weight streams a matvec reads side by side (blocks in one pass, see run): on a Xeon (AMX, a VM) one core read
 // 11.7 GB/s from one stream, 14.5 from four (interleaved 256-byte pieces; eight: 15.0, and no faster a matvec),
 // and llama.cpp's Q4_0 matvec reads four 16-row tiles at once. AVX-512 only: the AVX2 path has half the registers
@@ -540,6 +601,27 @@ torch::Tensor q4x(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int
       else accm = V::fmadd(scales<H>(p + per * 256 + sb, h), V::set1(fs[g]), accm);
     });
   };
+  auto rows = [&](const uint8_t* p0, int64_t m, bool first, float* o) {
+    over_rows(p0, G, stride, first, o, [&](int64_t g, const uint8_t* p, typename V::F* acc, typename V::F* accm) {
+      const typename V::F sc = scales<H>(p + per * 256, 0);
+      for (int64_t b = 0; b < per; ++b) {
+        const int64_t u = g * per + b;  // the 32-input block
+        const int8_t* xb[kRowsBuf];
+        typename V::I t[kRowsBuf];
+        for (int64_t r = 0; r < kRowsAtOnce; ++r) xb[r] = a.q + (m + r) * K + u * 32;
+        q4dot_rows(p + b * 256, xb, t);
+#pragma GCC unroll 4
+        for (int64_t r = 0; r < kRowsAtOnce; ++r)
+          acc[r] = V::fmadd(V::cvt(t[r]), V::mul(sc, V::set1(a.d[(m + r) * K / 32 + u])), acc[r]);
+      }
+#pragma GCC unroll 4
+      for (int64_t r = 0; r < kRowsAtOnce; ++r) {
+        const float f = a.fs[(m + r) * G + g];
+        if constexpr (S) accm[r] = V::fmadd(sc, V::set1(-8.f * f), accm[r]);
+        else accm[r] = V::fmadd(scales<H>(p + per * 256 + sb, 0), V::set1(f), accm[r]);
+      }
+    });
+  };
 #if ATTNLAB_TILES
   auto tiles = [&](const uint8_t* p, int64_t m0, float* o) {
     const amx::Block blk(K / 32);
@@ -553,9 +635,9 @@ torch::Tensor q4x(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int
     amx::tile_sums<false>(a, K, m0, blk, o);
     amx::add_mins(blk, a.fs, G, S ? -8.f : 1.f, m0, o);
   };
-  return glu ? run_glu(x, w, N, G, stride, blk, tiles) : run<kStreams>(x, w, N, G, stride, blk, tiles);
+  return glu ? run_glu(x, w, N, G, stride, blk, tiles, rows) : run<kStreams>(x, w, N, G, stride, blk, tiles, rows);
 #else
-  return glu ? run_glu(x, w, N, G, stride, blk) : run<kStreams>(x, w, N, G, stride, blk);
+  return glu ? run_glu(x, w, N, G, stride, blk, NoTiles{}, rows) : run<kStreams>(x, w, N, G, stride, blk, NoTiles{}, rows);
 #endif
 }
 
@@ -666,6 +748,36 @@ torch::Tensor q8x(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int
       if (has_min) accm = V::fmadd(scales<H>(p + group * 16 + sb, h), V::set1(a.fs[m * G + g]), accm);
     });
   };
+  auto rows = [&](const uint8_t* p0, int64_t m, bool first, float* o) {
+    over_rows(p0, G, stride, first, o, [&](int64_t g, const uint8_t* p, typename V::F* acc, typename V::F* accm) {
+      const typename V::F sc = scales<H>(p + group * 16, 0);
+      for (int64_t u = 0; u < group / sub; ++u) {
+        const int64_t i = g * group + u * sub;
+        const uint8_t* c = p + u * sub * 16;
+        typename V::I i0[kRowsBuf], i1[kRowsBuf];
+#pragma GCC unroll 4
+        for (int64_t r = 0; r < kRowsAtOnce; ++r) i0[r] = V::zero(), i1[r] = V::zero();
+        for (int64_t j = 0; j < sub / 4; j += 2) {
+          const typename V::I c0 = V::load(c + 64 * j), c1 = V::load(c + 64 * j + 64);
+#pragma GCC unroll 4
+          for (int64_t r = 0; r < kRowsAtOnce; ++r) {
+            const int8_t* xq = a.q + (m + r) * K + i + 4 * j;
+            i0[r] = V::dp8(i0[r], c0, V::bcast(xq)), i1[r] = V::dp8(i1[r], c1, V::bcast(xq + 4));
+          }
+        }
+#pragma GCC unroll 4
+        for (int64_t r = 0; r < kRowsAtOnce; ++r) {
+          const int32_t* q16 = a.qs16 + (m + r) * K / 16;
+          const int32_t corr = 128 * (sub == 32 ? q16[i / 16] + q16[i / 16 + 1] : q16[i / 16]);
+          acc[r] = V::fmadd(V::cvt(V::sub1(V::add(i0[r], i1[r]), corr)), V::mul(sc, V::set1(a.d[(m + r) * K / 32 + i / 32])), acc[r]);
+        }
+      }
+      if (has_min)
+#pragma GCC unroll 4
+        for (int64_t r = 0; r < kRowsAtOnce; ++r)
+          accm[r] = V::fmadd(scales<H>(p + group * 16 + sb, 0), V::set1(a.fs[(m + r) * G + g]), accm[r]);
+    });
+  };
 #if ATTNLAB_TILES
   // groups of 32 and up (sub-blocks of 32 lie as weight tiles); groups of 16 stay on the vector path
   auto tiles = [&](const uint8_t* p, int64_t m0, float* o) {
@@ -681,9 +793,9 @@ torch::Tensor q8x(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int
     amx::tile_sums<true>(a, K, m0, blk, o);
     amx::add_mins(blk, a.fs, has_min ? G : 0, 1.f, m0, o);
   };
-  if (sub == 32) return glu ? run_glu(x, w, N, G, stride, blk, tiles) : run<kStreams>(x, w, N, G, stride, blk, tiles);
+  if (sub == 32) return glu ? run_glu(x, w, N, G, stride, blk, tiles, rows) : run<kStreams>(x, w, N, G, stride, blk, tiles, rows);
 #endif
-  return glu ? run_glu(x, w, N, G, stride, blk) : run<kStreams>(x, w, N, G, stride, blk);
+  return glu ? run_glu(x, w, N, G, stride, blk, NoTiles{}, rows) : run<kStreams>(x, w, N, G, stride, blk, NoTiles{}, rows);
 }
 
 }  // namespace
