@@ -665,6 +665,24 @@ torch::Tensor q4k(const torch::Tensor& x, const torch::Tensor& w, int64_t N, boo
     }
     V::store(o, V::fmadd(V::set1(1.f), acc, accm));
   };
+  auto rows = [&](const uint8_t* p0, int64_t m, bool first, float* o) {
+    over_rows(p0, G, stride, first, o, [&](int64_t g, const uint8_t* p, typename V::F* acc, typename V::F* accm) {
+      const typename V::F sd = scales<true>(p + 2304, 0), md = V::mul(scales<true>(p + 2336, 0), V::set1(-1.f));
+      for (int64_t u = 0; u < 8; ++u) {
+        const int64_t b = g * 8 + u;
+        const typename V::F s = V::mul(V::loadu8(p + 2048 + u * 16), sd), mn = V::mul(V::loadu8(p + 2176 + u * 16), md);
+        const int8_t* xb[kRowsBuf];
+        typename V::I t[kRowsBuf];
+        for (int64_t r = 0; r < kRowsAtOnce; ++r) xb[r] = a.q + (m + r) * K + b * 32;
+        q4dot_rows(p + u * 256, xb, t);
+#pragma GCC unroll 4
+        for (int64_t r = 0; r < kRowsAtOnce; ++r) {
+          acc[r] = V::fmadd(V::cvt(t[r]), V::mul(s, V::set1(a.d[(m + r) * K / 32 + b])), acc[r]);
+          accm[r] = V::fmadd(mn, V::set1(a.fs[(m + r) * K / 32 + b]), accm[r]);
+        }
+      }
+    });
+  };
 #if ATTNLAB_TILES
   auto tiles = [&](const uint8_t* p, int64_t m0, float* o) {
     const amx::Block blk(K / 32);
@@ -678,9 +696,9 @@ torch::Tensor q4k(const torch::Tensor& x, const torch::Tensor& w, int64_t N, boo
     amx::tile_sums<false>(a, K, m0, blk, o);
     amx::add_mins(blk, a.fs, K / 32, 1.f, m0, o);
   };
-  return glu ? run_glu(x, w, N, G, stride, blk, tiles) : run(x, w, N, G, stride, blk, tiles);
+  return glu ? run_glu(x, w, N, G, stride, blk, tiles, rows) : run(x, w, N, G, stride, blk, tiles, rows);
 #else
-  return glu ? run_glu(x, w, N, G, stride, blk) : run(x, w, N, G, stride, blk);
+  return glu ? run_glu(x, w, N, G, stride, blk, NoTiles{}, rows) : run(x, w, N, G, stride, blk, NoTiles{}, rows);
 #endif
 }
 
@@ -718,7 +736,37 @@ torch::Tensor q6k(const torch::Tensor& x, const torch::Tensor& w, int64_t N, boo
     }
     V::store(o, V::fmadd(V::set1(1.f), acc, V::zerof()));
   };
-  return glu ? run_glu(x, w, N, G, stride, blk) : run(x, w, N, G, stride, blk);
+  auto rows = [&](const uint8_t* p0, int64_t m, bool first, float* o) {  // accm stays zero, as above
+    over_rows(p0, G, stride, first, o, [&](int64_t g, const uint8_t* p, typename V::F* acc, typename V::F*) {
+      const typename V::F sd = scales<true>(p + 3328, 0);
+      for (int64_t u = 0; u < 8; ++u) {
+        const int64_t b = g * 8 + u;
+        const uint8_t* c = p + u * 384;
+        typename V::I cw[8];  // the block's codes rebuilt once for the four rows
+        for (int pr = 0; pr < 2; ++pr) {
+          const typename V::I w0 = V::load(c + 128 * pr), w1 = V::load(c + 128 * pr + 64), t = V::load(c + 256 + 64 * pr);
+          cw[4 * pr] = V::or_(V::lo4(w0), V::top2<4>(t)), cw[4 * pr + 1] = V::or_(V::hi4(w0), V::top2<2>(t));
+          cw[4 * pr + 2] = V::or_(V::lo4(w1), V::top2<0>(t)), cw[4 * pr + 3] = V::or_(V::hi4(w1), V::top2<-2>(t));
+        }
+        const typename V::F s0 = V::mul(V::loadi8(p + 3072 + 32 * u), sd);
+        const typename V::F s1 = V::mul(V::loadi8(p + 3072 + 32 * u + 16), sd);
+#pragma GCC unroll 4
+        for (int64_t r = 0; r < kRowsAtOnce; ++r) {
+          const int8_t* xb = a.q + (m + r) * K + b * 32;
+          typename V::I lo = V::zero(), hi = V::zero();
+          for (int pr = 0; pr < 2; ++pr) {
+            lo = V::dp7(lo, cw[4 * pr], V::bcast(xb + 8 * pr)), hi = V::dp7(hi, cw[4 * pr + 1], V::bcast(xb + 16 + 8 * pr));
+            lo = V::dp7(lo, cw[4 * pr + 2], V::bcast(xb + 8 * pr + 4)), hi = V::dp7(hi, cw[4 * pr + 3], V::bcast(xb + 20 + 8 * pr));
+          }
+          const int32_t* q16 = a.qs16 + (m + r) * K / 16;
+          const typename V::F xd = V::set1(a.d[(m + r) * K / 32 + b]);
+          acc[r] = V::fmadd(V::cvt(V::sub1(lo, 32 * q16[2 * b])), V::mul(s0, xd), acc[r]);
+          acc[r] = V::fmadd(V::cvt(V::sub1(hi, 32 * q16[2 * b + 1])), V::mul(s1, xd), acc[r]);
+        }
+      }
+    });
+  };
+  return glu ? run_glu(x, w, N, G, stride, blk, NoTiles{}, rows) : run(x, w, N, G, stride, blk, NoTiles{}, rows);
 }
 
 template <bool H>
