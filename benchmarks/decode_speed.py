@@ -28,6 +28,7 @@ A compiled variant runs the native single-token step (`--compile`, `attnlab/kern
 from __future__ import annotations
 
 import argparse
+import shlex
 import statistics
 import sys
 import time
@@ -312,7 +313,9 @@ def main(argv=None) -> int:
     for name, meta in builds.items():
         print(f"llama.cpp {name}: {meta['bin']} ({meta.get('version', '?')}; {meta.get('note', '')})")
     gen = torch.Generator().manual_seed(0)
-    results = {"bandwidth_gbs": {}, "threads": {}, "load_s": {}, "phases": {}}
+    from attnlab.io import provenance
+    results = {**provenance(None), "command": "python " + shlex.join(["benchmarks/decode_speed.py", *sys.argv[1:]]),
+               "seed": 0, "cpu": llamacpp.header(), "bandwidth_gbs": {}, "threads": {}, "load_s": {}, "phases": {}}
     print(f"steps/run {args.steps}; repeats {args.repeats}")
     for t in threads:
         torch.set_num_threads(t)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -56,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", default=None, help="write both sides' medians and ratios here")
     args = p.parse_args(ours)
+    sys.path.insert(0, str(ROOT))
+    from attnlab.io import provenance
+    prov = {**provenance(None), "command": "python " + shlex.join(["benchmarks/revisions.py", *argv]), "seed": 0}
     with tempfile.TemporaryDirectory() as tmp:
         base = export(args.baseline, Path(tmp))
         trees = {"baseline": base, "this": ROOT}
@@ -74,9 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"threads": k[0], "variant": k[1], "column": k[2], "baseline": b, "this": t, "ratio": t / b})
         print(f"| {k[0]} | {k[1]} | {k[2]} | {b:.1f} | {t:.1f} | {t / b:.3f} |")
     if args.json:
-        sys.path.insert(0, str(ROOT))
         from attnlab.io import write_json
-        write_json(args.json, {"baseline": args.baseline, "rounds": args.rounds, "args": bench_args, "rows": rows,
+        write_json(args.json, {**prov, "baseline": args.baseline, "rounds": args.rounds, "args": bench_args,
+                               "rows": rows,
                                "runs": {k: [{"|".join(map(str, c)): v for c, v in g.items()} for g in gs]
                                         for k, gs in got.items()}})
     return 0
