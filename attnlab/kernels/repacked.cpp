@@ -382,7 +382,7 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int
     const bool alone = at::get_num_threads() == 1;
 #endif
     if constexpr (kRowsAtOnce > 0 && !std::is_same_v<Rows, NoRows>)
-      if (M - mt >= kRowsAtOnce) {  // one block at a time, its rows four at a time, then the rest one by one
+      if (M - mt >= kRowsAtOnce) {  // a block's rows four at a time, then the rest one by one while it is in L1
         alignas(64) float four[16 * kRowsBuf];
         for (int64_t b = b0; b < b1; ++b) {
           const uint8_t* p = W + b * G * stride;
