@@ -522,20 +522,22 @@ inline typename V::I q4dot(const uint8_t* c, const int8_t* xb) {
   return V::add(V::add(i0, i1), V::add(i2, i3));
 }
 
-// q4dot for kRowsAtOnce activation rows xb[r] over one block's codes at c, unpacked once: the same integer sums
-// (two chains a row instead of four; int32 addition is exact, so the same bits).
-inline void q4dot_rows(const uint8_t* c, const int8_t* const* xb, typename V::I* t) {
+// q4dot for activation rows m..m+3 of a (K inputs) over 32-input block u, whose codes lie at c, unpacked once:
+// the same integer sums (two chains a row instead of four; int32 addition is exact, so the same bits), each added
+// to acc[r] as blk adds it: fmadd(sum, s * d, acc).
+inline void q4dot_rows(const uint8_t* c, const Acts& a, int64_t m, int64_t K, int64_t u, typename V::F s,
+                       typename V::F* acc) {
   const typename V::I w0 = V::load(c), w1 = V::load(c + 64), w2 = V::load(c + 128), w3 = V::load(c + 192);
   const typename V::I l0 = V::lo4(w0), h0 = V::hi4(w0), l1 = V::lo4(w1), h1 = V::hi4(w1);
   const typename V::I l2 = V::lo4(w2), h2 = V::hi4(w2), l3 = V::lo4(w3), h3 = V::hi4(w3);
 #pragma GCC unroll 4
   for (int64_t r = 0; r < kRowsAtOnce; ++r) {
-    const int8_t* x = xb[r];
+    const int8_t* x = a.q + (m + r) * K + u * 32;
     typename V::I i0 = V::dp7(V::zero(), l0, V::bcast(x)), i1 = V::dp7(V::zero(), h0, V::bcast(x + 16));
     i0 = V::dp7(i0, l1, V::bcast(x + 4)), i1 = V::dp7(i1, h1, V::bcast(x + 20));
     i0 = V::dp7(i0, l2, V::bcast(x + 8)), i1 = V::dp7(i1, h2, V::bcast(x + 24));
     i0 = V::dp7(i0, l3, V::bcast(x + 12)), i1 = V::dp7(i1, h3, V::bcast(x + 28));
-    t[r] = V::add(i0, i1);
+    acc[r] = V::fmadd(V::cvt(V::add(i0, i1)), V::mul(s, V::set1(a.d[(m + r) * K / 32 + u])), acc[r]);
   }
 }
 
@@ -605,14 +607,7 @@ torch::Tensor q4x(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int
     over_rows(p0, G, stride, first, o, [&](int64_t g, const uint8_t* p, typename V::F* acc, typename V::F* accm) {
       const typename V::F sc = scales<H>(p + per * 256, 0);
       for (int64_t b = 0; b < per; ++b) {
-        const int64_t u = g * per + b;  // the 32-input block
-        const int8_t* xb[kRowsBuf];
-        typename V::I t[kRowsBuf];
-        for (int64_t r = 0; r < kRowsAtOnce; ++r) xb[r] = a.q + (m + r) * K + u * 32;
-        q4dot_rows(p + b * 256, xb, t);
-#pragma GCC unroll 4
-        for (int64_t r = 0; r < kRowsAtOnce; ++r)
-          acc[r] = V::fmadd(V::cvt(t[r]), V::mul(sc, V::set1(a.d[(m + r) * K / 32 + u])), acc[r]);
+        q4dot_rows(p + b * 256, a, m, K, g * per + b, sc, acc);
       }
 #pragma GCC unroll 4
       for (int64_t r = 0; r < kRowsAtOnce; ++r) {
@@ -671,15 +666,9 @@ torch::Tensor q4k(const torch::Tensor& x, const torch::Tensor& w, int64_t N, boo
       for (int64_t u = 0; u < 8; ++u) {
         const int64_t b = g * 8 + u;
         const typename V::F s = V::mul(V::loadu8(p + 2048 + u * 16), sd), mn = V::mul(V::loadu8(p + 2176 + u * 16), md);
-        const int8_t* xb[kRowsBuf];
-        typename V::I t[kRowsBuf];
-        for (int64_t r = 0; r < kRowsAtOnce; ++r) xb[r] = a.q + (m + r) * K + b * 32;
-        q4dot_rows(p + u * 256, xb, t);
+        q4dot_rows(p + u * 256, a, m, K, b, s, acc);
 #pragma GCC unroll 4
-        for (int64_t r = 0; r < kRowsAtOnce; ++r) {
-          acc[r] = V::fmadd(V::cvt(t[r]), V::mul(s, V::set1(a.d[(m + r) * K / 32 + b])), acc[r]);
-          accm[r] = V::fmadd(mn, V::set1(a.fs[(m + r) * K / 32 + b]), accm[r]);
-        }
+        for (int64_t r = 0; r < kRowsAtOnce; ++r) accm[r] = V::fmadd(mn, V::set1(a.fs[(m + r) * K / 32 + b]), accm[r]);
       }
     });
   };
