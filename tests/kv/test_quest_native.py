@@ -64,13 +64,15 @@ def test_native_quest_equals_eager(kv, spec):
 
 
 @pytest.mark.parametrize("kv", KVS, ids=["f32", "f16", "int8"])
-def test_long_runs_of_pages(kv):
-    """All pages but one or two chosen: runs of adjacent pages longer than 256 rows (read with a dense pass's
-    prefetching, attend.cpp's `runs`) beside short ones, as eager reads them."""
+@pytest.mark.parametrize("spec", ["quest:592:16", "quest:64:16", "quest:64:16:0:8"])
+def test_a_long_cache(kv, spec):
+    """600 keys: all pages but one or two chosen (runs of adjacent pages longer than 256 rows, read with a dense
+    pass's prefetching, attend.cpp's `runs`, beside short ones), or 4 of 38 pages by the bound or by 8 channels
+    (the ranking over many pages; the channel scores' 128-key passes on AVX-512), as eager reads them."""
     eager, fast = _pair(kv, n_layers=2)
     ids = torch.randint(1, 97, (1, 620), generator=torch.Generator().manual_seed(3))
-    ref, _ = decode_all(eager.with_attention("quest:592:16"), ids, 600)
-    got, _ = decode_all(fast.with_attention("quest:592:16"), ids, 600)
+    ref, _ = decode_all(eager.with_attention(spec), ids, 600)
+    got, _ = decode_all(fast.with_attention(spec), ids, 600)
     assert fast.compiled.calls["eager"] == 0
     _close(got[:, 600:], ref[:, 600:], kv)
 
