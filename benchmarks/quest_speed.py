@@ -46,6 +46,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--sink", action="store_true", help="a sink cache of each budget too")
     p.add_argument("--sink-block", type=int, default=64, help="the sink caches' block eviction (1: every step)")
+    p.add_argument("--keep", type=Path, default=None, help="a folder keeping each depth's prefilled cache: read "
+                   "from there when present (same model, --kv, --rope and --steps), written there when not")
     p.add_argument("--phases", action="store_true", help="also each variant's attention and the rest of the step, "
                    "ms per step (`DecodeStep.profile`, median of the repeats; quest:2*PAGE is the page scoring alone)")
     args = p.parse_args(argv)
@@ -75,12 +77,22 @@ def main(argv=None) -> int:
             if n not in prefilled:
                 torch.set_num_threads(max(thread_counts))
                 ids = torch.randint(0, lm.cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
-                cache = lm.new_cache(capacity=n + args.steps + 1)  # page summaries kept: every variant decodes from it
-                t = time.perf_counter()
-                lm.prefill(ids, cache)
-                print(f"depth {n}: prefill {time.perf_counter() - t:.1f} s at {max(thread_counts)} thread(s); "
-                      f"{cache.nbytes() / n:.0f} bytes per token (keys, values, page summaries and what CHANNELS "
-                      "reads, all layers)", flush=True)
+                kept = args.keep / f"{args.model}-{args.kv}-{args.rope}-{n}-{args.steps}.pt" if args.keep else None
+                if kept and kept.exists():
+                    cache = torch.load(kept, weights_only=False)
+                    print(f"depth {n}: prefilled cache read from {kept}", flush=True)
+                else:
+                    cache = lm.new_cache(capacity=n + args.steps + 1)  # page summaries kept: every variant reads it
+                    t = time.perf_counter()
+                    lm.prefill(ids, cache)
+                    print(f"depth {n}: prefill {time.perf_counter() - t:.1f} s at {max(thread_counts)} thread(s)",
+                          flush=True)
+                    if kept:
+                        kept.parent.mkdir(parents=True, exist_ok=True)
+                        torch.save(cache, kept.with_suffix(".tmp"))
+                        kept.with_suffix(".tmp").replace(kept)
+                print(f"depth {n}: {cache.nbytes() / n:.0f} bytes per token (keys, values, page summaries and what "
+                      "CHANNELS reads, all layers)", flush=True)
                 sinks = {}
                 for b in (args.budgets.split(",") if args.sink else []):
                     sinks[f"sink:{b}"] = c = views["full"].new_cache(
