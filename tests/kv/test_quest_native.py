@@ -77,6 +77,28 @@ def test_a_long_cache(kv, spec):
     _close(got[:, 600:], ref[:, 600:], kv)
 
 
+@pytest.mark.parametrize("fill", [0.0, float("nan")], ids=["zero", "nan"])
+def test_tied_bounds_read_the_lowest_pages(fill):
+    """Every middle page's summaries set to `fill` (bounds all zero, of either sign, or NaN, which ranks as -inf):
+    the step reads the lowest of them, bit for bit as when those pages' bounds are made strictly highest."""
+    _, fast = _pair(torch.float16, n_layers=2)
+    view = fast.with_attention("quest:24:4")  # 6 pages of 4: the first, 4 chosen, the one the step opens
+
+    def step(lowest_highest: bool):
+        cache = view.new_cache(capacity=80)
+        view.prefill(IDS[:, :60], cache)
+        for layer in cache.layers:  # pages 1 .. 14; the step's slot 60 opens page 15
+            layer.pages_lo[:, :, 1:15] = fill
+            layer.pages_hi[:, :, 1:15] = fill
+            if lowest_highest:
+                layer.pages_lo[:, :, 1:5], layer.pages_hi[:, :, 1:5] = -1e4, 1e4
+        return view.forward(IDS[:, 60:61], cache)
+
+    tied = step(False)
+    assert fast.compiled.calls["eager"] == 0
+    assert torch.equal(tied, step(True))
+
+
 @pytest.mark.parametrize("kv", KVS, ids=["f32", "f16", "int8"])
 def test_native_quest_inside_an_eviction_policy(kv):
     eager, fast = _pair(kv)
