@@ -26,101 +26,96 @@ inline __m128 hsum4(const __m256* a) {
   return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 }
 
-// The bounds go 4 pages x up to 3 query heads at a time: 12 independent FMA chains (a page's own chain waits on
-// the FMA latency), each page's float16 summaries widened once for the 3 heads.
-template <int GN>  // query heads up..up + GN (of the group), pages p .. p + 3: best[j] = max(best[j], their bounds)
-inline void bound4(const float* up, const uint16_t* lo, const uint16_t* hi, int64_t D, int64_t p, __m128& best) {
-  __m256 acc[GN][4];
-  for (int g = 0; g < GN; ++g)
-    for (int j = 0; j < 4; ++j) acc[g][j] = _mm256_setzero_ps();
-  for (int64_t c = 0; c < D; c += 8)
-    for (int j = 0; j < 4; ++j) {
-      const __m256 a = half8(hi + (p + j) * D + c), b = half8(lo + (p + j) * D + c);
-      for (int g = 0; g < GN; ++g) {  // hi . max(q, 0) + lo . min(q, 0), as the eager two matmuls
-        acc[g][j] = _mm256_fmadd_ps(a, _mm256_loadu_ps(up + 2 * g * D + c), acc[g][j]);
-        acc[g][j] = _mm256_fmadd_ps(b, _mm256_loadu_ps(up + (2 * g + 1) * D + c), acc[g][j]);
-      }
-    }
-  for (int g = 0; g < GN; ++g) best = _mm_max_ps(best, hsum4(acc[g]));
-}
-
+// The registers the bounds and the channel scores run on: 8 float lanes, or 16 on AVX-512 (half the conversions,
+// loads and FMAs for the same bytes). fold: the lanes summed down to 8 (hsum4's input).
+struct Lanes8 {
+  using F = __m256;
+  static constexpr int N = 8;
+  static F zero() { return _mm256_setzero_ps(); }
+  static F half(const uint16_t* p) { return half8(p); }
+  static F codes(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static F splat(float x) { return _mm256_set1_ps(x); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store_mul(float* out, F a, const float* b) { _mm256_storeu_ps(out, _mm256_mul_ps(a, _mm256_loadu_ps(b))); }
+  static __m256 fold(F a) { return a; }
+};
 #if defined(__AVX512F__)
-// The same bounds 16 channels an instruction (D a multiple of 16): half the conversions, loads and FMAs of bound4
-// for the same bytes; each page's 16 lanes folded to 8 before the 4-page transposed sum.
-inline __m512 half16(const uint16_t* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-inline __m256 fold(__m512 a) { return _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1)); }
+struct Lanes16 {
+  using F = __m512;
+  static constexpr int N = 16;
+  static F zero() { return _mm512_setzero_ps(); }
+  static F half(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static F codes(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static F splat(float x) { return _mm512_set1_ps(x); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store_mul(float* out, F a, const float* b) { _mm512_storeu_ps(out, _mm512_mul_ps(a, _mm512_loadu_ps(b))); }
+  static __m256 fold(F a) { return _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1)); }
+};
+using Widest = Lanes16;
+#else
+using Widest = Lanes8;
+#endif
 
-template <int GN>
-inline void bound4_wide(const float* up, const uint16_t* lo, const uint16_t* hi, int64_t D, int64_t p, __m128& best) {
-  __m512 acc[GN][4];
+// The bounds go 4 pages x up to 3 query heads at a time: 12 independent FMA chains (a page's own chain waits on
+// the FMA latency), each page's float16 summaries widened once for the 3 heads. D a multiple of W::N.
+template <class W, int GN>  // query heads up..up + GN (of the group), pages p .. p + 3: best[j] = max(best[j], bounds)
+inline void bound4(const float* up, const uint16_t* lo, const uint16_t* hi, int64_t D, int64_t p, __m128& best) {
+  typename W::F acc[GN][4];
   for (int g = 0; g < GN; ++g)
-    for (int j = 0; j < 4; ++j) acc[g][j] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < D; c += 16)
+    for (int j = 0; j < 4; ++j) acc[g][j] = W::zero();
+  for (int64_t c = 0; c < D; c += W::N)
     for (int j = 0; j < 4; ++j) {
-      const __m512 a = half16(hi + (p + j) * D + c), b = half16(lo + (p + j) * D + c);
-      for (int g = 0; g < GN; ++g) {
-        acc[g][j] = _mm512_fmadd_ps(a, _mm512_loadu_ps(up + 2 * g * D + c), acc[g][j]);
-        acc[g][j] = _mm512_fmadd_ps(b, _mm512_loadu_ps(up + (2 * g + 1) * D + c), acc[g][j]);
+      const typename W::F a = W::half(hi + (p + j) * D + c), b = W::half(lo + (p + j) * D + c);
+      for (int g = 0; g < GN; ++g) {  // hi . max(q, 0) + lo . min(q, 0), as the eager two matmuls
+        acc[g][j] = W::fma(a, W::load(up + 2 * g * D + c), acc[g][j]);
+        acc[g][j] = W::fma(b, W::load(up + (2 * g + 1) * D + c), acc[g][j]);
       }
     }
   for (int g = 0; g < GN; ++g) {
-    const __m256 f[4] = {fold(acc[g][0]), fold(acc[g][1]), fold(acc[g][2]), fold(acc[g][3])};
+    const __m256 f[4] = {W::fold(acc[g][0]), W::fold(acc[g][1]), W::fold(acc[g][2]), W::fold(acc[g][3])};
     best = _mm_max_ps(best, hsum4(f));
   }
 }
 
-inline __m512 codes16(const int8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
-#endif
-
-// bound4 on the widest registers the variant has
-template <int GN>
+template <int GN>  // bound4 on the widest lanes D allows
 inline void bound4_best(const float* up, const uint16_t* lo, const uint16_t* hi, int64_t D, int64_t p, __m128& best) {
-#if defined(__AVX512F__)
-  if (D % 16 == 0) return bound4_wide<GN>(up, lo, hi, D, p, best);
-#endif
-  bound4<GN>(up, lo, hi, D, p, best);
+  if (D % Widest::N == 0) bound4<Widest, GN>(up, lo, hi, D, p, best);
+  else bound4<Lanes8, GN>(up, lo, hi, D, p, best);
 }
 
-inline __m256 codes8(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+// score_keys' passes of 8 W::N keys from t (8 independent FMA chains: one chain would wait on the FMA latency);
+// returns where they stopped
+template <class W>
+inline int64_t score_passes(const float* q, const int8_t* kt, const float* ks, const int64_t* order, int64_t R,
+                            int64_t ld, int64_t t, int64_t n, float* m) {
+  for (; t + 8 * W::N <= n; t += 8 * W::N) {
+    typename W::F acc[8];
+    for (int j = 0; j < 8; ++j) acc[j] = W::zero();
+    for (int64_t i = 0; i < R; ++i) {
+      const int8_t* row = kt + order[i] * ld + t;
+      const typename W::F w = W::splat(q[i]);
+      for (int j = 0; j < 8; ++j) acc[j] = W::fma(w, W::codes(row + W::N * j), acc[j]);
+    }
+    for (int j = 0; j < 8; ++j) W::store_mul(m + t + W::N * j, acc[j], ks + t + W::N * j);
+  }
+  return t;
 }
 
 // Keys 0 .. n - 1 of channel-major int8 rows kt (channel c at kt + c * ld) with scales ks: m[t] = ks[t] * sum_i q[i]
-// * code[order[i]][t]; 128 keys at a time on AVX-512, 64 (8 independent FMA chains: one chain would wait on the
-// FMA latency), then 8, then 1.
+// * code[order[i]][t]; 8 x 16 keys at a time on AVX-512, 8 x 8, then 8, then 1.
 inline void score_keys(const float* q, const int8_t* kt, const float* ks, const int64_t* order, int64_t R, int64_t ld,
                        int64_t n, float* m) {
-  int64_t t = 0;
-#if defined(__AVX512F__)
-  for (; t + 128 <= n; t += 128) {  // 128 keys: 8 chains of 16 lanes, half the instructions per key
-    __m512 acc[8];
-    for (int j = 0; j < 8; ++j) acc[j] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < R; ++i) {
-      const int8_t* row = kt + order[i] * ld + t;
-      const __m512 w = _mm512_set1_ps(q[i]);
-      for (int j = 0; j < 8; ++j) acc[j] = _mm512_fmadd_ps(w, codes16(row + 16 * j), acc[j]);
-    }
-    for (int j = 0; j < 8; ++j)
-      _mm512_storeu_ps(m + t + 16 * j, _mm512_mul_ps(acc[j], _mm512_loadu_ps(ks + t + 16 * j)));
-  }
-#endif
-  for (; t + 64 <= n; t += 64) {
-    __m256 acc[8];
-    for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < R; ++i) {
-      const int8_t* row = kt + order[i] * ld + t;
-      const __m256 w = _mm256_set1_ps(q[i]);
-      for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(w, codes8(row + 8 * j), acc[j]);
-    }
-    for (int j = 0; j < 8; ++j) _mm256_storeu_ps(m + t + 8 * j, _mm256_mul_ps(acc[j], _mm256_loadu_ps(ks + t + 8 * j)));
-  }
+  int64_t t = score_passes<Widest>(q, kt, ks, order, R, ld, 0, n, m);
+  t = score_passes<Lanes8>(q, kt, ks, order, R, ld, t, n, m);
   for (; t + 8 <= n; t += 8) {
     __m256 acc = _mm256_setzero_ps();
-    for (int64_t i = 0; i < R; ++i) acc = _mm256_fmadd_ps(_mm256_set1_ps(q[i]), codes8(kt + order[i] * ld + t), acc);
+    for (int64_t i = 0; i < R; ++i) acc = _mm256_fmadd_ps(_mm256_set1_ps(q[i]), Lanes8::codes(kt + order[i] * ld + t), acc);
     _mm256_storeu_ps(m + t, _mm256_mul_ps(acc, _mm256_loadu_ps(ks + t)));
   }
   for (; t < n; ++t) {  // pages of fewer than 8 slots: the tail
