@@ -3,7 +3,8 @@
 // order; (pages) k pages of `page` rows at random, ascending, as Quest's chosen pages; (summaries) every page's
 // float16 minimum and maximum [rows / page, 2, D], in order, as Quest's bounds read them. Each byte is loaded and
 // widened once (vcvtph2ps), summed so nothing is optimised away. Buffers on 4 KiB pages, or marked for
-// transparent huge pages (`huge` 1); caches flushed before each repeat. Prints one line per mode: the median and best ms per step over `repeats`.
+// transparent huge pages (`huge` 1); caches flushed before each repeat. Prints one line per mode: the median and
+// best ms per step over `repeats`.
 #include <immintrin.h>
 #include <omp.h>
 #include <sys/mman.h>
@@ -25,7 +26,8 @@ __m256 read(const uint16_t* p, int64_t n, __m256 acc) {
   __m256 a[8];
   for (auto& x : a) x = _mm256_setzero_ps();
   for (int64_t i = 0; i < n; i += 64)
-    for (int j = 0; j < 8; ++j) a[j] = _mm256_add_ps(a[j], _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + i + 8 * j))));
+    for (int j = 0; j < 8; ++j)
+      a[j] = _mm256_add_ps(a[j], _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + i + 8 * j))));
   for (auto& x : a) acc = _mm256_add_ps(acc, x);
   return acc;
 }

@@ -3,9 +3,10 @@ and Quest's page summaries costs with no arithmetic at all, on this CPU, for Smo
 
 Why: a speed ratio between full attention and Quest is bounded by what each must read. `page_reads.cpp` (beside
 this file; a measuring program, not part of attnlab) is compiled here with the system's g++ (-O3 -march=native)
-into a temporary folder and run: per step every layer's KV heads (shared out among the threads) read (full) all rows in order, (pages) BUDGET /
-PAGE random pages of PAGE rows, (summaries) every page's float16 minimum and maximum, caches flushed before each
-repeat, on 4 KiB pages and on transparent huge pages. Compare with `quest_speed.py --phases` (attention / rest).
+into a temporary folder and run: per step every layer's KV heads (shared out among the threads) read (full) all
+rows in order, (pages) BUDGET / PAGE random pages of PAGE rows, (summaries) every page's float16 minimum and
+maximum, caches flushed before each repeat, on 4 KiB pages and on transparent huge pages. Compare with
+`quest_speed.py --phases` (attention / rest).
 
     python benchmarks/page_reads.py --depths 16384,32768
 """

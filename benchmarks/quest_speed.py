@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     p.add_argument("--sink", action="store_true", help="a sink cache of each budget too")
     p.add_argument("--sink-block", type=int, default=64, help="the sink caches' block eviction (1: every step)")
     p.add_argument("--keep", type=Path, default=None, help="a folder keeping each depth's prefilled cache: read "
-                   "from there when present (same model, --kv, --rope and --steps), written there when not")
+                   "from there when present (same model, --kv, --rope, --page and --steps), written there when not")
     p.add_argument("--phases", action="store_true", help="also each variant's attention and the rest of the step, "
                    "ms per step (`DecodeStep.profile`, median of the repeats; quest:2*PAGE is the page scoring alone)")
     args = p.parse_args(argv)
@@ -77,7 +77,8 @@ def main(argv=None) -> int:
             if n not in prefilled:
                 torch.set_num_threads(max(thread_counts))
                 ids = torch.randint(0, lm.cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
-                kept = args.keep / f"{args.model}-{args.kv}-{args.rope}-{n}-{args.steps}.pt" if args.keep else None
+                name = f"{Path(args.model).name}-{args.kv}-{args.rope}-page{args.page}-{n}-{args.steps}.pt"
+                kept = args.keep / name if args.keep else None
                 if kept and kept.exists():
                     cache = torch.load(kept, weights_only=False)
                     print(f"depth {n}: prefilled cache read from {kept}", flush=True)
