@@ -79,7 +79,7 @@ def test_a_long_cache(kv, spec):
 
 @pytest.mark.parametrize("fill", [0.0, float("nan")], ids=["zero", "nan"])
 def test_tied_bounds_read_the_lowest_pages(fill):
-    """Every middle page's summaries set to `fill` (bounds all zero, of either sign, or NaN, which ranks as -inf):
+    """Every middle page's summaries set to `fill` (bounds all zero, or all NaN, which ranks as -inf):
     the step reads the lowest of them, bit for bit as when those pages' bounds are made strictly highest."""
     _, fast = _pair(torch.float16, n_layers=2)
     view = fast.with_attention("quest:24:4")  # 6 pages of 4: the first, 4 chosen, the one the step opens
