@@ -44,11 +44,17 @@ def _commit() -> str:
         return "unknown"
 
 
-def make_press(name: str, ratio: float):
+def make_press(spec: str, ratio: float):
+    """kvpress's press for a spec NAME[:field=value...], as attnlab's `make_press` reads it (e.g.
+    snapkv:window_size=32); chunk_length=L wraps it in kvpress's ChunkKVPress (whole chunks of L tokens)."""
     import kvpress
+    name, *pairs = spec.split(":")
+    fields = {k: int(v) for k, v in (x.split("=", 1) for x in pairs)}
+    chunk = fields.pop("chunk_length", 0)
     cls = {"knorm": kvpress.KnormPress, "streaming_llm": kvpress.StreamingLLMPress, "snapkv": kvpress.SnapKVPress,
            "tova": kvpress.TOVAPress, "expected_attention": kvpress.ExpectedAttentionPress}[name]
-    return cls(compression_ratio=ratio)
+    press = cls(compression_ratio=ratio, **fields)
+    return kvpress.ChunkKVPress(press, chunk_length=chunk) if chunk else press
 
 
 def prefill(model, sample: dict, question: bool = False):

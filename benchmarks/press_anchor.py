@@ -157,14 +157,18 @@ def best_against_best(ours: list[dict], theirs: list[dict], ratio: float) -> lis
     """The must-show comparison at one ratio: each library's best cell (highest mean on these samples) against
     the other's, paired per sample; once over every cell (either may press the question), once over kvpress's
     protocol only (question out). The best is the highest RULER average on these samples (chosen on the same
-    samples, so the gain is optimistic); the difference is the mean over samples, paired."""
+    samples, so the gain is optimistic); the difference is the mean over samples, paired. A third line holds
+    kvpress to its presses at their defaults (names without fields), the anchor's five as kvpress ships them."""
     from attnlab.stats import paired_difference
     out = []
-    for scope, allowed in (("any protocol", {"out", "in"}), ("question out", {"out"})):
+    for scope, allowed, theirs_at in (("any protocol", {"out", "in"}, ""), ("question out", {"out"}, ""),
+                                      ("kvpress at its defaults", {"out", "in"}, ":")):
         per: dict = {}
         for lib, rows in (("attnlab", ours), ("kvpress", theirs)):
             cells: dict = {}
             for r in rows:
+                if lib == "kvpress" and theirs_at and theirs_at in r["press"]:
+                    continue
                 if r["ratio"] == ratio and r.get("question", "out") in allowed:
                     cells.setdefault((r["press"], r.get("question", "out")), {})[(r["task"], r["index"])] = r["score"]
             per[lib] = cells
@@ -202,7 +206,7 @@ def merge(ours: str, theirs: str, out: str) -> None:
     samples = max(x["samples"] for x in rows)
     ratios = sorted({r["ratio"] for r in rows if r["ratio"]})
     paired = [p for r in ratios for p in best_against_best(a["results"], b["results"], r)]
-    best = "\n".join(f"ratio {p['ratio']:g}, {p['scope']:<12}: attnlab's best {p['attnlab_best']} - kvpress's best "
+    best = "\n".join(f"ratio {p['ratio']:g}, {p['scope']}: attnlab's best {p['attnlab_best']} - kvpress's best "
                      f"{p['kvpress_best']} = {p['mean']:+.1f} points, 95% bootstrap [{p['lo']:+.1f}, {p['hi']:+.1f}], "
                      f"{p['wins']} wins / {p['losses']} losses / {p['ties']} ties of {p['n']}, sign test p = "
                      f"{p['sign_p']:.3f}" for p in paired)
@@ -229,7 +233,7 @@ def main() -> int:
     p.add_argument("--merge", nargs=2, metavar=("OURS", "KVPRESS"))
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--presses", default="knorm,streaming_llm,snapkv,tova,expected_attention")
-    p.add_argument("--extra", default="", help="our presses kvpress has not (h2o, sink_h2o)")
+    p.add_argument("--extra", default="", help="presses only we score (h2o, sink_h2o, NAME:page=16, ...)")
     p.add_argument("--ratios", default="0.25,0.5,0.75")
     p.add_argument("--question", default="out", help="out, in, or out,in: press the question too (in)")
     p.add_argument("--quest", nargs="?", const="0", default="",

@@ -75,7 +75,8 @@ def test_mistral_too(tmp_path_factory, name):
     assert hf_tokens(hf, ids, policy=policy(name)) == engine_tokens(lm, ids, policy(name))
 
 
-@pytest.mark.parametrize("name", ["knorm", "streaming_llm", "snapkv", "tova", "expected_attention", "h2o"])
+@pytest.mark.parametrize("name", ["knorm", "streaming_llm", "snapkv", "tova", "expected_attention", "h2o",
+                                  "snapkv:window_size=8:page=4"])
 def test_generate_with_a_press_equals_the_engine(pair, name):
     lm, hf, ids = pair
     kw = {"window_size": 8} if name == "snapkv" else {"n_future": 32} if name == "expected_attention" else {}

@@ -106,7 +106,8 @@ def add_parser(sub) -> None:
                    help="KV policies scored beside the full cache (the control); '' for none")
     p.add_argument("--presses", "--press", default="",
                    help="presses scored too, each compressing once after the prompt (knorm, streaming_llm, snapkv, "
-                        "tova, expected_attention, h2o, sink_h2o; comma list); table rows press:NAME")
+                        "tova, expected_attention, h2o, sink_h2o; comma list; NAME:field=value... sets a field, "
+                        "e.g. snapkv:window_size=32:page=16 keeps whole 16-token pages); table rows press:NAME")
     p.add_argument("--question", default="out", choices=["out", "in"],
                    help="out: a press compresses the context only, the question is fed after (kvpress's protocol); "
                         "in: the prompt but its last token (fed after), question included")

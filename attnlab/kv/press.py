@@ -13,8 +13,14 @@ and compacting the cache (`LayerKV.keep`). A row keeps int(n_real * (1 - ratio))
 own prompt length (kvpress's count); in a left-padded batch the shorter rows' surplus slots are
 kept as masked (position -1) slots, so every row gets exactly its own quota.
 
-Use: `lm.prefill(ids, cache, press=make_press("snapkv", 0.5))`; the cache must have no policy and
-`original` positions (keys keep their absolute rotation, as in kvpress).
+`page`, a field of every press: keep whole pages of that many positions (Quest's pages), each ranked by
+its best-scored pair, per layer and KV head. Why: a needle is a run of tokens (a 7-digit number is 7 of
+Qwen's), and a scorer that ranks pairs one by one keeps the digits the question attends to and drops the
+ones between, so the answer is copied with digits missing; a page is kept or dropped whole.
+
+Use: `lm.prefill(ids, cache, press=make_press("snapkv", 0.5))` (or a spec such as
+"snapkv:window_size=32:page=16"); the cache must have no policy and `original` positions (keys keep
+their absolute rotation, as in kvpress).
 """
 from __future__ import annotations
 
@@ -53,8 +59,10 @@ class Observed:
 
 @dataclass
 class Press:
-    """Base: drop a share `ratio` in [0, 1) of every row's prompt pairs, per layer and KV head."""
+    """Base: drop a share `ratio` in [0, 1) of every row's prompt pairs, per layer and KV head (in whole pages
+    of `page` positions when page > 1)."""
     ratio: float = 0.5
+    page: int = 1
     needs_probs: ClassVar[bool] = False   # the prompt's attention probabilities (accumulated, H2O)
     needs_stats: ClassVar[bool] = False   # mean and covariance of the prompt's queries
     stats_skip: ClassVar[int] = 0         # leading positions left out of the statistics
@@ -63,6 +71,8 @@ class Press:
     def __post_init__(self):
         if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) or not 0 <= self.ratio < 1:
             raise AttnlabError(f"a press ratio must be in [0, 1), got {self.ratio!r}")
+        if isinstance(self.page, bool) or not isinstance(self.page, int) or self.page < 1:
+            raise AttnlabError(f"a press page must be a positive number of positions, got {self.page!r}")
 
     @property
     def window(self) -> int:
@@ -77,7 +87,7 @@ class Press:
         return None
 
     def describe(self) -> str:
-        return f"{self.name}(ratio={self.ratio:g})"
+        return f"{self.name}(ratio={self.ratio:g}" + (f", page={self.page})" if self.page > 1 else ")")
 
 
 def _window_probs(o: Observed) -> torch.Tensor:
@@ -230,7 +240,17 @@ PRESSES: dict[str, type[Press]] = {p.name: p for p in (KnormPress, StreamingLLMP
 
 
 def make_press(name: str, ratio: float = 0.5, **fields) -> Press:
-    """A press by name (knorm, streaming_llm, snapkv, tova, expected_attention, h2o, sink_h2o)."""
+    """A press by name (knorm, streaming_llm, snapkv, tova, expected_attention, h2o, sink_h2o), or by a spec
+    NAME:field=value[:field=value...] (numbers only: "snapkv:window_size=32:page=16"), as the CLI takes it."""
+    name, *pairs = name.split(":")
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        try:
+            fields[key] = int(value) if value.lstrip("-").isdigit() else float(value)
+        except ValueError:
+            raise AttnlabError(f"press spec: expected field=number after {name!r}, got {pair!r}") from None
+        if not eq or not key:
+            raise AttnlabError(f"press spec: expected field=number after {name!r}, got {pair!r}")
     cls = PRESSES.get(name)
     if cls is None:
         raise AttnlabError(f"unknown press {name!r}; choose from {', '.join(PRESSES)}")
@@ -287,6 +307,19 @@ def choose(pos: torch.Tensor, score: torch.Tensor, keep: torch.Tensor) -> tuple[
     return idx, torch.gather(alive, -1, order)
 
 
+def whole_pages(score: torch.Tensor, pos: torch.Tensor, page: int) -> torch.Tensor:
+    """Scores [B, H, n] -> scores that rank whole pages (positions p // page): a page by its best pair, ties
+    to the lower page, and inside a page by position, so a top-k takes pages whole, the last one cut short.
+    Slots at position -1 (padding) stay -inf; a page holding a kept-always pair (+inf) ranks first."""
+    s = score.float().masked_fill(pos < 0, -INF)
+    page_of = pos.clamp_min(0) // page
+    best = torch.full((*s.shape[:2], int(page_of.max()) + 1), -INF).scatter_reduce(-1, page_of, s, "amax")
+    order = best.argsort(dim=-1, descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1]).expand_as(order))
+    ranked = -(rank.gather(-1, page_of) * page + pos.clamp_min(0) % page).float()
+    return ranked.masked_fill(pos < 0, -INF)
+
+
 def observed(press: Press, kv, recorder: PressRecorder, i: int, hf_layout: bool = False) -> Observed:
     """One layer's scorer inputs (keys and values read from the cache; hf_layout: keys stored with
     transformers' half-split rotation, turned into adjacent pairs for scoring)."""
@@ -312,7 +345,10 @@ def observed(press: Press, kv, recorder: PressRecorder, i: int, hf_layout: bool 
 
 def compress_layer(press: Press, kv, o: Observed) -> None:
     """Score, choose and compact one layer; a row's surplus slots become masked padding."""
-    idx, alive = choose(o.pos, press.score(o), o.keep)
+    score = press.score(o)
+    if press.page > 1:
+        score = whole_pages(score, o.pos, press.page)
+    idx, alive = choose(o.pos, score, o.keep)
     kv.policy_state = {}
     kv.keep(idx)
     if not bool(alive.all()):

@@ -25,13 +25,17 @@ def test_best_against_best_is_paired_and_respects_the_protocol():
     ours = rows({("full", "out", 0.0): [100] * 8, ("tova", "out", 0.5): [0, 0, 100, 0, 0, 0, 0, 0],
                  ("h2o", "out", 0.5): [100, 0, 100, 0, 100, 0, 0, 0], ("tova", "in", 0.5): [100] * 6 + [0, 0]})
     theirs = rows({("full", "out", 0.0): [100] * 8, ("tova", "out", 0.5): [0, 0, 100, 0, 0, 0, 0, 0],
-                   ("tova", "in", 0.5): [100] * 5 + [0, 0, 0]})
-    anyp, out = anchor.best_against_best(ours, theirs, 0.5)
+                   ("tova", "in", 0.5): [100] * 5 + [0, 0, 0], ("tova:chunk_length=16", "in", 0.5): [0] * 8})
+    anyp, out, defaults = anchor.best_against_best(ours, theirs, 0.5)
     assert (anyp["attnlab_best"], anyp["kvpress_best"]) == ("tova+q", "tova+q")
     assert anyp["mean"] == pytest.approx(12.5) and (anyp["wins"], anyp["losses"]) == (1, 0)
     # kvpress's protocol only: our h2o against its tova, the same samples in the same order
     assert (out["attnlab_best"], out["kvpress_best"], out["mean"]) == ("h2o", "tova", 25.0)
     assert (out["wins"], out["losses"], out["ties"]) == (2, 0, 6)
+    assert defaults["kvpress_best"] == "tova+q" and defaults["mean"] == pytest.approx(12.5)
+    theirs = [r for r in theirs if ":" not in r["press"]] + rows({("tova:chunk_length=16", "in", 0.5): [100] * 8})
+    leads = anchor.best_against_best(ours, theirs, 0.5)  # a configured kvpress press now leads, but not at defaults
+    assert (leads[0]["kvpress_best"], leads[2]["kvpress_best"]) == ("tova:chunk_length=16+q", "tova+q")
 
 
 def test_merge_writes_a_run_the_report_reads(tmp_path):
@@ -49,7 +53,7 @@ def test_merge_writes_a_run_the_report_reads(tmp_path):
     names = {c["policy"] for c in summary["cells"]}
     assert names == {"full", "kvpress:full", "attnlab:knorm", "attnlab:knorm+q", "kvpress:knorm", "kvpress:knorm+q",
                      "attnlab:h2o"}
-    assert summary["samples"] == 4 and [p["mean"] for p in summary["paired"]] == [0.0, 0.0]
+    assert summary["samples"] == 4 and [p["mean"] for p in summary["paired"]] == [0.0, 0.0, 0.0]
     assert "knorm+q" in (tmp_path / "out" / "table.txt").read_text()
     sections = collect([tmp_path / "out"])
     assert [s.kind for s in sections] == ["ruler"] and sections[0].figures

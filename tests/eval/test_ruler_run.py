@@ -108,17 +108,18 @@ def test_context_tokens_split_before_the_question(lm):
 
 
 def test_press_cells_run_and_table(lm, tmp_path):
-    args = dict(tasks=["niah_single"], lengths=[512], policies=["press:knorm", "press:snapkv"], ratios=[0.5],
-                samples=1, out=tmp_path, identity={"model": "tiny"}, chunk=128)
+    args = dict(tasks=["niah_single"], lengths=[512], policies=["press:knorm", "press:snapkv", "press:tova:page=16"],
+                ratios=[0.5], samples=1, out=tmp_path, identity={"model": "tiny"}, chunk=128)
     units = run_ruler(lm, **args, question="out")
-    assert {u["policy"] for u in units} == {"full", "press:knorm", "press:snapkv"}
+    assert {u["policy"] for u in units} == {"full", "press:knorm", "press:snapkv", "press:tova:page=16"}
     assert all(u["question"] == "out" for u in units if u["policy"] != "full")
-    assert len(run_ruler(lm, **args, question="in")) == 3 and len(list((tmp_path / "units").glob("*.json"))) == 5
+    assert len(run_ruler(lm, **args, question="in")) == 4 and len(list((tmp_path / "units").glob("*.json"))) == 7
     assert "press:snapkv" in table(cells(units))
 
 
 @pytest.mark.parametrize("argv,message", [
     (["ruler", "--presses", "nope"], "unknown press"),
+    (["ruler", "--presses", "snapkv:window_size"], "field=number"),
     (["ruler", "--lengths", "100"], "at least 512"),
     (["ruler", "--tasks", "qa"], "unknown RULER task"),
     (["ruler", "--ratios", "1.2"], "--ratios"),

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from attnlab.errors import AttnlabError
 from attnlab.kv import make_press, make_policy
-from attnlab.kv.press import PRESSES, choose
+from attnlab.kv.press import PRESSES, choose, whole_pages
 from attnlab.model.llama import attend
 from attnlab.rope import apply as rope_apply
 from tests.conftest import tiny_lm
@@ -173,6 +173,59 @@ def test_padded_batch_rows_equal_single_rows(lm, name):
             assert kept.shape[-1] == int(len(r) * (1 - 0.6)) == single.n
             assert torch.equal(kept.sort(-1).values, single.pos[0, :, :single.n])
         torch.testing.assert_close(out[b], lm.forward(torch.tensor([[3]]), one)[0, -1], atol=1e-4, rtol=1e-4)
+
+
+def reference_pages(score, page, n_kept, agg=torch.max):
+    """Whole pages by their best score (ties: the lower page), positions in order, the last page cut short."""
+    B, H, n = score.shape
+    out = torch.empty(B, H, n_kept, dtype=torch.long)
+    for b in range(B):
+        for h in range(H):
+            best = [agg(score[b, h, p:p + page].nan_to_num(posinf=1e9)).item() for p in range(0, n, page)]
+            order = sorted(range(len(best)), key=lambda p: (-best[p], p))
+            kept = [i for p in order for i in range(p * page, min(n, (p + 1) * page))][:n_kept]
+            out[b, h] = torch.tensor(sorted(kept))
+    return out
+
+
+@pytest.mark.parametrize("name", ["knorm", "snapkv", "tova", "h2o"])
+def test_pages_are_kept_whole(lm, ids, name):
+    """page=8: the kept positions are the reference's whole pages (ranked by their best pair), per layer and KV
+    head: 4 pages and the first 4 positions of a fifth."""
+    (kv_full, tap) = full_state(lm, ids)
+    cache = lm.new_cache(1, capacity=T + 4)
+    lm.prefill(ids, cache, chunk=CHUNK, press=make_press(name, RATIO, page=8, **KW.get(name, {})))
+    n_kept = int(T * (1 - RATIO))
+    for i, layer in enumerate(cache.layers):
+        k, v = kv_full[i]
+        ref = reference_scores(name, lm, k, v, tap.q[i], tap.probs[i], n_kept)
+        got = layer.pos[:, :, :layer.n]
+        assert torch.equal(got, reference_pages(ref, 8, n_kept)), (name, i)
+        for row in got.flatten(0, 1):
+            pages = (row // 8).bincount()
+            assert sorted(pages[pages > 0].tolist()) == [4, 8, 8, 8, 8]
+
+
+def test_whole_pages_rank_by_the_best_pair():
+    """One sharp pair outranks a page of middling ones (ChunkKV's mean would keep the middling page); ties go
+    to the lower page; padding stays out; a page with an always-kept pair ranks first."""
+    pos = torch.tensor([[[-1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]])
+    score = torch.tensor([[[9.0, 0.0, 0.9, 0.0, 0.0, 0.5, 0.5, 0.5, 0.5, 0.9, 0, 0, 0]]])
+    idx, alive = choose(pos, whole_pages(score, pos, 4), torch.tensor([9]))
+    assert pos[0, 0, idx[0, 0]].tolist() == [0, 1, 2, 3, 4, 8, 9, 10, 11] and alive.all()  # pages 0, 2, then 1 cut
+    assert reference_pages(score[..., 1:], 4, 4, torch.mean).tolist() == [[[4, 5, 6, 7]]]
+    score[0, 0, 12] = float("inf")
+    assert pos[0, 0, choose(pos, whole_pages(score, pos, 4), torch.tensor([4]))[0][0, 0]].tolist() == [8, 9, 10, 11]
+
+
+def test_press_specs():
+    assert make_press("snapkv:window_size=32:page=16", 0.25) == make_press("snapkv", 0.25, window_size=32, page=16)
+    assert make_press("tova:page=4").page == 4 and make_press("knorm").page == 1
+    for bad, match in (("snapkv:window_size", "field=number"), ("snapkv:=3", "field=number"),
+                       ("snapkv:window_size=x", "field=number"), ("snapkv:nope=3", "nope"),
+                       ("tova:page=0", "page"), ("tova:page=1.5", "page")):
+        with pytest.raises(AttnlabError, match=match):
+            make_press(bad)
 
 
 def test_choose_quota_and_surplus():
