@@ -187,12 +187,52 @@ def best_against_best(ours: list[dict], theirs: list[dict], ratio: float) -> lis
     return out
 
 
+def bars(rows: list[dict], path: Path, title: str) -> None:
+    """RULER average per press at each ratio, attnlab's and kvpress's bars side by side (one alone where only one
+    library has the press), the full cache as a dashed line: easier to read than one line per press."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from attnlab.io import save_figure
+
+    def ruler(name, ratio):
+        tasks = {r["task"]: r["score"] for r in rows if r["policy"] == name and r["ratio"] == ratio}
+        return sum(tasks.values()) / len(tasks) if tasks else None
+    ratios = sorted({r["ratio"] for r in rows if r["ratio"]})
+    labels = sorted({r["policy"].split(":", 1)[1] for r in rows if r["ratio"] and ":" in r["policy"]})
+    fig, axes = plt.subplots(len(ratios), 1, figsize=(max(6.0, 0.55 * len(labels) + 1), 3.8 * len(ratios)),
+                             squeeze=False)
+    for ax, ratio in zip(axes[:, 0], ratios):
+        for j, lib in enumerate(("attnlab", "kvpress")):
+            ys = [ruler(f"{lib}:{x}", ratio) for x in labels]
+            xs = [i + (j - 0.5) * 0.4 for i, y in enumerate(ys) if y is not None]
+            ax.bar(xs, [y for y in ys if y is not None], 0.4, label=lib, color=f"C{j}")
+        ax.axhline(ruler("full", 0.0), color="black", ls="--", lw=1, label="full cache")
+        ax.set_xticks(range(len(labels)), labels, rotation=60, ha="right", fontsize=7)
+        ax.set_ylabel(f"RULER average, ratio {ratio:g}")
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0, 0].set_title(title, fontsize=9)
+    save_figure(fig, path, dpi=120)
+
+
+def _joined(paths: str) -> dict:
+    """One library's result files (comma list: a run cut and continued on the other samples) as one: results
+    concatenated, commands and commits joined with " ; "."""
+    parts = [json.loads(Path(p).read_text()) for p in paths.split(",")]
+    keys = [_key(r) for d in parts for r in d["results"]]
+    if len(keys) != len(set(keys)):
+        raise SystemExit(f"{paths}: the files share a cell; join runs of different samples only")
+    return {**parts[0], "results": [r for d in parts for r in d["results"]],
+            **{k: " ; ".join(dict.fromkeys(str(d.get(k)) for d in parts)) for k in ("command", "commit")}}
+
+
 def merge(ours: str, theirs: str, out: str) -> None:
     """Both result files as one `attnlab ruler`-style run: rows attnlab:NAME and kvpress:NAME (and full; +q: the
     question pressed too), the paired comparisons beside it (table.txt, summary.json's "paired")."""
     from attnlab.eval.ruler_run import full_by_task, plot, table
     from attnlab.io import write_json, write_text
-    a, b = json.loads(Path(ours).read_text()), json.loads(Path(theirs).read_text())
+    a, b = _joined(ours), _joined(theirs)
     both = {_key(r)[3:] for r in a["results"]} & {_key(r)[3:] for r in b["results"]}  # a cut run: samples both did
     a["results"], b["results"] = [[r for r in x["results"] if _key(r)[3:] in both] for x in (a, b)]
     acc: dict = {}
@@ -220,6 +260,7 @@ def merge(ours: str, theirs: str, out: str) -> None:
     out_dir = Path(out)
     write_text(out_dir / "table.txt", text)
     plot(rows, out_dir / "ruler.png", title=f"RULER 4K, attnlab vs kvpress presses, {samples} sample(s) per task")
+    bars(rows, out_dir / "bars.png", f"RULER 4K on {Path(a['model']).name}, {n_all} samples; +q: the question pressed too")
     write_json(out_dir / "summary.json", {
         "command": a["command"] + " ; " + b["command"], "commit": a.get("commit"), "model": a["model"],
         "tasks": sorted({r["task"] for r in rows}), "lengths": [4096], "ratios": ratios, "samples": samples,
@@ -230,7 +271,7 @@ def merge(ours: str, theirs: str, out: str) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("samples", nargs="?")
-    p.add_argument("--merge", nargs=2, metavar=("OURS", "KVPRESS"))
+    p.add_argument("--merge", nargs=2, metavar=("OURS", "KVPRESS"), help="result files (each a comma list of runs)")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--presses", default="knorm,streaming_llm,snapkv,tova,expected_attention")
     p.add_argument("--extra", default="", help="presses only we score (h2o, sink_h2o, NAME:page=16, ...)")

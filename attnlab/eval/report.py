@@ -104,7 +104,7 @@ def _ruler(data, path):
                     f"{p['kvpress_best']} = {p['mean']:+.1f} points, 95% [{p['lo']:+.1f}, {p['hi']:+.1f}], "
                     f"sign test p = {p['sign_p']:.3f}, n = {p['n']}" for i, p in enumerate(data.get("paired", [])))
     return Section("ruler", f"RULER: {data.get('model', path.parent.name)}", path, data.get("command", ""), text=text,
-                   figures=_figures(path.parent, ["ruler"]))
+                   figures=_figures(path.parent, ["ruler", "bars"]))  # bars: the press anchor's side-by-side
 
 
 def _lmeval(data, path):

@@ -58,3 +58,23 @@ def test_merge_writes_a_run_the_report_reads(tmp_path):
     sections = collect([tmp_path / "out"])
     assert [s.kind for s in sections] == ["ruler"] and sections[0].figures
     assert "attnlab's knorm+q - kvpress's knorm+q = +0.0 points" in sections[0].text  # the report shows the pairing
+
+
+def test_needle_positions_cover_every_token_of_each_answer():
+    spec = importlib.util.spec_from_file_location("press_needles", ROOT / "benchmarks" / "press_needles.py")
+    needles = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(needles)
+    pieces = ["The", " number", " is", " 5", "06", "4", "07", "1", ".", " Also", " 5", "06", "4", "07", "1", " 99"]
+    ids = list(range(len(pieces)))
+    got = needles.needle_positions(lambda t: "".join(pieces[i] for i in t), ids, 15, ["5064071", "99", "1."])
+    assert got == [[3, 4, 5, 6, 7, 10, 11, 12, 13, 14], [], [7, 8]]  # 99 lies past the context (n = 15)
+
+
+def test_a_run_continued_on_other_samples_joins(tmp_path):
+    first, rest = rows({("knorm", "out", 0.5): [0, 100] * 4})[:4], rows({("knorm", "out", 0.5): [0, 100] * 4})[4:]
+    for name, data, commit in (("a.json", first, "c1"), ("b.json", rest, "c2"), ("c.json", first, "c3")):
+        (tmp_path / name).write_text(json.dumps({"command": name, "commit": commit, "model": "m", "results": data}))
+    joined = anchor._joined(f"{tmp_path / 'a.json'},{tmp_path / 'b.json'}")
+    assert joined["results"] == first + rest and (joined["command"], joined["commit"]) == ("a.json ; b.json", "c1 ; c2")
+    with pytest.raises(SystemExit, match="share a cell"):
+        anchor._joined(f"{tmp_path / 'a.json'},{tmp_path / 'c.json'}")
