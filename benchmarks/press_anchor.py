@@ -161,13 +161,13 @@ def best_against_best(ours: list[dict], theirs: list[dict], ratio: float) -> lis
     kvpress to its presses at their defaults (names without fields), the anchor's five as kvpress ships them."""
     from attnlab.stats import paired_difference
     out = []
-    for scope, allowed, theirs_at in (("any protocol", {"out", "in"}, ""), ("question out", {"out"}, ""),
-                                      ("kvpress at its defaults", {"out", "in"}, ":")):
+    for scope, allowed, defaults_only in (("any protocol", {"out", "in"}, False), ("question out", {"out"}, False),
+                                          ("kvpress at its defaults", {"out", "in"}, True)):
         per: dict = {}
         for lib, rows in (("attnlab", ours), ("kvpress", theirs)):
             cells: dict = {}
             for r in rows:
-                if lib == "kvpress" and theirs_at and theirs_at in r["press"]:
+                if lib == "kvpress" and defaults_only and ":" in r["press"]:  # a spec sets fields
                     continue
                 if r["ratio"] == ratio and r.get("question", "out") in allowed:
                     cells.setdefault((r["press"], r.get("question", "out")), {})[(r["task"], r["index"])] = r["score"]

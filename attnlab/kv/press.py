@@ -246,11 +246,11 @@ def make_press(name: str, ratio: float = 0.5, **fields) -> Press:
     for pair in pairs:
         key, eq, value = pair.partition("=")
         try:
+            if not (key and eq):
+                raise ValueError
             fields[key] = int(value) if value.lstrip("-").isdigit() else float(value)
         except ValueError:
             raise AttnlabError(f"press spec: expected field=number after {name!r}, got {pair!r}") from None
-        if not eq or not key:
-            raise AttnlabError(f"press spec: expected field=number after {name!r}, got {pair!r}")
     cls = PRESSES.get(name)
     if cls is None:
         raise AttnlabError(f"unknown press {name!r}; choose from {', '.join(PRESSES)}")
