@@ -172,6 +172,8 @@ def best_against_best(ours: list[dict], theirs: list[dict], ratio: float) -> lis
                 if r["ratio"] == ratio and r.get("question", "out") in allowed:
                     cells.setdefault((r["press"], r.get("question", "out")), {})[(r["task"], r["index"])] = r["score"]
             per[lib] = cells
+        if not all(per.values()):
+            continue  # a run of one protocol only
         common = set.intersection(*[set(v) for c in per.values() for v in c.values()])
         tasks = sorted({t for t, _ in common})
 

@@ -36,6 +36,8 @@ def test_best_against_best_is_paired_and_respects_the_protocol():
     theirs = [r for r in theirs if ":" not in r["press"]] + rows({("tova:chunk_length=16", "in", 0.5): [100] * 8})
     leads = anchor.best_against_best(ours, theirs, 0.5)  # a configured kvpress press now leads, but not at defaults
     assert (leads[0]["kvpress_best"], leads[2]["kvpress_best"]) == ("tova:chunk_length=16+q", "tova+q")
+    only_in = [[r for r in x if r["question"] == "in" or r["press"] == "full"] for x in (ours, theirs)]
+    assert [p["scope"] for p in anchor.best_against_best(*only_in, 0.5)] == ["any protocol", "kvpress at its defaults"]
 
 
 def test_merge_writes_a_run_the_report_reads(tmp_path):
