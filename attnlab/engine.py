@@ -2,8 +2,10 @@
 
 Data flows one way: text -> token ids -> `LM` (network + KV cache/policy + options) -> logits ->
 a `Sampler` (generation) or an evaluator (perplexity, analysis). The network (`Transformer`) is
-pure tensor work; the engine's step (`LM.forward`) owns what happens around it: the cache's
-bookkeeping before and after, and the choice among the native, the sparse and the eager path.
+pure tensor work; the engine's one step (`LM.step`, a `Batch` of rows in, each row's logits out) owns what
+happens around it: the cache's bookkeeping before and after, and the choice of the native or the eager path.
+Prefill (`prefill`: chunks), one conversation's decoding (`decode`, `stream`, `generate`), the server's batched
+steps and a row of draft tokens all go through it.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from attnlab.batch import Batch, Row, as_ids
 from attnlab.errors import AttnlabError
 from attnlab.kv.cache import KVCache
 from attnlab.model.llama import ModelConfig, Pass, Transformer
@@ -21,6 +24,7 @@ from attnlab.model.loaders import load_model
 from attnlab.model.tokenizer import load_tokenizer
 from attnlab.options import Options
 from attnlab.sampling import Sampler
+from attnlab.stop import Stop
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -145,64 +149,79 @@ class LM:
                pos: torch.Tensor | None = None) -> torch.Tensor:
         """ids [B, T] -> logits [B, T, vocab]: one full causal pass from position 0 (or at positions pos [B, T],
         or under mask [T, T] bool), no cache. observers: recorders called inside the pass (see `Pass`)."""
-        ids = _as_ids(ids)
+        ids = as_ids(ids)
         return self.model(ids, Pass.full(self.model.rope, ids, mask, observers, self.sparsity, pos))
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, cache: KVCache, last_only: bool = False, observers=()) -> torch.Tensor:
-        """The engine's step: append ids [B, T] to the cache and return their logits [B, T (or 1), vocab].
+    def step(self, batch: Batch) -> list[torch.Tensor | None]:
+        """The engine's one step: every row's tokens appended to its cache; each row's logits as it asked
+        ([b, 1, vocab] "last", [b, T, vocab] "all", None "none"), in the batch's order.
 
-        Positions and room first (`cache.begin`), then the network: the native step for a plain single-token
-        step when compiled (`compile_decode`), eager otherwise; then counting and eviction (`cache.advance`)."""
-        ids = _as_ids(ids)
-        T = ids.shape[1]
-        observers = (*observers, *cache.observers)
-        quest = self.options.attention
-        fast = self.compiled is not None and T == 1 and not observers and self.sparsity is None
-        step = cache.begin(T, self.model.rope, real=fast)
-        logits = self.compiled(ids, step, cache.layers, quest) if fast and not step.padded else None
-        if logits is None:  # not a step the native one covers (batch, padding, cache layout): eager
-            ctx = Pass(step.rot, step, cache.layers, observers=observers, sparsity=self.sparsity, quest=quest)
-            logits = self.model(ids, ctx, last_only)
-        cache.advance(T)
-        return logits
+        Positions and room first (`cache.begin`), then the network, then counting and eviction (`cache.advance`).
+        The native step (`compile_decode`) runs the single-token rows it covers in one call, each weight read once
+        for all of them (Quest included: each row its own pages); eager runs the rest: several single-token rows in
+        one pass (`Pass.rows`: attention per row over its own cache), any other row (a prompt's chunk, draft
+        tokens, a padded batch, a sparsity plan's rows) in a pass of its own. The kernels compute an activation
+        row alike whatever rows it shares a call with, so a row's logits do not depend on its neighbours."""
+        quest, rope = self.options.attention, self.model.rope
+        fitted = [self._fit(r) for r in batch.rows]
+        rows = [r for r, _ in fitted]
+        plain = [self.compiled is not None and r.tokens == 1 and not r.observers and not r.cache.observers
+                 and self.sparsity is None for r in rows]  # what the native step may cover
+        fast = [p and r.single for p, r in zip(plain, rows)]
+        steps = [r.cache.begin(r.tokens, rope, real=f) for r, f in zip(rows, fast)]
+        out: list[torch.Tensor | None] = [None] * len(rows)
+        native = self._native(rows, steps, fast, quest, out)
+        if any(p and i not in native for i, p in enumerate(plain)):
+            self.compiled.calls["eager"] += 1  # a step it does not cover (a padded batch, a window that slid)
+        single = [i for i, r in enumerate(rows) if i not in native and r.single and self.sparsity is None]
+        if len(single) > 1:  # several conversations' next tokens: one read of each weight
+            passes = [Pass(steps[i].rot, steps[i], rows[i].cache.layers, quest=quest,
+                           observers=(*rows[i].observers, *rows[i].cache.observers)) for i in single]
+            logits = self.model(torch.cat([rows[i].ids for i in single]), Pass(None, rows=passes), last_only=True)
+            for j, i in enumerate(single):
+                out[i] = logits[j:j + 1]
+        for i, r in enumerate(rows):
+            if i not in native and (i not in single or len(single) == 1):
+                ctx = Pass(steps[i].rot, steps[i], r.cache.layers, observers=(*r.observers, *r.cache.observers),
+                           sparsity=self.sparsity, quest=quest)
+                out[i] = self.model(r.ids, ctx, last_only=r.logits != "all")
+        for r in rows:
+            r.cache.advance(r.tokens)
+        out = [torch.cat([*head, o], 1) if head else o for o, (_, head) in zip(out, fitted)]
+        return [None if r.logits == "none" else o for r, o in zip(rows, out)]
+
+    def _fit(self, row: Row) -> tuple[Row, list]:
+        """A row longer than its cache has room for in one pass (a bounded cache: one policy chunk) goes in parts,
+        its policy evicting between them as between a prompt's chunks: all but the last here (their logits if the
+        row wants all), the last in the batch."""
+        room = row.cache.max_chunk
+        if not room or row.tokens <= room:
+            return row, []
+        cut = (row.tokens - 1) // room * room
+        wants = "all" if row.logits == "all" else "none"
+        head = [self.step(Batch.one(row.ids[:, a:a + room], row.cache, wants, row.observers))[0]
+                for a in range(0, cut, room)]
+        return Row(row.ids[:, cut:], row.cache, row.logits, row.observers), head if wants == "all" else []
+
+    def _native(self, rows, steps, fast, quest, out) -> set[int]:
+        """Run the rows the native step covers (their logits into out); returns their indices."""
+        if not any(fast):
+            return set()
+        firsts = {i: self.compiled.first(steps[i], rows[i].cache.layers, quest) for i, f in enumerate(fast) if f}
+        native = [i for i, first in firsts.items() if first is not None and not steps[i].padded]
+        if not native:
+            return set()
+        logits = self.compiled.batch(torch.cat([rows[i].ids for i in native]), [steps[i] for i in native],
+                                     [rows[i].cache.layers for i in native], quest, [firsts[i] for i in native])
+        for j, i in enumerate(native):
+            out[i] = logits[j:j + 1]
+        return set(native)
 
     @torch.inference_mode()
-    def step_batch(self, tokens, caches: list[KVCache]) -> torch.Tensor:
-        """One decode step of B conversations: token b appended to caches[b] (each its own batch-1 cache, with its
-        own length, policy, budget and dtype; nothing padded) -> logits [B, vocab].
-
-        The linear layers read each weight once for the B rows; attention runs per conversation over its own
-        cache. Rows the native step covers run in one native call (Quest included: each row its own pages), the
-        others (policies that score by attention, a sparsity plan) in one eager pass; a batch of one is `forward`'s
-        step."""
-        ids = _as_ids(tokens).reshape(-1, 1)
-        if ids.shape[0] != len(caches) or not caches:
-            raise AttnlabError(f"step_batch takes one token per cache, got {ids.shape[0]} tokens for {len(caches)} caches")
-        if any(c.batch != 1 for c in caches) or len({id(c) for c in caches}) != len(caches):
-            raise AttnlabError("step_batch takes distinct caches of one conversation each (batch 1)")
-        if self.sparsity is not None:  # a plan chooses neurons per pass: rows one at a time
-            return torch.cat([self.forward(ids[b:b + 1], c, last_only=True)[:, -1] for b, c in enumerate(caches)])
-        quest = self.options.attention
-        fast = [self.compiled is not None and not c.observers for c in caches]
-        steps = [c.begin(1, self.model.rope, real=f) for c, f in zip(caches, fast)]
-        firsts = {b: self.compiled.first(steps[b], caches[b].layers, quest) for b, f in enumerate(fast) if f}
-        native = [b for b, first in firsts.items() if first is not None]
-        logits = torch.empty(len(caches), self.cfg.vocab_size)
-        out = self.compiled.batch(ids[native], [steps[b] for b in native], [caches[b].layers for b in native],
-                                  quest, [firsts[b] for b in native]) if native else None
-        if out is None:
-            native = []
-        else:
-            logits[native] = out[:, -1]
-        rest = sorted(set(range(len(caches))) - set(native))
-        if rest:
-            rows = [Pass(steps[b].rot, steps[b], caches[b].layers, observers=caches[b].observers, quest=quest)
-                    for b in rest]
-            logits[rest] = self.model(ids[rest], Pass(None, rows=rows), last_only=True)[:, -1]
-        for c in caches:
-            c.advance(1)
-        return logits
+    def forward(self, ids: torch.Tensor, cache: KVCache, last_only: bool = False, observers=()) -> torch.Tensor:
+        """One row through `step`: ids [B, T] appended to the cache -> their logits [B, T (or 1), vocab]."""
+        return self.step(Batch.one(ids, cache, "last" if last_only else "all", observers))[0]
 
     @torch.inference_mode()
     def prefill(self, ids: torch.Tensor, cache: KVCache, chunk: int = 512, all_logits: bool = False,
@@ -212,7 +231,7 @@ class LM:
         press: compress the cache once the whole of ids is in (`attnlab.kv.press`; the cache must have no
         policy). Returns the last position's logits [B, vocab], or all logits [B, T, vocab] if all_logits.
         """
-        ids = _as_ids(ids)
+        ids = as_ids(ids)
         if chunk < 1:
             raise AttnlabError(f"chunk must be >= 1, got {chunk}")
         if press is not None:
@@ -222,11 +241,11 @@ class LM:
             logits = self.prefill(ids, cache, chunk, all_logits, progress, (*observers, recorder))
             compress(cache, press, recorder)
             return logits
-        chunk = min(chunk, cache.max_chunk or chunk)
+        chunk = min(chunk, cache.max_chunk or chunk)  # a bounded cache's room (else `step` would cut each chunk)
         outs = []
         for start in range(0, ids.shape[1], chunk):
             part = ids[:, start:start + chunk]
-            outs.append(self.forward(part, cache, last_only=not all_logits, observers=observers))
+            outs.append(self.step(Batch.one(part, cache, "all" if all_logits else "last", observers))[0])
             if progress is not None:
                 progress(part.shape[1])
         if not outs:
@@ -235,24 +254,23 @@ class LM:
 
     def decode(self, cache: KVCache, logits: torch.Tensor, sampler: Sampler, max_new_tokens: int,
                stop_ids=()) -> Iterator[torch.Tensor]:
-        """The one decoding loop: sample from logits [B, vocab], yield the tokens [B], feed them, repeat.
+        """The one decoding loop of a cache: sample from logits [B, vocab], yield the tokens [B], feed them, repeat.
 
-        Stops after max_new_tokens, or once every row has sampled one of stop_ids (a row that stopped
-        keeps being fed; its later tokens are the caller's to drop). The last token yielded is not fed,
-        so a caller can continue a conversation by feeding it with its next prompt (see `Session`)."""
+        Each row ends by the one stop check (`attnlab.stop.Stop`: a stop id, or max_new_tokens); the loop ends
+        once every row has (a row that ended keeps being fed; its later tokens are the caller's to drop). The last
+        token yielded is not fed, so a caller can continue a conversation by feeding it with its next prompt
+        (see `Session`)."""
         if max_new_tokens < 0:
             raise AttnlabError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        if max_new_tokens == 0:
-            return
-        stop = torch.tensor(sorted(stop_ids), dtype=torch.long)
-        done = torch.zeros(logits.shape[0], dtype=torch.bool)
-        for i in range(max_new_tokens):
+        stops = [Stop(max_new_tokens, stop_ids) for _ in range(logits.shape[0])] if max_new_tokens else []
+        while stops:
             token = sampler(logits)
             yield token
-            done |= torch.isin(token, stop)
-            if bool(done.all()) or i == max_new_tokens - 1:
+            for stop, t in zip(stops, token.tolist()):
+                stop.push(t)
+            if all(stop.reason for stop in stops):
                 return
-            logits = self.forward(token[:, None], cache, last_only=True)[:, -1]
+            logits = self.step(Batch.one(token[:, None], cache))[0][:, -1]
 
     # ---------------------------------------------------------------- text in, text out
 
@@ -284,7 +302,7 @@ class LM:
         """Yield sampled token ids one by one (batch 1) after prefilling ids into cache (see `decode`)."""
         if max_new_tokens < 0:
             raise AttnlabError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        ids = _as_ids(ids)
+        ids = as_ids(ids)
         if ids.shape[0] != 1:
             raise AttnlabError(f"stream takes one row of token ids, got shape {tuple(ids.shape)}")
         logits = self.prefill(ids, cache, chunk)
@@ -310,7 +328,7 @@ class LM:
 
     @torch.inference_mode()
     def generate_ids(self, prompts: list[list[int]], max_new_tokens: int, sampler: Sampler, policy=None) -> list[list[int]]:
-        """Batched decoding of left-padded prompts; each row stops at its own EOS."""
+        """Batched decoding of left-padded prompts in one cache (`decode`); each row's reply ends at its own EOS."""
         if max_new_tokens < 0:
             raise AttnlabError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         width = max(len(p) for p in prompts)
@@ -319,23 +337,13 @@ class LM:
         cache = self.new_cache(len(prompts), capacity=width + max_new_tokens, policy=policy,
                                pad=[width - len(p) for p in prompts])
         out: list[list[int]] = [[] for _ in prompts]
-        done = [False] * len(prompts)
-        eos = self.eos_ids
-        for token in self.decode(cache, self.prefill(ids, cache), sampler, max_new_tokens, eos):
+        stops = [Stop(max_new_tokens, self.eos_ids) for _ in prompts]
+        for token in self.decode(cache, self.prefill(ids, cache), sampler, max_new_tokens, self.eos_ids):
             for b, t in enumerate(token.tolist()):
-                if not done[b]:
+                if stops[b].reason is None:
                     out[b].append(t)
-                    done[b] = t in eos
+                    stops[b].push(t)
         return out
-
-
-def _as_ids(ids) -> torch.Tensor:
-    ids = torch.as_tensor(ids, dtype=torch.long)
-    if ids.dim() == 1:
-        ids = ids[None]
-    if ids.dim() != 2:
-        raise AttnlabError(f"token ids must be [batch, tokens], got shape {tuple(ids.shape)}")
-    return ids
 
 
 def load(spec: str | Path = DEFAULT_MODEL, options: Options | None = None, **fields) -> LM:

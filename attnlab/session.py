@@ -3,7 +3,8 @@
 Why it exists: `LM.stream`, `ChatSession` and the HTTP server hold a conversation whose
 state (cache, next-token logits, the rendered text the cache holds) outlives one request,
 and the server must pause decoding between tokens to interleave clients. The decoding
-loop itself is the engine's one loop (`LM.decode`); a session is its batch-1 caller.
+loop itself is the engine's one loop (`LM.decode`, ending by the one stop check, `attnlab.stop.Stop`); a
+session is its batch-1 caller, and the server's runner feeds it through the engine's step (`took`).
 
 Invariant: after yielding token t, `generate` has fed every earlier reply token but not t;
 the caller continues the conversation by feeding t (e.g. the EOS that closes a chat turn)
@@ -38,9 +39,14 @@ class Session:
             raise AttnlabError(f"a session feeds one row of token ids, got shape {tuple(ids.shape)}")
         if ids.shape[1] == 0:
             return
-        self.logits = self.lm.prefill(ids, self.cache, self.chunk)[0]
-        self.fed += ids.shape[1]
-        self.ids += ids[0].tolist()
+        self.took(ids[0].tolist(), self.lm.prefill(ids, self.cache, self.chunk)[0])
+
+    def took(self, ids: list[int], logits: torch.Tensor | None) -> None:
+        """Tokens the engine's step appended to this cache (`feed`, or the server's runner), and the logits [vocab]
+        after the last of them (None: a reply's token, whose logits the caller samples itself)."""
+        self.ids += ids
+        self.fed += len(ids)
+        self.logits = logits
 
     def rewind(self, n: int) -> None:
         """Forget every token past the first n (only a cache that never evicted): the next feed goes on from there."""
@@ -83,16 +89,11 @@ class Session:
             for token in self.lm.decode(self.cache, self.logits[None] if max_new_tokens else None, sampler,
                                         max_new_tokens, eos):
                 if reply:
-                    self.record(reply[-1])  # every reply token but this one is in the cache
+                    self.took(reply[-1:], None)  # every reply token but this one is in the cache
                 reply.append(int(token[0]))
                 yield reply[-1]
         finally:
             self.end_reply(reply)
-
-    def record(self, token: int) -> None:
-        """A reply token the caller fed into this cache itself (the server's batched step, `LM.step_batch`)."""
-        self.ids.append(token)
-        self.fed += 1
 
     def end_reply(self, reply: list[int]) -> None:
         """A reply is over: every token of it but the last was fed (and recorded); `text` gains those, and the

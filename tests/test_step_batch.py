@@ -1,4 +1,4 @@
-"""`LM.step_batch`: B conversations advanced by one token each, every one over its own cache.
+"""`LM.step` on a decode batch: B conversations advanced by one token each, every one over its own cache.
 
 The must-show of continuous batching: a greedy conversation gives the same tokens alone and inside a
 batch of 8 conversations of different lengths, eager and native, under full, sink and h2o policies and
@@ -7,6 +7,7 @@ float16 / int8 caches. A batch whose rows are handed the wrong caches fails the 
 import pytest
 import torch
 
+from attnlab.batch import Batch
 from attnlab.kernels import ops
 from attnlab.kv import make_policy
 from tests.conftest import tiny_lm
@@ -21,6 +22,11 @@ def _policy(name):
     if name == "h2o":
         return make_policy("h2o", 24, chunk=4, block=4)
     return None
+
+
+def step_batch(lm, tokens, caches):
+    """One token per cache through the engine's one step -> logits [B, vocab]."""
+    return torch.cat([lg[:, -1] for lg in lm.step(Batch.decode(tokens, caches))])
 
 
 def _lm(native: bool, kv, spec=None):
@@ -65,7 +71,7 @@ def _batched(lm, prompts, policy, order=None):
         for b, t in enumerate(tokens.tolist()):
             outs[b].append(t)
         rows = caches if order is None else [caches[i] for i in order]
-        logits = lm.step_batch(tokens, rows)
+        logits = step_batch(lm, tokens, rows)
     return outs
 
 
@@ -102,20 +108,20 @@ def test_float_weights_agree_to_rounding_in_a_batch():
     tokens = torch.cat([lg for _, lg in started]).argmax(-1)
     alone = torch.cat([lm.forward(tokens[b].view(1, 1), c, last_only=True)[:, -1]
                        for b, (c, _) in enumerate(started)])
-    got = lm.step_batch(tokens, [_start(lm, p, None)[0] for p in prompts])
+    got = step_batch(lm, tokens, [_start(lm, p, None)[0] for p in prompts])
     assert ((got - alone).norm() / alone.norm()) < 1e-5
 
 
-def test_step_batch_refuses_what_it_cannot_run():
+def test_a_decode_batch_refuses_what_it_cannot_run():
     from attnlab.errors import AttnlabError
     lm = _lm(False, None)
     caches = [lm.new_cache() for _ in range(2)]
     with pytest.raises(AttnlabError, match="one token per cache"):
-        lm.step_batch(torch.tensor([1, 2, 3]), caches)
+        step_batch(lm, torch.tensor([1, 2, 3]), caches)
     with pytest.raises(AttnlabError, match="distinct caches"):
-        lm.step_batch(torch.tensor([1, 2]), [caches[0], caches[0]])
+        step_batch(lm, torch.tensor([1, 2]), [caches[0], caches[0]])
     with pytest.raises(AttnlabError, match="distinct caches"):
-        lm.step_batch(torch.tensor([1]), [lm.new_cache(batch=2)])
+        step_batch(lm, torch.tensor([1]), [lm.new_cache(batch=2)])
 
 
 @pytest.mark.parametrize("native", [False, pytest.param(True, marks=needs_kernels)], ids=["eager", "native"])
@@ -147,7 +153,7 @@ def test_each_conversation_keeps_its_own_cache_dtype_policy_and_window(native):
         tokens = logits.argmax(-1)
         for b, t in enumerate(tokens.tolist()):
             got[b].append(t)
-        logits = lm.step_batch(tokens, caches)
+        logits = step_batch(lm, tokens, caches)
     assert got == alone
     assert {c.layers[0].k.dtype for c in caches} == {torch.float32, torch.float16, torch.int8}
 

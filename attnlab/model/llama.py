@@ -10,7 +10,7 @@ this step, an analysis mask, observers, a sparsity plan) travels in one `Pass` o
 so KV policies, recorders and Deja Vu sparsity plug into this one forward instead of
 re-implementing the layer loop. The network is pure: it never runs the cache's
 bookkeeping, calls a policy or chooses how it is executed; the engine's step does
-(`attnlab.engine.LM.forward`).
+(`attnlab.engine.LM.step`).
 """
 from __future__ import annotations
 
@@ -136,7 +136,7 @@ class Pass:
     (`QuestSpec`): a single-token step over a cache with page summaries reads only its chosen pages in the layers
     past spec.dense (`model/quest.py`).
 
-    rows: a step of B conversations, one token each over its own cache (`LM.step_batch`): the linear layers run
+    rows: a step of B conversations, one token each over its own cache (`LM.step`'s eager rows): the linear layers run
     on the B rows together (one read of each weight), and RoPE, the cache and attention run per row under that
     row's own pass (its rot, step, kvs, observers, quest); rot, step and kvs of the batch's pass are then unused.
 
@@ -270,7 +270,7 @@ class Transformer(nn.Module):
         """ids [B, T] through the pass ctx -> logits [B, T, vocab] float32 ([B, 1, vocab] if last_only).
 
         Without ctx: one full causal pass from position 0. Tensor work only: the cache's
-        bookkeeping around a step belongs to the engine (`attnlab.engine.LM.forward`).
+        bookkeeping around a step belongs to the engine (`attnlab.engine.LM.step`).
         """
         ctx = Pass.full(self.rope, ids) if ctx is None else ctx
         x = self.embed(ids)

@@ -1,42 +1,48 @@
-"""Continuous batching: many conversations advance together, one scheduler step at a time.
+"""Continuous batching: many conversations advance together, one step at a time, as a plan and its run.
 
-Why: a decode step reads every weight once whether it advances one conversation or eight
-(`LM.step_batch`), so B conversations decoded together cost little more than one. A step is
-at most one prefill chunk of one newcomer (round robin over the newcomers, so a long prompt
-delays the others' next tokens by one chunk at most), then one batched decode step over every
-conversation whose prompt is in: each advances by exactly one token per step. At most
-`max_batch` requests hold a slot (prefilling or decoding); the others wait in arrival order
-and take the slots that free, oldest first, so none starves (every request ends within its
-max_tokens).
+Why: the engine's step reads every weight once whether it advances one conversation or eight (`LM.step`), so
+B conversations decoded together cost little more than one. `Scheduler.schedule()` decides a step and returns it
+as data (a `Plan`: which conversations decode one token, which prompt chunk goes in); `Runner.run(plan)` executes
+it with one engine call (one `Batch`: the decode rows and the chunk's row) and turns the logits into events,
+each reply ended by the one stop check (`attnlab.stop.Stop`). `Scheduler.step()` is the two in turn.
+
+A plan is at most one prefill chunk of one newcomer (round robin over the newcomers, so a long prompt delays the
+others' next tokens by one chunk at most) beside every conversation whose prompt is in: each advances by exactly
+one token per step. At most `max_batch` requests hold a slot (prefilling or decoding); the others wait and take
+the slots that free, oldest first, so none starves (every request ends within its max_tokens). Requests carry a
+`key` (the caller's identity): while several keys wait, slots go to them in turn (round robin over keys, each
+key's oldest first), and `schedule(caps=...)` holds a key at its cap of slots.
 
 While decoding conversations outnumber the newcomers, a newcomer's chunk is also held to about two tokens
-per decoding conversation (at least 8): on a CPU a step's cost grows with its rows (the kernels are compute-bound there, not memory-bound), so a
-256-token chunk beside 4 decoding rows made their next token wait for the whole chunk (p99 inter-token latency
-17x their own, measured through HTTP), while a chunk of about their rows' cost keeps it near 2-3x. A newcomer alone, or a burst of
-newcomers at least as many as the decoding rows, is prefilled `chunk` tokens at a time (16 arrivals at once
-otherwise went in 8 tokens a step behind the first ones: measured, time to first token 98 s against 5 s).
+per decoding conversation (at least 8): on a CPU a step's cost grows with its rows (the kernels are compute-bound
+there, not memory-bound), so a 256-token chunk beside 4 decoding rows made their next token wait for the whole
+chunk (p99 inter-token latency 17x their own, measured through HTTP), while a chunk of about their rows' cost
+keeps it near 2-3x. A newcomer alone, or a burst of newcomers at least as many as the decoding rows, is
+prefilled `chunk` tokens at a time (16 arrivals at once otherwise went in 8 tokens a step behind the first
+ones: measured, time to first token 98 s against 5 s). A chunk longer than a bounded cache's policy chunk
+goes in that cache's parts inside the engine's step, as `LM.prefill` feeds it.
 
-The scheduler is single-threaded and knows nothing of HTTP: `submit` a request (its Session,
-the prompt ids to feed after what the session's cache holds, its own Sampler, max_tokens, stop
-ids and stop strings), `cancel` it, and call `step()` for the events. Memory is not its
-business: the caches it is handed were counted and allocated before (`sessions.py`). The
-server runs it on its model thread (`worker.py`); tests drive it directly.
-
-Each conversation keeps `Session`'s invariant: the last token of a reply is sampled but not
-fed, and its session's `text`/`ids` hold what was fed once the request ends.
+The scheduler is single-threaded and knows nothing of HTTP: `submit` a request (its Session, the prompt ids to
+feed after what the session's cache holds, its own Sampler, max_tokens, stop ids and stop strings, its key),
+`cancel` it, and call `step()` for the events. Memory is not its business: the caches it is handed were counted
+and allocated before (`sessions.py`). The server runs it on its model thread (`worker.py`); tests drive it
+directly. Each conversation keeps `Session`'s invariant: the last token of a reply is sampled but not fed, and
+its session's `text`/`ids` hold what was fed once the request ends.
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import torch
 
+from attnlab.batch import Batch, Row
 from attnlab.errors import AttnlabError
 from attnlab.sampling import Sampler
-from attnlab.serve.protocol import StopScanner
 from attnlab.session import Session
-from attnlab.textstream import TextStream
+from attnlab.stop import Stop
+
+_NOBODY = object()  # no key may take a slot now
 
 
 @dataclass(frozen=True)
@@ -59,10 +65,8 @@ class Request:
     session: Session
     prompt: list[int]
     sampler: Sampler
-    max_tokens: int
-    stop_ids: frozenset
-    scan: StopScanner
-    text: TextStream | None
+    stop: Stop
+    key: object = None            # the caller's identity: slots go round robin over keys
     fed: int = 0                  # prompt tokens fed so far
     prefilled: bool = False       # the whole prompt is in the cache (decoding)
     pending: int | None = None    # the last sampled token: fed by the next decode step
@@ -70,11 +74,23 @@ class Request:
 
 
 @dataclass
-class StepInfo:
-    """What one step ran: the request whose prefill chunk it fed (and how many tokens), the decoded rows."""
-    prefill: int | None = None
-    prefill_tokens: int = 0
-    batch: list[int] = field(default_factory=list)
+class Plan:
+    """One step as data: the requests that decode one token (their pending tokens), and the prompt chunks that go in
+    (request id, first prompt token, end), each chunk its own row of the step."""
+    decode: list[int] = field(default_factory=list)
+    chunks: list[tuple[int, int, int]] = field(default_factory=list)
+
+    @property
+    def batch(self) -> list[int]:
+        return self.decode
+
+    @property
+    def prefill(self) -> int | None:
+        return self.chunks[0][0] if self.chunks else None
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(b - a for _, a, b in self.chunks)
 
 
 class Scheduler:
@@ -88,8 +104,10 @@ class Scheduler:
         self.queued: deque[Request] = deque()      # no slot yet, arrival order
         self.prefilling: deque[Request] = deque()  # a slot, prompt not all in (round robin)
         self.decoding: list[Request] = []          # a slot, decoding (oldest first)
+        self.turns: deque = deque()                # keys with queued requests, in the order their turns come
+        self.runner = Runner(self)
         self.next_id = 0
-        self.last = StepInfo()
+        self.last = Plan()
         self.counters = {"steps": 0, "prefill_chunks": 0, "decode_steps": 0, "decode_rows": 0}
 
     @property
@@ -97,9 +115,10 @@ class Scheduler:
         return not self.requests
 
     def submit(self, session: Session, prompt: list[int], sampler: Sampler, max_tokens: int, stop_ids=(),
-               stops=()) -> int:
+               stops=(), key=None) -> int:
         """Queue a request; returns its id. prompt: the ids to feed after what `session`'s cache holds (empty:
-        continue from the session's logits). Its events come from the next steps."""
+        continue from the session's logits). key: the caller (slots go round robin over keys). Its events come
+        from the next steps."""
         if max_tokens < 0:
             raise AttnlabError(f"max_tokens must be >= 0, got {max_tokens}")
         if any(r.session is session for r in self.requests.values()):
@@ -107,40 +126,51 @@ class Scheduler:
         tok = self.lm.tokenizer
         if stops and tok is None:
             raise AttnlabError("stop strings need the model's tokenizer")
-        r = Request(self.next_id, session, [int(t) for t in prompt], sampler, max_tokens, frozenset(stop_ids),
-                    StopScanner(list(stops)), TextStream(tok) if tok is not None else None)
+        r = Request(self.next_id, session, [int(t) for t in prompt], sampler, Stop(max_tokens, stop_ids, stops, tok),
+                    key)
         self.next_id += 1
         self.requests[r.id] = r
         self.queued.append(r)
+        if key not in self.turns:
+            self.turns.append(key)
         return r.id
 
     def cancel(self, rid: int) -> Request | None:
         """Drop a request now (its row is not in the next step); returns it (`prefilled`: its session's cache
         and text are consistent), or None if it had already ended."""
-        r = self.requests.pop(rid, None)
-        if r is None:
-            return None
-        for waiting in (self.queued, self.prefilling):
-            if r in waiting:
-                waiting.remove(r)
-        if r in self.decoding:
-            self.decoding.remove(r)
-            r.session.end_reply(r.reply)
+        r = self.requests.get(rid)
+        if r is not None:
+            self.drop(r)
         return r
 
     def step(self) -> list[Event]:
-        """One prefill chunk of one newcomer (if any), then one decode step of every decoding request."""
-        events: list[Event] = []
-        while self.queued and len(self.prefilling) + len(self.decoding) < self.max_batch:
-            self.prefilling.append(self.queued.popleft())  # oldest first
-        batch = list(self.decoding)  # who joins during this step's prefill decodes from the next step on
-        self.last = StepInfo(batch=[r.id for r in batch])
+        """One step: the plan, then its run."""
+        return self.runner.run(self.schedule())
+
+    def schedule(self, caps: dict | None = None) -> Plan:
+        """Admit waiting requests to free slots (round robin over keys; caps: key -> most slots it may hold), then
+        plan one step: every decoding request's next token, and one chunk of one newcomer's prompt."""
+        self._admit(caps or {})
+        plan = Plan(decode=[r.id for r in self.decoding])
         if self.prefilling:
-            self._prefill(self.prefilling[0], events)
-        if batch:
-            self._decode(batch, events)
-        self.counters["steps"] += 1
-        return events
+            r = self.prefilling[0]
+            plan.chunks.append((r.id, r.fed, min(len(r.prompt), r.fed + self.chunk_now())))
+        self.last = plan
+        return plan
+
+    def _admit(self, caps: dict) -> None:
+        held = Counter(r.key for r in (*self.prefilling, *self.decoding))
+        while self.queued and len(self.prefilling) + len(self.decoding) < self.max_batch:
+            key = next((k for k in self.turns if held[k] < caps.get(k, self.max_batch)), _NOBODY)
+            if key is _NOBODY:
+                return
+            self.turns.remove(key)
+            r = next(q for q in self.queued if q.key == key)  # this key's oldest
+            self.queued.remove(r)
+            self.prefilling.append(r)
+            held[key] += 1
+            if any(q.key == key for q in self.queued):
+                self.turns.append(key)  # its next turn comes after every other waiting key's
 
     def chunk_now(self) -> int:
         """This step's prefill chunk: `chunk` while the newcomers are as many as the decoding rows (a burst of
@@ -149,71 +179,14 @@ class Scheduler:
             return self.chunk
         return min(self.chunk, max(self.BUSY_FLOOR, self.BUSY_PER_ROW * len(self.decoding)))
 
-    def _prefill(self, r: Request, events: list[Event]) -> None:
-        part = r.prompt[r.fed:r.fed + self.chunk_now()]
-        self.last.prefill, self.last.prefill_tokens = r.id, len(part)
-        try:
-            if part:
-                r.session.feed(part)
-                r.fed += len(part)
-                self.counters["prefill_chunks"] += 1
-            if r.fed < len(r.prompt):
-                self.prefilling.rotate(-1)  # round robin: the next newcomer's chunk comes next
-                return
-            self.prefilling.popleft()
-            r.prefilled = True
-            self.decoding.append(r)
-            if r.max_tokens == 0:
-                return self._finish(r, "length", events)
-            if r.session.logits is None:
-                raise AttnlabError("nothing to continue from: the prompt is empty")
-            self._emit(r, r.sampler(r.session.logits[None]), events)
-        except Exception as e:
-            self._fail(r, e, events)
-
-    def _decode(self, batch: list[Request], events: list[Event]) -> None:
-        try:
-            logits = self.lm.step_batch(torch.tensor([r.pending for r in batch]), [r.session.cache for r in batch])
-        except Exception as e:  # which row failed is unknown: the step's caches may be half-written
-            for r in batch:
-                self._fail(r, e, events)
-            return
-        self.counters["decode_steps"] += 1
-        self.counters["decode_rows"] += len(batch)
-        for b, r in enumerate(batch):
-            r.session.record(r.pending)
-            try:
-                self._emit(r, r.sampler(logits[b:b + 1]), events)
-            except Exception as e:
-                self._fail(r, e, events)
-
-    def _emit(self, r: Request, token: torch.Tensor, events: list[Event]) -> None:
-        """A sampled token: its event, then the request's end if it is an end (EOS, a stop string, max_tokens)."""
-        t = int(token.reshape(-1)[0])
-        r.reply.append(t)
-        r.pending = t
-        text = r.scan.push(r.text.push(t)) if r.text is not None else ""
-        events.append(Event(r.id, "token", token=t, text=text))
-        if r.scan.stopped:
-            self._finish(r, "stop", events, tail=False)
-        elif t in r.stop_ids:
-            self._finish(r, "stop", events)
-        elif len(r.reply) >= r.max_tokens:
-            self._finish(r, "length", events)
-
-    def _finish(self, r: Request, reason: str, events: list[Event], tail: bool = True) -> None:
-        text = r.scan.push(r.text.flush()) + r.scan.flush() if tail and r.text is not None else ""
-        self._drop(r)
-        events.append(Event(r.id, "done", text=text, reason=reason))
-
-    def _fail(self, r: Request, e: Exception, events: list[Event]) -> None:
-        self._drop(r)
-        events.append(Event(r.id, "error", error=e))
-
-    def _drop(self, r: Request) -> None:
+    def drop(self, r: Request) -> None:
+        """A request leaves: its slot frees (a decoding one's reply ends in its session)."""
         self.requests.pop(r.id, None)
-        if r in self.prefilling:
-            self.prefilling.remove(r)
+        for waiting in (self.queued, self.prefilling):
+            if r in waiting:
+                waiting.remove(r)
+        if r.key in self.turns and not any(q.key == r.key for q in self.queued):
+            self.turns.remove(r.key)
         if r in self.decoding:
             self.decoding.remove(r)
             r.session.end_reply(r.reply)
@@ -222,3 +195,84 @@ class Scheduler:
         """Counts for /health: requests queued, prefilling and decoding now; steps and decoded rows so far."""
         return {"queued": len(self.queued), "prefilling": len(self.prefilling), "decoding": len(self.decoding),
                 **self.counters}
+
+
+class Runner:
+    """Executes a plan: one `LM.step` over its rows, then each row's sampling, stop check and events."""
+
+    def __init__(self, scheduler: Scheduler):
+        self.s = scheduler
+
+    def run(self, plan: Plan) -> list[Event]:
+        s, events = self.s, []
+        decode = [s.requests[i] for i in plan.decode if i in s.requests]
+        chunks = [(s.requests[i], a, b) for i, a, b in plan.chunks if i in s.requests]
+        rows = [Row(torch.tensor([[r.pending]]), r.session.cache) for r in decode]
+        rows += [Row(torch.tensor([r.prompt[a:b]]), r.session.cache) for r, a, b in chunks if b > a]
+        try:
+            logits = s.lm.step(Batch(rows)) if rows else []
+        except Exception as e:  # which row failed is unknown: the step's caches may be half-written
+            for r in (*decode, *(r for r, _, _ in chunks)):
+                self._fail(r, e, events)
+            s.counters["steps"] += 1
+            return events
+        at = len(decode)
+        for r, a, b in chunks:
+            if b > a:
+                r.session.took(r.prompt[a:b], logits[at][0, -1])
+                r.fed, at = b, at + 1
+                s.counters["prefill_chunks"] += 1
+            self._prefilled(r, events)
+        if decode:
+            s.counters["decode_steps"] += 1
+            s.counters["decode_rows"] += len(decode)
+        tokens = self._sample(decode, logits[:len(decode)])
+        for r, t in zip(decode, tokens):
+            r.session.took([r.pending], None)
+            self._emit(r, t, events)
+        s.counters["steps"] += 1
+        return events
+
+    def _prefilled(self, r: Request, events: list[Event]) -> None:
+        """After a chunk: round robin on to the next newcomer, or the prompt is in: the request decodes."""
+        s = self.s
+        if r.fed < len(r.prompt):
+            s.prefilling.rotate(-1)  # round robin: the next newcomer's chunk comes next
+            return
+        s.prefilling.remove(r)
+        r.prefilled = True
+        s.decoding.append(r)
+        if r.stop.reason is not None:  # max_tokens 0
+            return self._finish(r, events)
+        try:
+            if r.session.logits is None:
+                raise AttnlabError("nothing to continue from: the prompt is empty")
+            self._emit(r, int(r.sampler(r.session.logits[None])[0]), events)
+        except Exception as e:
+            self._fail(r, e, events)
+
+    @staticmethod
+    def _sample(rows: list[Request], logits: list[torch.Tensor]) -> list[int]:
+        """Each row's next token by its own sampler; greedy rows in one argmax."""
+        if not rows:
+            return []
+        if all(r.sampler.temperature == 0 for r in rows):
+            return torch.cat([lg[:, -1] for lg in logits]).argmax(-1).tolist()
+        return [int(r.sampler(lg[:, -1])[0]) for r, lg in zip(rows, logits)]
+
+    def _emit(self, r: Request, t: int, events: list[Event]) -> None:
+        """A sampled token: its event, then the request's end if the stop check says so."""
+        r.reply.append(t)
+        r.pending = t
+        events.append(Event(r.id, "token", token=t, text=r.stop.push(t)))
+        if r.stop.reason is not None:
+            self._finish(r, events)
+
+    def _finish(self, r: Request, events: list[Event]) -> None:
+        text = r.stop.tail()
+        self.s.drop(r)
+        events.append(Event(r.id, "done", text=text, reason=r.stop.reason))
+
+    def _fail(self, r: Request, e: Exception, events: list[Event]) -> None:
+        self.s.drop(r)
+        events.append(Event(r.id, "error", error=e))

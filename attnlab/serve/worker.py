@@ -2,7 +2,8 @@
 
 Why one thread: caches and the session store are never locked against a step in flight. It runs
 the calls queued for it (the session store's acquire/grow/release, a cache view) between
-scheduler steps, in the order they came, and steps the scheduler while any request is in it.
+scheduler steps, in the order they came, and steps the scheduler (its plan, then the runner's one engine call)
+while any request is in it.
 Each step's events go to their requests' `deliver` (a thread-safe callable: the server hands
 them to its event loop); a request's `end(keep)` runs on this thread as soon as it is done
 (keep), failed or cancelled before its prompt was in (not keep), before its last events are

@@ -1,7 +1,7 @@
 """Quest's page selection in the native decode step (step.cpp + quest.cpp) against the eager reference.
 
 Tiny random models, float32 / float16 / int8 caches, several budgets and pages, dense first layers, a team of
-threads, a cache that evicts, and B conversations in one `step_batch` call each with its own pages: the native
+threads, a cache that evicts, and B conversations in one `LM.step` call each with its own pages: the native
 logits equal eager's (float weights: relative 2e-5), a budget covering the context equals full attention bit for
 bit, the page summaries the step keeps equal summaries recomputed from the cache, and a mutated bound (page
 minima and maxima swapped: a lower bound ranks the pages) fails the same comparison."""
@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from attnlab.batch import Batch
 from attnlab.kernels import ops
 from attnlab.kv import make_policy
 from attnlab.model import native
@@ -150,7 +151,7 @@ def test_a_team_of_threads_selects_as_eager(n, kv):
 @pytest.mark.parametrize("kv", [torch.float16, torch.int8], ids=["f16", "int8"])
 @pytest.mark.parametrize("spec", ["quest:16:4", "quest:16:4:0:6"])
 def test_conversations_in_one_batch_each_select_their_pages(kv, spec):
-    """Four conversations of different lengths (one still inside its budget) in one step_batch call per token,
+    """Four conversations of different lengths (one still inside its budget) in one `LM.step` call per token,
     against each decoded alone by eager: the same greedy tokens and logits."""
     eager, fast = _pair(kv)
     g = torch.Generator().manual_seed(2)
@@ -172,7 +173,7 @@ def test_conversations_in_one_batch_each_select_their_pages(kv, spec):
     got = []
     for _ in range(steps):
         got.append(logits)
-        logits = view.step_batch(logits.argmax(-1), caches)
+        logits = torch.cat([lg[:, -1] for lg in view.step(Batch.decode(logits.argmax(-1), caches))])
     got = torch.stack(got, 1)  # [B, steps, V]
     assert fast.compiled.calls == {"native": steps, "eager": 0}
     for b, prompt in enumerate(prompts):

@@ -1,4 +1,4 @@
-"""The server's scheduler without HTTP: continuous batching of conversations over `LM.step_batch`.
+"""The server's scheduler without HTTP: continuous batching of conversations over `LM.step`.
 
 A request's tokens inside a batch are the tokens it gets alone (`Session.generate`, the one-conversation
 loop), greedy and seeded; a newcomer's prompt goes in chunks while the others advance one token per step;
@@ -219,9 +219,9 @@ def test_a_failing_step_ends_its_rows_with_an_error_and_the_rest_goes_on(monkeyp
     while len(sched.decoding) < 2:
         sched.step()
 
-    def broken(tokens, caches):
+    def broken(batch):
         raise RuntimeError("boom")
-    monkeypatch.setattr(lm, "step_batch", broken)
+    monkeypatch.setattr(lm, "step", broken)
     errors = [e for e in sched.step() if e.kind == "error"]
     assert sorted(e.id for e in errors) == ids[:2] and str(errors[0].error) == "boom"
     monkeypatch.undo()
