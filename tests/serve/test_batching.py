@@ -25,13 +25,15 @@ def int4_lm():
 
 @pytest.fixture
 def widths(int4_lm, monkeypatch):
-    """The number of conversations in each batched decode step."""
-    seen, real = [], int4_lm.step_batch
+    """The number of conversations in each step that decodes (its rows of one token)."""
+    seen, real = [], int4_lm.step
 
-    def recorded(tokens, caches):
-        seen.append(len(caches))
-        return real(tokens, caches)
-    monkeypatch.setattr(int4_lm, "step_batch", recorded)
+    def recorded(batch):
+        rows = sum(r.single for r in batch.rows)
+        if rows:
+            seen.append(rows)
+        return real(batch)
+    monkeypatch.setattr(int4_lm, "step", recorded)
     return seen
 
 
