@@ -62,6 +62,24 @@ def provenance(argv: list[str] | None) -> dict:
     return {"command": "attnlab " + shlex.join(argv or []), "commit": commit, "dirty": dirty}
 
 
+def run_record(argv: list[str] | None, seed, command: str | None = None) -> dict:
+    """`provenance` plus the seed and the start time, taken when a run starts (not when it is published).
+
+    ``command`` replaces the ``attnlab ...`` command line for scripts run another way
+    (``python -m ...``); pass the result to `finish_record` when the run ends.
+    """
+    record = provenance(argv)
+    if command is not None:
+        record["command"] = command
+    return {**record, "seed": seed, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "started_unix": round(time.time(), 3)}
+
+
+def finish_record(record: dict) -> dict:
+    """``record`` with the run's wall time (``wall_s``, from its start to now)."""
+    return {**record, "wall_s": round(time.time() - record["started_unix"], 2)}
+
+
 def write_tensors(path: str | os.PathLike, tensors: dict, fmt: str, config: dict) -> Path:
     """A safetensors file whose metadata names its format and the config that rebuilds its owner, atomically."""
     from safetensors.torch import save_file

@@ -241,7 +241,8 @@ def run_postln(out, seed: int, size: str, progress: bool, lr: float = 0.0, steps
     out, cfg = Path(out), dict(POSTLN_SIZES[size])
     cfg.update({k: v for k, v in (("lr", lr), ("steps", steps), ("layers", depths)) if v})
     marks = [s for s in EARLY_EVALS + LATE_EVALS if s < cfg["steps"]]
-    runs, times = {}, {}
+    from attnlab.analysis.postln import segments
+    runs, times, sessions = {}, {}, {}
     for n in cfg["layers"]:
         for s in range(seed, seed + seeds):
             label = f"postln {n} layer{'s' if n > 1 else ''}, lr {cfg['lr']:g}, seed {s}"
@@ -253,11 +254,12 @@ def run_postln(out, seed: int, size: str, progress: bool, lr: float = 0.0, steps
                                            vocab_size=cfg["vocab_size"], eval_batches=cfg["eval_batches"], progress=pb,
                                            checkpoint=ckpt)
             times[label] = runs[label][-1]["seconds"]  # training time, summed over resumed sessions
+            sessions[label] = segments(ckpt)  # which code trained which minibatches, and for how long
             write_json(out / "partial.json", {"runs": runs, "seconds": times})  # survive an interrupted sweep
     summary = {label: {"entropy_val": _row_summaries(log, "entropy_val"),
                        "entropy_chunk": _row_summaries(log, "entropy_chunk"),
                        "val_loss": {"start": log[0]["val_loss"], "end": log[-1]["val_loss"]},
-                       "seconds": times[label]} for label, log in runs.items()}
+                       "seconds": times[label], "sessions": sessions[label]} for label, log in runs.items()}
     figures = [
         plots.entropy_per_layer(runs, out / "entropy_val_postln.png",
                                 "J3, post-LN (paper's architecture): entropy per layer, mean over validation batches",

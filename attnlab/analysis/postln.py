@@ -175,7 +175,10 @@ def train_postln(n_layers: int, lr: float, seed: int, steps: int, eval_at: list[
     ``checkpoint``: a file path; the run saves model, optimiser, data and dropout generators and
     the rows so far there (atomically) every ``save_every`` minibatches, and resumes from it if it
     exists, so a long run on a shared machine survives being stopped and can be extended by
-    calling again with a larger ``steps`` (the continuation is the same run, bit for bit)."""
+    calling again with a larger ``steps`` (the continuation is the same run, bit for bit). The
+    checkpoint also keeps one ``segments`` entry per session (its commit, dirty flag, start, the
+    minibatches it trained and its wall time): `segments` reads them back. Rows past ``steps``
+    (a checkpoint further on than asked) are not returned."""
     tok, train_ids, val_ids = _shakespeare_ids(vocab_size)
     n_seq = min(eval_batches * batch, (len(val_ids) - 1) // context)
     vx = val_ids[: n_seq * context].view(n_seq, context)
@@ -199,19 +202,25 @@ def train_postln(n_layers: int, lr: float, seed: int, steps: int, eval_at: list[
         rows.append({"step": step, "val_loss": vl, "seconds": round(time.perf_counter() - t0, 2),
                      **probe(model, val, top, pairs, seed)})
 
-    first = 1
+    first, done = 1, []
     if checkpoint is not None and Path(checkpoint).exists():
         st = torch.load(checkpoint, weights_only=False)
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["opt"])
         g.set_state(st["data_rng"])
         torch.set_rng_state(st["torch_rng"])
-        rows, first = st["rows"], st["step"] + 1
+        rows, first, done = st["rows"], st["step"] + 1, st.get("segments", [])
         t0 -= st["seconds"]
         if progress is not None:
             progress.update(min(st["step"], steps))
     else:
         evaluate(0)
+    session = None
+    if checkpoint is not None and first <= steps:
+        from attnlab.io import provenance
+        session = {k: v for k, v in provenance(None).items() if k != "command"}
+        session.update(started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), from_step=first - 1)
+    s0 = time.perf_counter()
     for step in range(first, steps + 1):
         starts = torch.randint(0, len(train_ids) - context - 1, (batch,), generator=g)
         seq = train_ids[starts[:, None] + torch.arange(context + 1)]
@@ -225,10 +234,18 @@ def train_postln(n_layers: int, lr: float, seed: int, steps: int, eval_at: list[
         if step in marks:
             evaluate(step)
         if checkpoint is not None and (step % save_every == 0 or step == steps):
+            seg = {**session, "to_step": step, "wall_s": round(time.perf_counter() - s0, 2)}
             _save(checkpoint, {"model": model.state_dict(), "opt": opt.state_dict(), "data_rng": g.get_state(),
                                "torch_rng": torch.get_rng_state(), "rows": rows, "step": step,
-                               "seconds": time.perf_counter() - t0})
-    return rows
+                               "seconds": time.perf_counter() - t0, "segments": done + [seg]})
+    return [r for r in rows if r["step"] <= steps]
+
+
+def segments(checkpoint) -> list[dict]:
+    """The sessions that trained a checkpointed run: commit, dirty flag, start, minibatches, wall time."""
+    if not Path(checkpoint).exists():
+        return []
+    return torch.load(checkpoint, weights_only=False).get("segments", [])
 
 
 def _save(path, state: dict) -> None:

@@ -22,7 +22,7 @@ from .joma import JointModel, TokenWeightSetup, train_joint, u_shape_stats, v_dy
 from attnlab.errors import AttnlabError
 
 J1_SIZES = {"quick": dict(steps=2000, seeds=3), "full": dict(steps=2000, seeds=5)}
-J2_SIZES = {"quick": dict(steps=5000), "full": dict(steps=5000)}
+J2_SIZES = {"quick": dict(steps=5000, draws=3), "full": dict(steps=5000, draws=10)}
 # MLP width 400 = 4 x vocabulary and Adam lr 1e-4, wd 1e-4, batch 128 as in the authors' Table-1
 # runs (luckmatters README: hidden_multi_type=M, hidden_multi=4; joma/draw_table_1.py keeps lr 1e-4,
 # d 1024); d and steps cut for the CPU (the authors: d 1024, 10,000 steps).
@@ -78,17 +78,34 @@ def run_joma_invariant(out: Path, seed: int = 0, size: str = "full", progress: b
     return finish(out, "joma-invariant", size, seed, metrics, figs, t0)
 
 
+def authors_mu() -> torch.Tensor:
+    """The authors' draw of mu (luckmatters joma/draw_figure_4.py: torch.manual_seed(0), then
+    sorted torch.rand(10) * 3 + 1, float32), made without touching the global generator."""
+    return (torch.rand(10, generator=make_generator(0)) * 3 + 1).sort().values
+
+
 def run_joma_nonlinear(out: Path, seed: int = 0, size: str = "full", progress: bool = True) -> dict:
-    """J2: v <- v + 0.02 (mu - v) softmax(v^2/3) (U-shaped entropy) vs the linear variant."""
+    """J2: v <- v + 0.02 (mu - v) softmax(v^2/3) (U-shaped entropy) vs the linear variant, on
+    ``draws`` mu draws (seeds seed, seed + 1, ...; the first is plotted) and on the authors' draw."""
     t0 = time.perf_counter()
     cfg = J2_SIZES[size]
-    gen = make_generator(seed)
-    mu = (torch.rand(10, generator=gen, dtype=torch.float64) * 3 + 1).sort().values
-    nonlin = v_dynamics(mu, cfg["steps"], lr=0.02, temperature=3.0, v0=0.05, nonlinear=True)
-    lin = v_dynamics(mu, cfg["steps"], lr=0.02, temperature=3.0, v0=0.05, nonlinear=False)
-    figs = [plots.j2_entropy(Path(out) / "j2_entropy.png", mu, nonlin["v"], nonlin["entropy"], lin["entropy"])]
-    metrics = {"config": {**cfg, "lr": 0.02, "temperature": 3.0, "v0": 0.05, "mu": mu},
+    kw = dict(lr=0.02, temperature=3.0, v0=0.05)
+    draws, curves = [], []
+    for k in range(cfg["draws"]):
+        mu = (torch.rand(10, generator=make_generator(seed + k), dtype=torch.float64) * 3 + 1).sort().values
+        run = v_dynamics(mu, cfg["steps"], nonlinear=True, **kw)
+        if k == 0:
+            first_mu, nonlin, lin = mu, run, v_dynamics(mu, cfg["steps"], nonlinear=False, **kw)
+        draws.append({"seed": seed + k, "mu": mu, **u_shape_stats(run["entropy"])})
+        curves.append(run["entropy"])
+    theirs = u_shape_stats(v_dynamics(authors_mu(), cfg["steps"], nonlinear=True, **kw)["entropy"])
+    figs = [plots.j2_entropy(Path(out) / "j2_entropy.png", first_mu, nonlin["v"], nonlin["entropy"], lin["entropy"],
+                             draws=curves)]
+    col = {k: [d[k] for d in draws] for k in ("min", "argmin", "rebound")}
+    metrics = {"config": {**cfg, **kw, "mu": first_mu},
                "nonlinear": u_shape_stats(nonlin["entropy"]), "linear": u_shape_stats(lin["entropy"]),
+               "draws": draws, "over_draws": {k: {"min": min(v), "max": max(v)} for k, v in col.items()},
+               "authors_draw": {"mu": authors_mu(), **theirs},
                "ln10": float(torch.log(torch.tensor(10.0)))}
     return finish(out, "joma-nonlinear", size, seed, metrics, figs, t0)
 

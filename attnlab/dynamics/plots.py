@@ -168,8 +168,9 @@ def j1_invariant(path, steps, nc, nc_raw, X, V0, V1, v_traj) -> Path:
     return _save(fig, path)
 
 
-def j2_entropy(path, mu, v_traj, ent_nonlinear, ent_linear) -> Path:
-    """JoMA Fig. 4 analogue: v(t) towards mu, and entropy curves (nonlinear U vs linear)."""
+def j2_entropy(path, mu, v_traj, ent_nonlinear, ent_linear, draws=()) -> Path:
+    """JoMA Fig. 4 analogue: v(t) towards mu, and entropy curves (nonlinear U vs linear; the
+    nonlinear curves of other mu draws thin and grey)."""
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
     ax = axes[0]
     cmap = plt.get_cmap("rainbow")
@@ -182,6 +183,8 @@ def j2_entropy(path, mu, v_traj, ent_nonlinear, ent_linear) -> Path:
     ax.set_title(r"nonlinear: $\mathbf{v}(t)$ (colour = time)", fontsize=9)
     ax.legend(fontsize=8)
     ax = axes[1]
+    for i, e in enumerate(draws[1:]):
+        ax.plot(e, color="0.7", lw=0.7, label=f"nonlinear, {len(draws) - 1} other $\\mu$ draws" if i == 0 else None)
     ax.plot(ent_nonlinear, label="nonlinear (fixed point $\\mu$)")
     ax.plot(ent_linear, label="linear (no fixed point)")
     ax.set_xlabel("iteration")
@@ -269,4 +272,32 @@ def j4_authors_bars(path, authors: dict, title: str) -> Path:
         ax.set_title(f"layer {lvl} vs level-{lvl} latents", fontsize=9)
     axes[0].set_ylabel("signed max-corr (authors' measure)")
     fig.suptitle(title, fontsize=9)
+    return _save(fig, path)
+
+
+def seed_bars(path, groups: dict, title: str, ylabel: str) -> Path:
+    """One bar per group (mean over seeds) with the seeds as dots: groups = {label: [value per seed]}."""
+    fig, ax = plt.subplots(figsize=(1.3 * len(groups) + 2, 3.2))
+    for i, (label, vals) in enumerate(groups.items()):
+        vals = [v for v in vals if v == v]  # NaN: no pair of that kind moved
+        ax.bar(i, sum(vals) / max(len(vals), 1), color=f"C{i}", alpha=0.7)
+        ax.plot([i] * len(vals), vals, "k.", ms=5)
+    ax.set_xticks(range(len(groups)), list(groups), fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    return _save(fig, path)
+
+
+def mlp_rank(path, ranks: dict) -> Path:
+    """Per-layer MLP stable rank of each model (solid) beside Gaussian weights of the same shapes (dashed)."""
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.3))
+    for ax, name in zip(axes, ("w13", "w2")):
+        for i, (model, r) in enumerate(ranks.items()):
+            ax.plot(r[name], f"C{i}-o", ms=3, label=model)
+            ax.plot(r[f"random_{name}"], f"C{i}--", lw=0.8, label=f"{model}: random, same shapes")
+        ax.set_yscale("log")
+        ax.set_xlabel("layer")
+        ax.set_ylabel("stable rank")
+        ax.set_title(f"MLP {name}", fontsize=9)
+    axes[0].legend(fontsize=7)
     return _save(fig, path)

@@ -9,7 +9,7 @@ function ``run(out: Path, seed: int, size: str, progress: bool, **options) -> di
 
 from __future__ import annotations
 
-from . import attention_entropy, orthogonality
+from . import attention_entropy, hierarchy_probes, mlp_rank, orthogonality
 from .experiments import run_scan_snap, run_scan_snap_sweep, run_scan_snap_theorems
 from .experiments_joma import run_hierarchy, run_joma_invariant, run_joma_nonlinear
 from .spec import Experiment
@@ -70,7 +70,10 @@ def _j1(m):
 def _j2(m):
     n, li = m["nonlinear"], m["linear"]
     return [f"nonlinear entropy {n['start']:.3f} -> min {n['min']:.3f} @ {n['argmin']} -> {n['end']:.3f} (rebound {n['rebound']:.3f})",
-            f"linear entropy {li['start']:.3f} -> {li['end']:.3f}, monotone decreasing: {li['monotone_decreasing']}"]
+            f"linear entropy {li['start']:.3f} -> {li['end']:.3f}, monotone decreasing: {li['monotone_decreasing']}",
+            "over {} mu draws: min {:.3f}-{:.3f} at steps {}-{}, rebound {:.3f}-{:.3f}".format(
+                len(m["draws"]), *(m["over_draws"][k][e] for k in ("min", "argmin", "rebound") for e in ("min", "max"))),
+            "authors' draw (their seed 0): min {min:.3f} @ {argmin}, rebound {rebound:.3f}".format(**m["authors_draw"])]
 
 
 def _j4(m):
@@ -117,3 +120,5 @@ for _exp in (
     register(_exp)
 for _mod in _SELF_DESCRIBED:
     register(_mod.EXPERIMENT)
+for _exp in (hierarchy_probes.SUPERPOSITION, hierarchy_probes.BOTTOM_UP, mlp_rank.EXPERIMENT):
+    register(_exp)
