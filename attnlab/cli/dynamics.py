@@ -13,7 +13,7 @@ from pathlib import Path
 from attnlab.dynamics.common import write_json_atomic
 from attnlab.dynamics.registry import EXPERIMENTS
 from attnlab.dynamics.spec import Experiment
-from attnlab.io import provenance
+from attnlab.io import finish_record, run_record
 
 
 def _runner(exp: Experiment):
@@ -25,10 +25,10 @@ def _runner(exp: Experiment):
         out = Path(args.out) if args.out else Path("runs") / "dynamics" / exp.name
         size = "quick" if args.quick else "full"
         opts = {name: getattr(args, name) for name, *_ in exp.options}
-        # the run's own record of how it was made: command, commit (and whether the code was dirty), seed
-        record = provenance(getattr(args, "argv", None) or ["dynamics", exp.name])
+        # the run's own record of how it was made, taken now: command, commit, dirty flag, seed; wall time at the end
+        record = run_record(getattr(args, "argv", None) or ["dynamics", exp.name], args.seed)
         metrics = exp.run(out, seed=args.seed, size=size, progress=not args.no_progress, **opts)
-        metrics = {**metrics, **record, "seed": metrics.get("seed", args.seed)}
+        metrics = {**metrics, **finish_record(record), "seed": metrics.get("seed", args.seed)}
         write_json_atomic(out / "metrics.json", metrics)
         print(f"[{exp.name}] size={size} seed={args.seed} time={metrics.get('runtime_s', 0):.1f}s")
         for line in (exp.summary(metrics) if exp.summary else []):
