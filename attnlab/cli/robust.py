@@ -1,0 +1,206 @@
+"""`attnlab attack` (GCG adversarial suffixes on the shipped benign pairs) and `attnlab guard` (the perplexity
+filter on a file of prompts; `--calibrate`: its threshold, false positives, detection rate, cost and SmoothLLM).
+
+`attnlab guard` exits 0 when no prompt is flagged, 1 when some are (as grep does), 2 on a user error."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from attnlab.cli.common import UserError, add_model_args, load_lm, positive_int
+from attnlab.io import progress, provenance, write_json
+
+
+def _grad_model(args):
+    """The eager float32 network of the same file: the gradient's path (packed weights have no backward)."""
+    from attnlab.engine import LM
+    from attnlab.io import status
+    from attnlab.options import Options
+    with status(f"loading {args.model} as float32 for the gradient"):
+        lm = LM.load(args.model, Options(dtype="float32", compile=False, kv_dtype="float32", threads=args.threads),
+                     tokenizer=False)
+    lm.model.requires_grad_(False)
+    return lm.model
+
+
+def cmd_attack(args) -> int:
+    from attnlab.robust import attention_share as share
+    from attnlab.robust.gcg import GCG, GCGConfig, allowed_tokens, initial_suffix, make_case
+    from attnlab.robust.pairs import pairs
+
+    record = provenance(args.argv)
+    cfg = GCGConfig(args.length, args.steps, args.batch, args.topk, args.tokens, args.fluent_top, args.seed,
+                    args.chunk)
+    chosen = pairs(args.pairs)
+    out = Path(args.out)
+    args.resume_hint = f"run the same command again to continue from {out}"
+    engine = load_lm(args)
+    model = _grad_model(args)
+    allowed = allowed_tokens(engine.tokenizer, engine.cfg.vocab_size, "punct" if cfg.tokens == "punct" else "all")
+    init = initial_suffix(engine.tokenizer, cfg.length)
+    results = []
+    with progress(len(chosen) * cfg.steps, "attack", unit="step") as bar:
+        for i, prompt, target in chosen:
+            case = make_case(engine, prompt, target)
+            attack = GCG(engine, model, case, cfg, allowed, init, {"model": str(args.model), "quant": engine.quant})
+            res = attack.run(out / f"pair-{i:02d}.state.json", bar)
+            rand = share.random_suffix(allowed, cfg.length, cfg.seed + i)
+            res.update(pair=i, prompt=prompt, target=target, tokens=cfg.tokens,
+                       share=share.suffix_share(engine, case, res["suffix_ids"]),
+                       random_share=share.suffix_share(engine, case, rand))
+            results.append(res)
+    n = len(results)
+    summary = {"pairs": n, "success": sum(r["success"] for r in results) / n,
+               "success_by_step": [sum(r["success_by_step"][s] for r in results) / n for s in range(cfg.steps)],
+               "seconds_per_step": sum(r["seconds_per_step"] for r in results) / n}
+    write_json(out / "attack.json", {**record, "seed": cfg.seed, "model": str(args.model), "quant": engine.quant,
+                                     "threads": args.threads, "config": cfg.__dict__, "summary": summary,
+                                     "results": results})
+    _plots(results, out, f"GCG on {args.model} ({cfg.tokens} tokens, L={cfg.length}, B={cfg.batch}, k={cfg.topk})")
+    if args.json:
+        print(json.dumps({"summary": summary, "results": results}))
+        return 0
+    print(f"{'pair':>4} {'loss0':>6} {'loss':>6} {'ok':>3} {'first':>5}  suffix")
+    for r in results:
+        print(f"{r['pair']:>4} {r['initial_loss']:>6.2f} {r['loss']:>6.2f} {'yes' if r['success'] else 'no':>3} "
+              f"{r['first_success'] or '-':>5}  {r['suffix']!r}")
+    print(f"success {summary['success']:.0%} of {n} pairs after {cfg.steps} steps; "
+          f"{summary['seconds_per_step']:.2f} s a step; wrote {out}/attack.json, loss.png, attention.png")
+    return 0
+
+
+def _plots(results: list[dict], out: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from attnlab.io import save_figure
+    from attnlab.robust.attention_share import plot
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    for r in results:
+        ax.plot(range(len(r["losses"]) + 1), [r["initial_loss"], *r["losses"]], lw=1, alpha=0.7)
+    ax.set_xlabel("step")
+    ax.set_ylabel("target loss (nats/token)")
+    ax.set_title(title, fontsize=10)
+    save_figure(fig, out / "loss.png")
+    plot([r["share"] for r in results], [r["random_share"] for r in results], out / "attention.png",
+         "attention at the reply's first position: suffix share")
+
+
+def _read_prompts(path: str) -> list[str]:
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"no such prompts file: {path}")
+    lines = [line for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if p.suffix == ".jsonl":
+        try:
+            rows = [json.loads(line) for line in lines]
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path} is not JSON lines: {e}") from None
+        lines = [r if isinstance(r, str) else r.get("text", r.get("prompt")) if isinstance(r, dict) else None
+                 for r in rows]
+        if any(not isinstance(t, str) for t in lines):
+            raise UserError(f"{path}: each line must be a JSON string or an object with a 'text' field")
+    if not lines:
+        raise UserError(f"{path} holds no prompt")
+    return lines
+
+
+def cmd_guard(args) -> int:
+    from attnlab.robust.defenses import Guard
+    if args.calibrate:
+        return _calibrate(args)
+    if not args.prompts:
+        raise UserError("give --prompts FILE (one prompt a line, or .jsonl), or --calibrate")
+    prompts = _read_prompts(args.prompts)
+    spec = Guard.parse(args.guard)
+    filt = spec.build(load_lm(args))
+    rows = [{"index": i, "text": t, **filt.check(t).as_dict()} for i, t in enumerate(prompts)]
+    flagged = sum(r["flagged"] for r in rows)
+    if args.json:
+        print(json.dumps({**provenance(args.argv), "threshold": filt.threshold, "window": filt.window,
+                          "flagged": flagged, "prompts": rows}))
+    else:
+        for r in rows:
+            print(f"{'FLAG' if r['flagged'] else 'ok  '} {r['score']:6.2f}  {r['text'][:100]!r}")
+        print(f"{flagged} of {len(rows)} flagged (windowed NLL > {filt.threshold:g} nats/token)")
+    return 1 if flagged else 0
+
+
+def _calibrate(args) -> int:
+    from attnlab.robust import evaluate as ev
+    from attnlab.robust.defenses import WINDOW, PerplexityFilter
+    from attnlab.robust.pairs import ordinary_prompts
+
+    record = provenance(args.argv)
+    lm = load_lm(args)
+    rows = ordinary_prompts(lm.encode, seed=args.seed)
+    filt = PerplexityFilter(lm, 0.0, WINDOW)
+    with progress(len(rows), "ordinary prompts", unit="prompt") as bar:
+        cal = ev.calibrate(filt, rows, args.quantile, args.seed, bar)
+    result = {**record, "seed": args.seed, "model": str(args.model), "window": WINDOW, "calibration": cal}
+    print(f"threshold {cal['threshold']:g} nats/token ({WINDOW}-token windows, quantile {args.quantile} of "
+          f"{cal['fit_prompts']} prompts); false positives {cal['false_positive_rate']:.2%} of {cal['held_out']} held out")
+    attacked = []
+    for path in args.attacks or []:
+        attacked += ev.attacked_prompts(json.loads(Path(path).read_text())["results"])
+    if attacked:
+        result["detection"] = {v: ev.detection(filt, [p for p in attacked if p["variant"] == v])
+                               for v in sorted({p["variant"] for p in attacked})}
+        for v, d in result["detection"].items():
+            print(f"{v} suffixes: {d['flagged']} of {d['prompts']} flagged ({d['rate']:.0%}); of the successful "
+                  f"ones {d['successful_flagged']} of {d['successful']}")
+        texts = [p["text"] for p in attacked][:args.cost_prompts]
+        result["cost"] = ev.guard_cost(lm, filt, texts)
+        print(f"cost: {result['cost']['guard_seconds'] * 1e3:.1f} ms a check, {result['cost']['ratio']:.1%} of a "
+              f"64-token reply ({result['cost']['reply_seconds']:.2f} s)")
+        if args.smoothllm:
+            copies, _, rate = args.smoothllm.partition(":")
+            result["smoothllm"] = ev.smooth_eval(lm, [p for p in attacked if p["success"]], int(copies),
+                                                 float(rate or 0.1), args.seed)
+            s = result["smoothllm"]
+            print(f"SmoothLLM N={s['copies']} q={s['rate']:g}: attack success {s['success_without']:.0%} -> "
+                  f"{s['success_after']:.0%} over {s['prompts']} successful suffixes, "
+                  f"{s['model_calls_per_prompt']:.0f} model calls a prompt")
+    if args.out:
+        write_json(args.out, result)
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("attack", help="GCG adversarial suffixes on the shipped benign prompt/target pairs")
+    add_model_args(p)
+    p.add_argument("--pairs", default="all", help="'all', N (the first N) or A-B of the 20 shipped pairs")
+    p.add_argument("--steps", type=positive_int, default=50, help="GCG steps per pair")
+    p.add_argument("--batch", type=positive_int, default=128, help="candidates a step (B)")
+    p.add_argument("--topk", type=positive_int, default=64, help="tokens kept per suffix position (k)")
+    p.add_argument("--length", type=positive_int, default=20, help="suffix tokens (L)")
+    p.add_argument("--tokens", default="all", choices=["all", "punct", "fluent"],
+                   help="candidate tokens: printable ASCII, whitespace/punctuation only, or the model's own top "
+                        "--fluent-top next tokens at each position (the subtler variants)")
+    p.add_argument("--fluent-top", type=positive_int, default=100, help="fluent: next tokens kept per position")
+    p.add_argument("--chunk", type=positive_int, default=32, help="candidate rows per engine pass")
+    p.add_argument("--seed", type=int, default=0, help="seed of the candidate draws")
+    p.add_argument("--out", default="runs/attack", help="folder: a state file per pair (resumable), attack.json, "
+                                                         "loss.png, attention.png")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=cmd_attack)
+
+    g = sub.add_parser("guard", help="flag prompts carrying adversarial suffixes (perplexity filter)")
+    add_model_args(g)
+    g.add_argument("--prompts", default=None, metavar="FILE", help="one prompt a line, or .jsonl (strings or "
+                                                                    "objects with 'text')")
+    g.add_argument("--guard", default="ppl", metavar="ppl[:THRESHOLD]",
+                   help="the filter: windowed NLL in nats/token (ppl: the model's calibrated threshold)")
+    g.add_argument("--json", action="store_true", help="print the verdicts as JSON")
+    g.add_argument("--calibrate", action="store_true",
+                   help="measure instead: the threshold on ordinary prompts (plays, chat, RULER) and its "
+                        "false positives; with --attacks, detection, cost and SmoothLLM")
+    g.add_argument("--attacks", nargs="*", metavar="ATTACK_JSON", help="`attnlab attack` results to detect")
+    g.add_argument("--quantile", type=float, default=0.995, help="calibration: the threshold's quantile")
+    g.add_argument("--cost-prompts", type=positive_int, default=5, help="calibration: prompts timed for the cost")
+    g.add_argument("--smoothllm", default=None, metavar="N[:Q]", help="calibration: SmoothLLM with N copies, Q "
+                                                                     "of the characters swapped (default 0.1)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the calibration split and SmoothLLM")
+    g.add_argument("--out", default=None, help="calibration: write the JSON result here")
+    g.set_defaults(func=cmd_guard)

@@ -1,0 +1,97 @@
+"""The numbers docs/robust.md reports: a guard's threshold and false positives on ordinary prompts, its detection
+rate on found suffixes, its cost beside a 64-token reply, and SmoothLLM's attack success after defense.
+
+Calibration splits the ordinary prompts in two at random (seeded): the threshold is a quantile of the first half's
+scores, the false-positive rate is counted on the second half, which the threshold never saw.
+"""
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+
+from attnlab.robust.defenses import PerplexityFilter, SmoothLLM
+from attnlab.robust.gcg import succeeded
+from attnlab.sampling import Sampler
+
+
+def calibrate(filt: PerplexityFilter, rows: list[dict], quantile: float = 0.995, seed: int = 0,
+              bar=None) -> dict:
+    """Scores every ordinary prompt, sets filt.threshold to the quantile of a random half (rounded up to 0.1) and
+    counts false positives on the other half, per source."""
+    for r in rows:
+        r["score"] = filt.score(r["text"])
+        if bar is not None:
+            bar.update(1)
+    order = list(range(len(rows)))
+    random.Random(seed).shuffle(order)
+    fit, held = [rows[i] for i in order[:len(rows) // 2]], [rows[i] for i in order[len(rows) // 2:]]
+    q = float(torch.tensor([r["score"] for r in fit]).quantile(quantile))
+    filt.threshold = round(int(q * 10 + 1) / 10, 1)
+    out = {"threshold": filt.threshold, "quantile": quantile, "fit_prompts": len(fit), "held_out": len(held),
+           "false_positive_rate": sum(r["score"] > filt.threshold for r in held) / len(held), "by_source": {}}
+    for src in sorted({r["source"] for r in rows}):
+        part = [r for r in held if r["source"] == src]
+        out["by_source"][src] = {"held_out": len(part), "flagged": sum(r["score"] > filt.threshold for r in part),
+                                 "max_score": max((r["score"] for r in part), default=None)}
+    return out
+
+
+def attacked_prompts(results: list[dict]) -> list[dict]:
+    """The user messages (prompt + found suffix, as text) of an `attnlab attack` result's pairs."""
+    return [{"pair": r["pair"], "text": r["prompt"] + r["suffix"], "target": r["target"], "success": r["success"],
+             "variant": r.get("tokens", "all")} for r in results]
+
+
+def detection(filt: PerplexityFilter, prompts: list[dict]) -> dict:
+    """Share of attacked prompts flagged: all of them, and those whose attack succeeded."""
+    for p in prompts:
+        p["score"] = filt.score(p["text"])
+        p["flagged"] = p["score"] > filt.threshold
+    won = [p for p in prompts if p["success"]]
+    return {"prompts": len(prompts), "flagged": sum(p["flagged"] for p in prompts),
+            "rate": sum(p["flagged"] for p in prompts) / max(1, len(prompts)),
+            "successful": len(won), "successful_flagged": sum(p["flagged"] for p in won),
+            "min_score": min((p["score"] for p in prompts), default=None)}
+
+
+def guard_cost(lm, filt: PerplexityFilter, prompts: list[str], reply_tokens: int = 64, repeats: int = 3) -> dict:
+    """Seconds of the guard's check against a greedy `reply_tokens`-token chat reply to the same prompts
+    (EOS ignored: the reply always runs its length), best of `repeats`, on this machine."""
+    def best(fn):
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return min(times)
+    guard, reply = [], []
+    for text in prompts:
+        ids = lm.chat_ids([{"role": "user", "content": text}])
+        guard.append(best(lambda: filt.check(text)))
+
+        def gen():
+            cache = lm.new_cache(1, capacity=len(ids) + reply_tokens)
+            for _ in lm.stream(ids, cache, Sampler(0.0), reply_tokens, stop_at_eos=False):
+                pass
+        reply.append(best(gen))
+    g, r = sum(guard) / len(guard), sum(reply) / len(reply)
+    return {"guard_seconds": g, "reply_seconds": r, "ratio": g / r, "reply_tokens": reply_tokens,
+            "prompts": len(prompts)}
+
+
+def smooth_eval(lm, prompts: list[dict], copies: int, rate: float, seed: int = 0) -> dict:
+    """Attack success (reply begins with the target) without a defense and after SmoothLLM, and its model calls."""
+    before, after, calls = 0, 0, 0
+    for p in prompts:
+        target = p["target"]
+        plain = lm.generate(p["text"], max_new_tokens=16, chat=True)
+        before += succeeded(plain, target)
+        smooth = SmoothLLM(lm, lambda reply, t=target: succeeded(reply, t), copies, rate, seed=seed)
+        reply, _ = smooth.reply(p["text"])
+        after += succeeded(reply, target)
+        calls += smooth.calls
+    n = max(1, len(prompts))
+    return {"prompts": len(prompts), "copies": copies, "rate": rate, "success_without": before / n,
+            "success_after": after / n, "model_calls_per_prompt": calls / n}

@@ -1,0 +1,80 @@
+"""The perplexity filter on SmolLM2 (a random-token suffix flagged, ordinary lines not), SmoothLLM's perturbation
+rate and vote, the guard spec, the suffix's attention share."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from attnlab.errors import AttnlabError
+from attnlab.robust.attention_share import random_suffix, suffix_share
+from attnlab.robust.defenses import CALIBRATED, Guard, PerplexityFilter, SmoothLLM, perturb
+from attnlab.robust.gcg import allowed_tokens, make_case
+
+THRESHOLD = CALIBRATED["SmolLM2-135M-Instruct.Q4_1.gguf"]
+LINES = ["To be, or not to be, that is the question.", "Tell me about the sea.",
+         "Can you summarize what you know about glaciers?", "What is the capital of France?"]
+
+
+@pytest.fixture(scope="module")
+def random_prompt(smollm2):
+    allowed = allowed_tokens(smollm2.tokenizer, smollm2.cfg.vocab_size, "all")
+    return "What is the capital of France?" + smollm2.tokenizer.decode(random_suffix(allowed, 20, 0))
+
+
+def test_perplexity_filter_flags_random_suffix_not_ordinary_lines(smollm2, random_prompt):
+    filt = PerplexityFilter(smollm2, THRESHOLD)
+    for line in LINES:
+        v = filt.check(line)
+        assert not v.flagged and v.reason == "" and 0 < v.score < THRESHOLD
+    v = filt.check(random_prompt)
+    assert v.flagged and "perplexity filter" in v.reason and f"{THRESHOLD:g}" in v.reason
+    whole = PerplexityFilter(smollm2, THRESHOLD, window=None)
+    assert whole.score(random_prompt) < v.score  # the whole-prompt mean dilutes the suffix in the fluent part
+    ids = smollm2.encode(random_prompt)
+    assert filt.score(ids) == pytest.approx(v.score)  # ids or text alike
+
+
+def test_window_is_the_worst_mean(smollm2):
+    filt = PerplexityFilter(smollm2, 1.0, window=3)
+    text = "Tell me about the sea, and about the mountains too."
+    nll = filt.nll(smollm2.encode(text))
+    worst = max(float(nll[i:i + 3].mean()) for i in range(len(nll) - 2))
+    assert filt.score(text) == pytest.approx(worst, rel=1e-5)
+
+
+def test_perturbation_rate():
+    text = "é" * 200  # no printable character equals it: every swap shows
+    out = perturb(text, 0.1, random.Random(0))
+    assert len(out) == 200 and sum(a != b for a, b in zip(text, out)) == 20
+    assert perturb(text, 0.1, random.Random(0)) == out  # seeded
+    assert sum(a != b for a, b in zip(text, perturb(text, 0.25, random.Random(1)))) == 50
+
+
+def test_smoothllm_vote_and_calls(smollm2):
+    s = SmoothLLM(None, judge=lambda r: r.startswith("yes"), copies=3)
+    assert s.vote(["yes a", "no", "yes b"]) == (True, [True, False, True])
+    assert s.vote(["yes", "no"])[0] is False  # a tie is not a majority
+    judge_calls = []
+    s = SmoothLLM(smollm2, judge=lambda r: judge_calls.append(r) or True, copies=3, max_new=3)
+    reply, verdict = s.reply("What is the capital of France?")
+    assert s.calls == 3 and len(judge_calls) == 3 and verdict.flagged and verdict.score == 1.0
+    assert reply in judge_calls and "3 of 3" in verdict.reason
+    with pytest.raises(AttnlabError):
+        SmoothLLM(None, judge=bool, rate=0)
+
+
+def test_guard_spec():
+    assert Guard.parse("ppl") == Guard("ppl", None)
+    assert Guard.parse("ppl:7.5").threshold == 7.5
+    for bad in ("ppl:x", "ppl:-1", "smooth"):
+        with pytest.raises(AttnlabError):
+            Guard.parse(bad)
+
+
+def test_suffix_share_is_a_share_per_layer(smollm2):
+    case = make_case(smollm2, "What is the capital of France?", "Sure")
+    shares = suffix_share(smollm2, case, smollm2.tokenizer.encode(" ! ! ! !", add_special_tokens=False))
+    assert len(shares) == smollm2.cfg.n_layers and all(0 <= s <= 1 for s in shares)
+    assert smollm2.tokenizer.decode(case.before[case.prompt_start:]) == "What is the capital of France?"

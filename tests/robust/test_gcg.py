@@ -1,0 +1,98 @@
+"""GCG on the session's SmolLM2 (float32, eager): the gradient against finite differences, the batched scorer
+against the full pass, a loss drop on a tiny budget against random suffixes, resume = uninterrupted."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attnlab.errors import AttnlabError
+from attnlab.robust.gcg import (GCG, GCGConfig, Scorer, allowed_tokens, forward_embeds, initial_suffix, make_case,
+                                token_gradient)
+
+
+@pytest.fixture(scope="module")
+def setup(smollm2):
+    case = make_case(smollm2, "What is the capital of France?", "Sure, the code is 7429")
+    allowed = allowed_tokens(smollm2.tokenizer, smollm2.cfg.vocab_size, "all")
+    return smollm2, case, allowed
+
+
+def _relaxed_loss(model, case, onehot):
+    W = model.embed.weight
+    rest = torch.tensor(case.after + case.target)
+    x = torch.cat([W[torch.tensor(case.before)], onehot @ W, W[rest]])[None]
+    logits = forward_embeds(model, x)[0]
+    nt = len(case.target)
+    return float(F.cross_entropy(logits[-nt - 1:-1].double(), torch.tensor(case.target)))
+
+
+def test_gradient_matches_finite_differences(setup):
+    lm, case, _ = setup
+    suffix = torch.tensor(initial_suffix(lm.tokenizer, 4))
+    grad, loss, _ = token_gradient(lm.model, case, suffix)
+    base = F.one_hot(suffix, lm.cfg.vocab_size).float()
+    assert abs(_relaxed_loss(lm.model, case, base) - loss) < 1e-4
+    eps = 1e-2
+    for pos, tok in ((0, 1000), (2, 5000), (3, 17)):  # the direction e_tok - e_current at one position
+        d = torch.zeros_like(base)
+        d[pos, tok], d[pos, suffix[pos]] = 1.0, -1.0
+        fd = (_relaxed_loss(lm.model, case, base + eps * d) - _relaxed_loss(lm.model, case, base - eps * d)) / (2 * eps)
+        analytic = float(grad[pos, tok] - grad[pos, suffix[pos]])
+        assert abs(fd - analytic) <= 0.02 * abs(analytic) + 1e-3, (pos, tok, fd, analytic)
+
+
+def test_scorer_matches_the_full_pass(setup):
+    lm, case, allowed = setup
+    suffixes = torch.stack([torch.tensor(initial_suffix(lm.tokenizer, 4)),
+                            allowed.nonzero().flatten()[torch.tensor([5, 900, 4000, 12000])]])
+    batched = Scorer(lm, case, chunk=1).losses(suffixes)  # the prefix cache, one row at a time
+    together = Scorer(lm, case, chunk=2).losses(suffixes)
+    full = torch.tensor([token_gradient(lm.model, case, s)[1] for s in suffixes])
+    assert torch.allclose(batched, full, atol=1e-3) and torch.allclose(together, full, atol=1e-3)
+
+
+def _attack(setup, steps, seed=0, length=6):
+    lm, case, allowed = setup
+    cfg = GCGConfig(length=length, steps=steps, batch=16, topk=16, seed=seed, chunk=16)
+    return GCG(lm, lm.model, case, cfg, allowed, initial_suffix(lm.tokenizer, length))
+
+
+def test_gcg_lowers_the_loss_below_random_suffixes(setup):
+    lm, case, allowed = setup
+    attack = _attack(setup, steps=3)
+    res = attack.run()
+    assert res["loss"] < res["initial_loss"] - 0.05
+    assert res["losses"] == sorted(res["losses"], reverse=True) or res["loss"] == min(res["losses"])
+    g = torch.Generator().manual_seed(1)
+    pool = allowed.nonzero().flatten()
+    random = pool[torch.randint(len(pool), (16, 6), generator=g)]
+    assert res["loss"] < float(attack.scorer.losses(random).min())  # 16 random suffixes: none as good
+
+
+def test_resume_gives_the_uninterrupted_result(setup, tmp_path):
+    whole = _attack(setup, steps=4, seed=3).run()
+    path = tmp_path / "state.json"
+    _attack(setup, steps=2, seed=3).run(path)  # "interrupted" after two steps
+    resumed = _attack(setup, steps=4, seed=3).run(path)
+    assert resumed["losses"] == whole["losses"] and resumed["suffix_ids"] == whole["suffix_ids"]
+    other = GCG(setup[0], setup[0].model, setup[1], GCGConfig(length=6, steps=4, batch=8, topk=16, seed=3),
+                setup[2], initial_suffix(setup[0].tokenizer, 6))
+    with pytest.raises(AttnlabError, match="other settings"):
+        other.run(path)
+
+
+def test_subtle_token_sets(setup):
+    lm, case, _ = setup
+    punct = allowed_tokens(lm.tokenizer, lm.cfg.vocab_size, "punct")
+    assert 50 < int(punct.sum()) < 5000
+    text = lm.tokenizer.decode(punct.nonzero().flatten()[:200].tolist())
+    assert not any(ch.isalnum() for ch in text)
+    cfg = GCGConfig(length=4, steps=1, batch=8, topk=8, tokens="fluent", fluent_top=20)
+    attack = GCG(lm, lm.model, case, cfg, setup[2], initial_suffix(lm.tokenizer, 4))
+    grad, _, nxt = token_gradient(lm.model, case, attack.suffix)
+    cands = attack.candidates(grad, nxt)
+    top = nxt.topk(200, dim=1).indices  # every swapped-in token is among the model's likeliest there
+    for c in cands:
+        for pos in (c != attack.suffix).nonzero().flatten().tolist():
+            assert int(c[pos]) in top[pos].tolist()
