@@ -24,7 +24,7 @@ from attnlab.textstream import TextStream
 SUBSYSTEMS = ["attnlab.cli.dynamics", "attnlab.cli.stream", "attnlab.cli.analysis", "attnlab.cli.quantize",
               "attnlab.cli.serve", "attnlab.cli.passkey", "attnlab.cli.extend",
               "attnlab.cli.dejavu", "attnlab.cli.sweep", "attnlab.cli.ruler", "attnlab.cli.lmeval",
-              "attnlab.cli.report", "attnlab.cli.export", "attnlab.cli.fetch"]
+              "attnlab.cli.report", "attnlab.cli.export", "attnlab.cli.fetch", "attnlab.cli.robust"]
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
