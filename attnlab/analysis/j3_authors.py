@@ -80,8 +80,9 @@ def plot_vs_authors(ours: dict[str, list[dict]], authors: dict, nlayers: int, ou
 
 
 if __name__ == "__main__":
-    from attnlab.io import provenance, write_json
+    from attnlab.io import finish_record, run_record, write_json
     if len(sys.argv) != 3:
         raise SystemExit("usage: python -m attnlab.analysis.j3_authors PT_FILE OUT_JSON")
-    record = {**provenance([]), "command": "python -m attnlab.analysis.j3_authors " + " ".join(sys.argv[1:])}
-    print(write_json(Path(sys.argv[2]), {**record, **summarize(sys.argv[1])}))
+    record = run_record(None, None, command="python -m attnlab.analysis.j3_authors " + " ".join(sys.argv[1:]))
+    summary = summarize(sys.argv[1])
+    print(write_json(Path(sys.argv[2]), {**finish_record(record), **summary}))
