@@ -6,7 +6,7 @@ STAMP := $(VENV)/.attnlab-installed
 # 1 thread by measurement: on a busy 2-core machine 2 threads decoded 3x slower (README)
 THREADS ?= 1
 
-.PHONY: setup kernels demo test test-all test-scale test-real fuzz bench bench-llamacpp clean
+.PHONY: setup kernels demo test test-all test-scale test-real fuzz bench bench-llamacpp bench-nanogcg bench-kvpress clean
 
 # The C++ kernels are compiled by the install (setup.py), with the venv's own ninja first on PATH (one toolchain
 # every time), in build/ (kept: an unchanged source is not compiled again); `make kernels` after editing them.
@@ -81,6 +81,27 @@ pi-repro: $(KERNELS)
 # elsewhere). An AMX probe records where the native build needs -ub 1. Not a dependency of attnlab.
 bench-llamacpp: $(KERNELS)
 	$(BIN)/python benchmarks/build_llamacpp.py $(if $(LLAMACPP_PREFIX),--prefix $(LLAMACPP_PREFIX))
+
+# nanogcg 0.3.0, the GCG peer, in its own venv (it pins transformers <= 4.47.1; attnlab's has 5.x), same torch; it
+# attacks our model as `attnlab export` writes it, same pairs, steps and candidates as ours (docs/robust.md)
+NANOGCG := build/venv-nanogcg
+$(NANOGCG)/.installed:
+	$(PY) -m venv $(NANOGCG)
+	$(NANOGCG)/bin/pip install -q torch==2.13.0 nanogcg==0.3.0
+	touch $@
+
+bench-nanogcg: $(KERNELS) $(NANOGCG)/.installed
+	$(BIN)/python benchmarks/nanogcg_anchor.py --python $(NANOGCG)/bin/python $(NANOGCG_ARGS)
+
+# kvpress 0.5.5, the press peer of benchmarks/kvpress_anchor.py (transformers >= 4.56, < 5.3), in its own venv
+KVPRESS := venv-kvpress
+$(KVPRESS)/.installed:
+	$(PY) -m venv $(KVPRESS)
+	$(KVPRESS)/bin/pip install -q torch==2.13.0 kvpress==0.5.5
+	touch $@
+
+bench-kvpress: $(KVPRESS)/.installed
+	@echo "kvpress venv ready: $(KVPRESS)/bin/python benchmarks/kvpress_anchor.py (see its docstring)"
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -9,8 +9,8 @@ copy of it per (press, ratio), the question is fed after at positions continuing
 
     # attnlab's venv: the samples (seeded exactly as `attnlab ruler --seed 0`)
     python benchmarks/kvpress_anchor.py --write-samples runs/anchor/samples.json --length 4096 --samples 1
-    # kvpress's venv
-    /work/wt/venv-i42/bin/python benchmarks/kvpress_anchor.py runs/anchor/samples.json MODEL_DIR \
+    # kvpress's venv (`make bench-kvpress` builds venv-kvpress/ from the package registry)
+    venv-kvpress/bin/python benchmarks/kvpress_anchor.py runs/anchor/samples.json MODEL_DIR \
         --presses knorm,streaming_llm,snapkv,tova,expected_attention --ratios 0.25,0.5,0.75 --out runs/anchor/kvpress.json
 """
 from __future__ import annotations

@@ -1,0 +1,129 @@
+"""nanogcg beside `attnlab attack`: the same model (our `attnlab export` folder), pairs, steps, candidates a step
+(search_width = --batch), top-k, suffix length and start ("! ! ..."), one thread each; success (the greedy reply
+begins with the target) by step and wall time a step.
+
+nanogcg 0.3.0 pins transformers <= 4.47.1, so it runs in its own venv (`make bench-nanogcg` builds
+build/venv-nanogcg); this script, run by attnlab's python, runs our attack, then itself under that venv's python
+with --peer (which imports nothing of attnlab), then prints both. Per step both keep the best of the step's
+candidates (nanogcg's buffer_size 0) and drop candidates whose text does not tokenise back (filter_ids). Our
+seconds a step leave out the success check; nanogcg's are its run's wall time over its steps.
+
+    make bench-nanogcg NANOGCG_ARGS="--pairs 5 --steps 20 --batch 64 --topk 64"
+    .venv/bin/python benchmarks/nanogcg_anchor.py --python build/venv-nanogcg/bin/python --pairs 5 --steps 20
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def peer(args) -> None:
+    """nanogcg's side, in its own venv: each pair attacked, each step's suffix checked by greedy decoding."""
+    import nanogcg
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    torch.set_num_threads(args.threads)
+    tok = AutoTokenizer.from_pretrained(args.peer)
+    model = AutoModelForCausalLM.from_pretrained(args.peer, torch_dtype=torch.float32).eval()
+    rows = []
+    for pair in json.loads(Path(args.pairs_json).read_text()):
+        cfg = nanogcg.GCGConfig(num_steps=args.steps, optim_str_init=" !" * args.length, search_width=args.batch,
+                                topk=args.topk, seed=args.seed, verbosity="WARNING", use_prefix_cache=True)
+        messages = [{"role": "user", "content": pair["prompt"] + "{optim_str}"}]
+        start = time.perf_counter()
+        res = nanogcg.run(model, tok, messages, pair["target"], cfg)
+        seconds = time.perf_counter() - start
+        ok = [_succeeds(model, tok, pair, s) for s in res.strings]
+        rows.append({"pair": pair["pair"], "losses": res.losses, "success_by_step": ok,
+                     "success": _succeeds(model, tok, pair, res.best_string, 8), "suffix": res.best_string,
+                     "loss": res.best_loss, "seconds_per_step": seconds / args.steps})
+        print(f"nanogcg pair {pair['pair']}: loss {res.best_loss:.3f}, {seconds / args.steps:.2f} s a step",
+              file=sys.stderr)
+    Path(args.out).write_text(json.dumps({"nanogcg": nanogcg.__version__ if hasattr(nanogcg, "__version__") else
+                                          "0.3.0", "transformers": transformers.__version__, "torch": torch.__version__,
+                                          "results": rows}, indent=2) + "\n")
+
+
+def _succeeds(model, tok, pair, suffix: str, extra: int = 2) -> bool:
+    import torch
+    text = tok.apply_chat_template([{"role": "user", "content": pair["prompt"] + suffix}], tokenize=False,
+                                   add_generation_prompt=True)
+    ids = tok(text, add_special_tokens=False, return_tensors="pt").input_ids
+    n = len(tok(pair["target"], add_special_tokens=False).input_ids) + extra
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=n, do_sample=False, attention_mask=torch.ones_like(ids))
+    return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip().startswith(pair["target"].strip())
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--python", default="build/venv-nanogcg/bin/python", help="nanogcg's venv python")
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--pairs", default="5", help="'all', N or A-B of the shipped pairs")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--batch", type=int, default=64, help="candidates a step (nanogcg's search_width)")
+    ap.add_argument("--topk", type=int, default=64)
+    ap.add_argument("--length", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default="runs/nanogcg")
+    ap.add_argument("--peer", default=None, help=argparse.SUPPRESS)  # nanogcg's side: the exported folder
+    ap.add_argument("--pairs-json", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.peer:
+        peer(args)
+        return 0
+    from attnlab.io import provenance, write_json
+    from attnlab.robust.pairs import pairs
+    record = provenance(["benchmarks/nanogcg_anchor.py", *(argv or sys.argv[1:])])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model_dir = out / "model"
+    attnlab = [sys.executable, "-m", "attnlab"]
+    if not (model_dir / "config.json").exists():
+        subprocess.run([*attnlab, "export", args.model, str(model_dir), "--force"], check=True)
+    budget = ["--steps", str(args.steps), "--batch", str(args.batch), "--topk", str(args.topk), "--length",
+              str(args.length), "--seed", str(args.seed), "--threads", str(args.threads)]
+    subprocess.run([*attnlab, "attack", args.model, "--pairs", args.pairs, "--out", str(out / "ours"), *budget],
+                   check=True)
+    ours = json.loads((out / "ours" / "attack.json").read_text())["results"]
+    (out / "pairs.json").write_text(json.dumps([{"pair": i, "prompt": p, "target": t} for i, p, t in pairs(args.pairs)]))
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    subprocess.run([args.python, __file__, "--peer", str(model_dir), "--pairs-json", str(out / "pairs.json"),
+                    "--out", str(out / "nanogcg.json"), *budget], check=True, env=env)
+    theirs = json.loads((out / "nanogcg.json").read_text())
+    table = summarize(ours, theirs["results"], args.steps)
+    write_json(out / "side_by_side.json", {**record, "seed": args.seed, "budget": vars(args), "peer": {
+        k: theirs[k] for k in ("nanogcg", "transformers", "torch")}, **table})
+    return 0
+
+
+def summarize(ours: list[dict], theirs: list[dict], steps: int) -> dict:
+    def curve(rows):
+        return [sum(r["success_by_step"][s] for r in rows) / len(rows) for s in range(steps)]
+    side = {"attnlab": {"success": sum(r["success"] for r in ours) / len(ours), "by_step": curve(ours),
+                        "seconds_per_step": sum(r["seconds_per_step"] for r in ours) / len(ours),
+                        "final_loss": [r["loss"] for r in ours]},
+            "nanogcg": {"success": sum(r["success"] for r in theirs) / len(theirs), "by_step": curve(theirs),
+                        "seconds_per_step": sum(r["seconds_per_step"] for r in theirs) / len(theirs),
+                        "final_loss": [r["loss"] for r in theirs]}}
+    a, n = side["attnlab"], side["nanogcg"]
+    print(f"{'':>10} {'success':>8} {'s/step':>8} {'mean loss':>10}")
+    for name, s in side.items():
+        print(f"{name:>10} {s['success']:>8.0%} {s['seconds_per_step']:>8.2f} "
+              f"{sum(s['final_loss']) / len(s['final_loss']):>10.3f}")
+    marks = sorted({max(1, steps // 4), max(1, steps // 2), steps})
+    print("success by step: " + ", ".join(f"{m}: {a['by_step'][m - 1]:.0%} vs {n['by_step'][m - 1]:.0%}"
+                                          for m in marks))
+    print(f"speed: attnlab {n['seconds_per_step'] / a['seconds_per_step']:.2f}x nanogcg's steps a second")
+    return side
+
+
+if __name__ == "__main__":
+    sys.exit(main())
