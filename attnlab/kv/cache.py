@@ -42,6 +42,7 @@ class KVCache:
                                channel_keys) for _ in range(n_layers)]
         self.batch, self.policy, self.positions = batch, policy, positions
         self.seen = 0                                   # tokens fed per row, padding included
+        self.kept_from = 0  # `seen` after the last eviction: the tokens fed since hold the last slots, one each
         self.shift = 0  # `cache` positions: keys and queries are rotated at slot + shift (see LayerKV.keep)
         self.pad = torch.zeros(batch, dtype=torch.long) if pad is None else torch.as_tensor(pad, dtype=torch.long)
         # the cache observes the forward pass only for a policy that scores by attention
@@ -90,6 +91,7 @@ class KVCache:
             layer.n += T
             layer.paged = layer.n  # the native step summarised its key in place (eager: `update` did)
             if self.policy is not None and self.policy.due(layer):
+                self.kept_from = self.seen + T
                 span = self.policy.evict_span(layer)
                 if span and layer.page is None and layer.window is None:  # no copy of the window at all
                     layer.slide(*span, shift)
@@ -112,16 +114,29 @@ class KVCache:
         new = self.shift + evicted
         return 0 if self.positions != "cache" or layer.rope.dynamic or new > layer.capacity else new
 
+    @torch.inference_mode()
     def truncate(self, length: int) -> None:
-        """Roll back to the first `length` tokens (reuse one prefill for several continuations).
-        Only for a cache that never evicted nor padded: its slot j holds token j."""
-        if not all(layer.natural for layer in self.layers) or not 0 <= length <= len(self):
-            raise AttnlabError(f"cannot truncate this cache to {length} tokens (evicted, padded or too short)")
+        """Cut the cache back to what it held after its first `length` tokens (`seen`, padding included): reuse
+        one prefill for several continuations, or drop a speculative step's rejected draft tokens. The tokens fed
+        since hold the last slots, one each, so they go: positions, the policy's per-slot state, Quest's page
+        holding the cut (and int8 codes and scales, never read past `n`). Refused where the policy evicted after
+        `length` tokens (the cache no longer holds what it held then) or scores by attention (its scores have
+        counted the later tokens' queries)."""
+        if not 0 <= length <= self.seen:
+            raise AttnlabError(f"cannot truncate a cache of {self.seen} tokens to {length}")
+        if length < self.kept_from:
+            raise AttnlabError(f"cannot truncate this cache to {length} tokens: its policy evicted after "
+                               f"{self.kept_from} tokens (rewind only to {self.kept_from} or later)")
+        if length < self.seen and self.needs_probs:
+            raise AttnlabError(f"cannot truncate this cache: its policy ({type(self.policy).__name__}) scores by "
+                               "attention, and its scores have counted the tokens past the cut")
+        drop = self.seen - length
         for layer in self.layers:
-            layer.pos[:, :, length:layer.n] = -1
-            layer.n = length
+            n = layer.n - drop
+            layer._clear(n, layer.n)
+            layer.n = n
             if layer.page:  # the page holding the cut loses the keys past it
-                layer._summarize(length, length)
+                layer._summarize(n, n)
         self.seen = length
 
     def nbytes(self) -> int:
@@ -160,3 +175,4 @@ def load_cache_state(cache: KVCache, state: dict) -> None:
         if layer.page and n:
             layer._summarize(0, n)
     cache.seen, cache.pad, cache.shift = state["seen"], state["pad"].clone(), state.get("shift", 0)
+    cache.kept_from = cache.seen if cache.policy is not None else 0  # when it last evicted is not saved
