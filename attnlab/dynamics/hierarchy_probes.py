@@ -1,4 +1,4 @@
-"""Two of JoMA's Sec. 6 claims on the latent-tree data (J4's generator and model), each with a control.
+"""Two of JoMA's claims about hierarchical data on the latent-tree data (J4's generator and model), each with a control.
 
 **Superposition** (`attnlab dynamics superposition`): one MLP unit encodes several unrelated
 latent patterns. For block l (0, 1) a unit *encodes* a level-l latent when the Pearson correlation
@@ -191,7 +191,7 @@ def _order_summary(m):
             f"permutation p {p['permutation_p']:.3f}, low first {p['low_first']}" for p in m["per_seed"]]
 
 
-SUPERPOSITION = Experiment("superposition", "JoMA Sec. 6: MLP units encoding several unrelated latents vs a shuffled control",
+SUPERPOSITION = Experiment("superposition", "JoMA: MLP units encoding several unrelated latents vs a shuffled control",
                            run_superposition, _sup_summary)
-BOTTOM_UP = Experiment("bottom-up", "JoMA Sec. 6: leaf pairs with a low common ancestor learned before high ones",
+BOTTOM_UP = Experiment("bottom-up", "JoMA: leaf pairs with a low common ancestor learned before high ones",
                        run_bottom_up, _order_summary)

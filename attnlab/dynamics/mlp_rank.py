@@ -1,12 +1,13 @@
-"""JoMA Sec. 7 on pretrained checkpoints: the stable rank of each layer's MLP weights, lower vs upper
-layers, against random weights of the same shapes (`attnlab dynamics mlp-rank`).
+"""JoMA on pretrained checkpoints: the lower layer of each MLP (its input projection) has a low stable
+rank, against random weights of the same shapes (`attnlab dynamics mlp-rank`).
 
 Stable rank ||W||_F^2 / ||W||_2^2 of the MLP's input projection (gate and up rows, [2h, d]) and of
-its output projection ([d, h]), per layer. Control: a Gaussian matrix of the same shape (stable
-rank set by the shape alone), one per layer and projection, from the run's seed. The claim holds
-for a model when its lower third of layers has a lower mean stable rank than its upper third and
-every layer is below its random control. Models are loaded as float32 (an embedded GGUF is
-dequantised); a model that is not on this machine is listed as skipped, never downloaded.
+its output projection ([d, h]), per Transformer layer. Control: a Gaussian matrix of the same shape
+(stable rank set by the shape alone), one per layer and projection, from the run's seed. The claim
+holds for a model when the input projection is below its random control in every layer; the
+means over the lowest and the highest third of the layers are reported beside it. Models are
+loaded as float32 (an embedded GGUF is dequantised); a model that is not on this machine is listed
+as skipped, never downloaded.
 """
 from __future__ import annotations
 
@@ -44,9 +45,11 @@ def judge(r: dict) -> dict:
     n = len(r["w13"])
     third = max(n // 3, 1)
     lower, upper = sum(r["w13"][:third]) / third, sum(r["w13"][-third:]) / third
+    ratio = [a / b for a, b in zip(r["w13"], r["random_w13"])]
     return {"lower": lower, "upper": upper, "random": sum(r["random_w13"]) / n,
-            "lower_below_upper": lower < upper,
-            "below_random": all(a < b for a, b in zip(r["w13"] + r["w2"], r["random_w13"] + r["random_w2"]))}
+            "ratio_to_random": [min(ratio), max(ratio)], "lower_below_upper": lower < upper,
+            "below_random": all(x < 1 for x in ratio),
+            "w2_below_random": all(a < b for a, b in zip(r["w2"], r["random_w2"]))}
 
 
 def run_mlp_rank(out: Path, seed: int = 0, size: str = "full", progress: bool = True, models: str = DEFAULT_MODELS) -> dict:
@@ -73,11 +76,12 @@ def run_mlp_rank(out: Path, seed: int = 0, size: str = "full", progress: bool = 
 
 def _summary(m):
     out = [f"{k}: w13 stable rank lower third {x['lower']:.1f}, upper third {x['upper']:.1f}, random {x['random']:.1f}; "
-           f"lower < upper {x['lower_below_upper']}, every layer below random {x['below_random']}"
+           f"every layer below random {x['below_random']} ({x['ratio_to_random'][0]:.2f}-{x['ratio_to_random'][1]:.2f}x); "
+           f"lower < upper third {x['lower_below_upper']}"
            for k, x in m["models"].items()]
     return out + [f"skipped {k}: {v}" for k, v in m["skipped"].items()]
 
 
-EXPERIMENT = Experiment("mlp-rank", "JoMA Sec. 7: per-layer MLP stable rank of pretrained models vs random weights",
+EXPERIMENT = Experiment("mlp-rank", "JoMA: per-layer MLP stable rank of pretrained models vs random weights",
                         run_mlp_rank, _summary,
                         options=(("models", str, DEFAULT_MODELS, "comma-separated model names or files (skipped if absent)"),))

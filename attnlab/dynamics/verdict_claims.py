@@ -236,24 +236,30 @@ def _new(file: str, command: str, read):
 
 def _superposition(m, file):
     t, c = m["trained"], m["control"]
-    ok = [a > b for a, b in zip(t["per_seed"], c["per_seed"])]
-    return [Claim("", f"units whose top inputs span >= 2 unrelated latents: {t['mean']:.2f} of units vs "
-                      f"{c['mean']:.2f} in the shuffled control ({len(ok)} seeds; `{file}`)", sum(ok), len(ok))]
+    u = [p["untrained"]["layer1"]["true"][0] for p in m["per_seed"]]
+    ok = [a > b and a > v for a, b, v in zip(t["per_seed"], c["per_seed"], u)]
+    return [Claim("", "block-1 units encoding two unrelated level-1 latents (corr >= 0.5): trained " + ", ".join(
+        f"{x:.3f}" for x in t["per_seed"]) + ", shuffled-latent control " + ", ".join(f"{x:.3f}" for x in c["per_seed"])
+        + ", untrained " + ", ".join(f"{x:.3f}" for x in u) + f"; above both controls on {sum(ok)} of {len(ok)} seeds "
+        f"(`{file}`)", sum(ok), len(ok))]
 
 
 def _bottom_up(m, file):
     ok = [x["low_first"] for x in m["per_seed"]]
-    return [Claim("", f"step at which pairs are learned: low common ancestor {m['mean_step']['low']:.0f}, high "
-                      f"{m['mean_step']['high']:.0f}; low first on {sum(ok)} of {len(ok)} seeds (`{file}`)",
-                  sum(ok), len(ok))]
+    return [Claim("", f"mean step a pair is learned: same level-0 latent {m['mean_step']['low']:.1f}, same class only "
+                      f"{m['mean_step']['high']:.1f}; low first (beating 95 % of height permutations) on {sum(ok)} of "
+                      f"{len(ok)} seeds, permutation p " + ", ".join(f"{x['permutation_p']:.2f}" for x in m["per_seed"])
+                  + f" (`{file}`)", sum(ok), len(ok))]
 
 
 def _rank(m, file):
     models = m["models"]
-    ok = [x["lower_below_upper"] and x["below_random"] for x in models.values()]
-    ev = "; ".join(f"{k}: stable rank lower third {x['lower']:.1f}, upper third {x['upper']:.1f}, random "
-                   f"{x['random']:.1f}" for k, x in models.items())
-    return [Claim("", f"{ev} ({len(ok)} model; `{file}`)", sum(ok), len(ok))]
+    ok = [x["below_random"] for x in models.values()]
+    ev = "; ".join(f"{k}: input projection {x['ratio_to_random'][0]:.2f}-{x['ratio_to_random'][1]:.2f}x the stable rank "
+                   f"of random weights of its shape in every layer (lowest third of layers {x['lower']:.1f}, highest "
+                   f"{x['upper']:.1f}, random {x['random']:.1f})" for k, x in models.items())
+    skipped = f"; not on this machine: {', '.join(m['skipped'])}" if m.get("skipped") else ""
+    return [Claim("", f"{ev}; {len(ok)} model{skipped} (`{file}`)", sum(ok), len(ok))]
 
 
 ROWS = [
@@ -271,17 +277,18 @@ ROWS = [
     ("J3", "Figs. 6, 8: entropy drops early in every layer, then bounces back; upper layers end higher",
            "stored curves: post-LN d 200, WikiText2, Adam 1e-4, 58,000 minibatches, 3 seeds", "same architecture on "
            "Shakespeare; 600 minibatches (1-5 layers, 1-3 seeds), 2 layers to 15,000 (1 seed)", j3),
-    ("J3 deep", "Sec. 7: in deep models lower layers' entropy keeps falling while top layers bounce back",
+    ("J3 deep", "JoMA, deep models: lower layers' entropy keeps falling while top layers bounce back",
            "5 layers, 3 seeds, minima at 1,000-10,000 minibatches", "5 layers x 3 seeds to 6,000 minibatches", j3_deep),
     ("J4", "Table 1: layer-0 units track level-0 latents, layer 1 lower; the hierarchy is learned", "`decoder_only_hier.py`: "
            "d 1024, 3 post-LN layers, 10,000 Adam steps", "d 128, 2,000 steps, 3 seeds; true vs class-shuffled latents", j4),
-    ("J4 order", "Sec. 6: the hierarchy is learned bottom-up (pairs with a low common ancestor first)", "(claim, no run)",
+    ("J4 order", "JoMA, hierarchy: learned bottom-up (pairs with a low common ancestor first)", "(claim, no run)",
            "latent-tree data, 3 seeds; step each leaf pair's embedding similarity crosses half its final value",
            _new("j4_bottom_up.json", "attnlab dynamics bottom-up --threads 1", _bottom_up)),
-    ("superp.", "Sec. 6: one MLP unit encodes several unrelated patterns (superposition)", "(claim, no run)",
+    ("superp.", "JoMA, hierarchy: one MLP unit encodes several unrelated patterns (superposition)", "(claim, no run)",
            "latent-tree model, 3 seeds; top-activating inputs of each unit vs a label-shuffled control",
            _new("j4_superposition.json", "attnlab dynamics superposition --threads 1", _superposition)),
-    ("rank", "Sec. 7: lower-layer MLP weights of pretrained models have low stable rank", "OPT / Pythia checkpoints",
+    ("rank", "JoMA, pretrained models: the lower layer of the MLP (input projection) has low stable rank",
+           "pretrained checkpoints (OPT / Pythia)",
            "SmolLM2-135M vs random weights of the same shapes",
            _new("mlp_rank.json", "attnlab dynamics mlp-rank --threads 1", _rank)),
     ("orth.", "talk: embeddings stay near-orthogonal (cos ~ 0.03) during training", "(talk)",
