@@ -163,9 +163,10 @@ def _documented(rel: str) -> tuple[str, str]:
     raise ValueError(f"no documented command for {rel}: add it to DOCUMENTED")
 
 
-def backfill(figures: Path = FIGURES, root: Path = ROOT, skip: tuple = ()) -> list[str]:
+def backfill(figures: Path = FIGURES, root: Path = ROOT, skip: tuple = (), extra: dict | None = None) -> list[str]:
     """Add a backfilled ``provenance`` record to every stored result that has no run record (lists go
-    to provenance.json); never touches a number. Returns the paths it recorded."""
+    to provenance.json); never touches a number. ``extra``: {path: what else the note must say}.
+    Returns the paths it recorded."""
     from attnlab.io import provenance, write_json
     registry_file = figures / REGISTRY.name
     registry = json.loads(registry_file.read_text()) if registry_file.exists() else {}
@@ -183,7 +184,7 @@ def backfill(figures: Path = FIGURES, root: Path = ROOT, skip: tuple = ()) -> li
         own = rec.get("command") if isinstance(rec, dict) else None
         command, how = (own, "the one the file itself names") if own else (
             _documented(rel)[0], f"the one {_documented(rel)[1]} gives beside this file (arguments there)")
-        back = backfill_record(path, command, how, root)
+        back = backfill_record(path, command, how, root, (extra or {}).get(rel, ""))
         if isinstance(rec, dict):
             old = rec.get("provenance")
             rec["provenance"] = {**old, **back} if isinstance(old, dict) else back
