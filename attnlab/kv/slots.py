@@ -332,7 +332,41 @@ class LayerKV:
         self.pages_hi[:, :, p0:p0 + hi.shape[2]] = hi
 
     def nbytes(self) -> int:
-        """Bytes of the allocated key/value buffers (scales and Quest's page summaries included)."""
+        """Bytes of the key/value data: the per-slot buffers (scales included) and Quest's page summaries and
+        channel-major copy; `held_bytes` is everything the layer holds."""
         pages = (self.pages_lo, self.pages_hi) if self.page else ()
         pages += (self.keys_t, self.keys_s) if self.keys_t is not None else ()
         return sum(t.numel() * t.element_size() for t in (*(getattr(self, name) for name in self.buffers()), *pages))
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor this layer holds: buffers, positions, Quest's summaries and channel-major copy, the sinks'
+        float32 copy, the policy's state. Read from the layer's own attributes (and the dicts, lists and tuples
+        in them), so a buffer added later is counted without naming it here; the shared RoPE tables are not
+        the layer's (an object, not a container) and are left out."""
+        return list(held_tensors(vars(self)))
+
+    def held_bytes(self) -> int:
+        """Every byte this layer holds (what a server counts against its cache limit): each storage `tensors`
+        reach, once (a view adds nothing). Unlike `nbytes`, positions and the policy's state are included."""
+        return storage_bytes(self.tensors())
+
+
+def held_tensors(value):
+    """The tensors in value, a tensor or a dict / list / tuple of them (nested), other objects left out."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from held_tensors(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from held_tensors(v)
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages under these tensors (views of one buffer count it once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())

@@ -6,7 +6,7 @@ rest, so turn N costs what turn 1 costs. Idle sessions are evicted least recentl
 there are more than `max_sessions` or their KV buffers exceed `max_bytes`; a session serving
 a request is never evicted nor handed to a second request (that one starts a fresh cache).
 
-Memory is counted as allocated (K/V, positions and a policy's per-slot state, at the capacity
+Memory is counted as allocated (every tensor the cache holds, `alloc_bytes`, at the capacity
 the cache will have) and checked *before* every allocation: a new cache, a `full` cache growing
 for a continued conversation (grown exactly to what the request needs, never by doubling) and
 the one-off cache of a raw completion. Room is made by evicting idle sessions; a cache that
@@ -19,6 +19,7 @@ so one key's new conversations evict only its own, or are refused.
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 import uuid
@@ -27,18 +28,23 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from attnlab.kv.slots import held_tensors, storage_bytes
 from attnlab.options import PolicySpec
 from attnlab.serve.protocol import APIError
 from attnlab.session import Session
 
 
 def alloc_bytes(cache) -> int:
-    """Bytes a cache has allocated: keys and values (scales included), positions, a policy's per-slot state."""
-    total = 0
-    for layer in cache.layers:
-        tensors = [layer.pos, *(getattr(layer, n) for n in layer.buffers()), *layer.policy_state.values()]
-        total += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-    return total
+    """Every byte a cache holds: each layer's tensors (`LayerKV.tensors`: keys, values, scales, positions,
+    Quest's page summaries and channel-major copy, the sinks' float32 copy, the policy's state) and the
+    cache's own (its padding), each storage once. Read from where they are allocated, not from a list of
+    names, so a new buffer is counted the day it is added."""
+    return storage_bytes([*(t for layer in cache.layers for t in layer.tensors()), *held_tensors(vars(cache))])
+
+
+def own_bytes(cache) -> int:
+    """The bytes of a cache that do not grow with its slots (its padding row)."""
+    return storage_bytes(held_tensors(vars(cache)))
 
 
 @dataclass
@@ -101,6 +107,7 @@ class SessionStore:
         self.lock = threading.RLock()
         self.evicted: Counter = Counter()                       # per owner
         self.per_slot: dict[tuple, float] = {}                  # allocated bytes per slot, by policy kind
+        self.own = 0                                            # a cache's bytes that do not grow with its slots
 
     def policy(self, spec: PolicySpec):
         """The Policy object of a spec (None for full), with this store's prefill chunk."""
@@ -110,15 +117,18 @@ class SessionStore:
         """Bytes one slot of a cache of this policy allocates, measured once on a small cache (model thread).
 
         Why measured: a policy's per-slot state (attention scores, an observation window) is allocated
-        on the first step and differs by policy; the budget and n_sink do not change it per slot."""
+        on the first step and differs by policy; the budget and n_sink do not change it per slot. A bounded
+        probe is fed past its budget, so what its first eviction allocates (the sinks' float32 copy) is in."""
         kind = (spec.name, spec.positions, spec.block)
         if kind not in self.per_slot:
             if spec.name == "full":
                 probe = self.lm.new_cache(capacity=16, max_capacity=16)
             else:
                 probe = self.lm.new_cache(policy=replace(spec, budget=32, n_sink=min(spec.n_sink, 4), chunk=8).build())
-            self.lm.prefill(torch.zeros(1, 16, dtype=torch.long), probe, 8)  # allocates the policy's state
-            self.per_slot[kind] = alloc_bytes(probe) / probe.layers[0].capacity
+            fed = 16 if spec.name == "full" else 48
+            self.lm.prefill(torch.zeros(1, fed, dtype=torch.long), probe, 8)  # allocates the policy's state
+            self.own = own_bytes(probe)
+            self.per_slot[kind] = (alloc_bytes(probe) - self.own) / probe.layers[0].capacity
         return self.per_slot[kind]
 
     def slots(self, spec: PolicySpec, tokens: int) -> int:
@@ -128,7 +138,7 @@ class SessionStore:
 
     def cache_bytes(self, spec: PolicySpec, tokens: int = 0) -> int:
         """Bytes a new cache of this spec allocates for a request of `tokens` (prompt + max_tokens)."""
-        return int(self.slots(spec, tokens) * self.slot_bytes(spec)) + 1
+        return math.ceil(self.slots(spec, tokens) * self.slot_bytes(spec)) + self.own
 
     def new_cache(self, spec: PolicySpec, tokens: int):
         policy = self.policy(spec)
@@ -176,7 +186,7 @@ class SessionStore:
         if held.policy is not None or tokens <= have:
             return
         with self.lock:
-            extra = int((tokens - have) * self.slot_bytes(held.spec)) + 1
+            extra = math.ceil((tokens - have) * self.slot_bytes(held.spec))
             self.make_room(held.owner, extra, held.nbytes() + extra, keep=held)
             cache.reserve(tokens)
 
