@@ -13,7 +13,8 @@ from attnlab.cli.stream import add_policy_args
 def cmd_serve(args) -> int:
     try:
         from attnlab.serve import PolicySpec
-        from attnlab.serve.conn import GuardedServer, Limits, serve_config
+        from attnlab.serve.config import Keys
+        from attnlab.serve.conn import GuardedServer, serve_config
     except ModuleNotFoundError as e:
         raise UserError(f"serving needs the 'serve' extra ({e.name} is missing): pip install 'attnlab[serve]'") from None
     if args.ray and not args.replicas:
@@ -24,55 +25,73 @@ def cmd_serve(args) -> int:
     spec = opts.policy or PolicySpec("full")
     if spec.fractional:
         raise UserError(f"serve needs --budget in tokens (e.g. 1024), got {args.budget!r}")
-    keys, admin_keys = api_keys(args), list(args.admin_key or [])
+    keys = Keys(api_keys(args), args.admin_key or ())
     loopback = args.host in ("127.0.0.1", "localhost", "::1")
-    if not (keys or admin_keys) and not loopback and not args.insecure_no_auth:
+    if not (keys.api or keys.admin) and not loopback and not args.insecure_no_auth:
         raise UserError(f"serving on {args.host} without --api-key lets anyone who can reach it use it: give "
                         f"--api-key (or ATTNLAB_API_KEYS / --api-keys-file), or --insecure-no-auth")
     hosts = ["127.0.0.1", "localhost", "::1"] + ([args.host] if args.host not in ("0.0.0.0", "::") else [])
     name = args.name or Path(str(args.model)).name.removesuffix(".gguf")
-    build = partial(build_app, args, name, spec, hosts + (args.allowed_host or []), keys, admin_keys)
+    config = serve_settings(args, name, spec, hosts + (args.allowed_host or []))
+    build = partial(build_app, args, config.per_replica(), keys)
     app = None if args.replicas else build()
     print(f"attnlab serve: {name} ({spec.name}{'' if spec.name == 'full' else f', budget {spec.budget}'}) on "
           f"http://{args.host}:{args.port}/  (OpenAI base_url http://{args.host}:{args.port}/v1)")
-    if keys or admin_keys:
-        print(f"attnlab serve: {len(keys)} API key(s), {len(admin_keys)} admin key(s); conversations are private "
-              f"to each key")
+    if keys.api or keys.admin:
+        print(f"attnlab serve: {len(keys.api)} API key(s), {len(keys.admin)} admin key(s); conversations are "
+              f"private to each key")
     else:
         print("attnlab serve: no API keys: anyone who can reach this address can use the server and see every "
               "conversation" + (" (localhost only)" if loopback else " (--insecure-no-auth)"))
     if args.replicas:
-        return serve_replicas(args, build)
-    limits = Limits(header_timeout=args.header_timeout, body_timeout=args.body_timeout, keep_alive=args.keep_alive,
-                    max_connections=args.max_connections, max_per_client=args.max_connections_per_client)
-    GuardedServer(serve_config(app, args.host, args.port, limits, args.log_level)).run()
+        return serve_replicas(args, build, config, keys)
+    GuardedServer(serve_config(app, args.host, args.port, config.http, args.log_level)).run()
     return 0
 
 
-def build_app(args, name, spec, hosts, keys, admin_keys):
+def serve_settings(args, name, spec, hosts):
+    """Every serving limit from the command line, validated once (`ServeConfig`)."""
+    from attnlab.errors import AttnlabError
+    from attnlab.serve.config import Limits, ServeConfig
+    mib = 1 << 20
+    try:
+        http = Limits(header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+                      keep_alive=args.keep_alive, max_connections=args.max_connections,
+                      max_per_client=args.max_connections_per_client, send_timeout=args.send_timeout)
+        return ServeConfig(
+            name, spec, max_sessions=args.max_sessions, max_bytes=args.max_cache_mib * mib,
+            key_sessions=args.max_sessions_per_key,
+            key_bytes=args.max_cache_mib_per_key * mib if args.max_cache_mib_per_key else None,
+            max_tokens=args.max_tokens, max_tokens_cap=args.max_tokens_cap, max_prompt_tokens=args.max_prompt_tokens,
+            max_body=args.max_body_kib << 10, max_active=args.max_active, key_active=args.max_active_per_key,
+            key_queued=args.max_queued_per_key, queue_timeout=args.queue_timeout, max_batch=args.max_batch,
+            chunk=args.chunk, http=http, hosts=tuple(hosts), openapi=args.openapi,
+            cors_origins=tuple(args.cors_origin or ()), replicas=args.replicas or 1)
+    except AttnlabError as e:
+        raise UserError(str(e)) from None
+
+
+def build_app(args, config, keys):
     """Load the model and build the server's app (in this process, or in each Ray Serve replica)."""
     from attnlab.serve import create_app
     lm = load_lm(args, options=model_options(args))
     try:
-        return create_app(lm, name, spec, max_sessions=args.max_sessions, max_bytes=args.max_cache_mib << 20,
-                          max_tokens=args.max_tokens, max_active=args.max_active, max_batch=args.max_batch,
-                          queue_timeout=args.queue_timeout,
-                          max_prompt_tokens=args.max_prompt_tokens, chunk=args.chunk,
-                          max_tokens_cap=args.max_tokens_cap, max_body=args.max_body_kib << 10, hosts=hosts,
-                          api_keys=keys, admin_keys=admin_keys, openapi=args.openapi,
-                          cors_origins=args.cors_origin or [], key_sessions=args.max_sessions_per_key,
-                          key_bytes=args.max_cache_mib_per_key << 20 if args.max_cache_mib_per_key else None)
+        return create_app(lm, config, keys)
     except ValueError as e:
         raise UserError(str(e)) from None
 
 
-def serve_replicas(args, build) -> int:
+def serve_replicas(args, build, config, keys) -> int:
     """--replicas N: N servers as a Ray Serve application behind an affinity router, until interrupted."""
     from attnlab.serve.replicas import ReplicaSet
+    each = config.per_replica()
     print(f"attnlab serve: starting {args.replicas} replica(s) on Ray ({args.ray or 'a local instance'}), "
           f"{args.threads} CPU(s) each; each conversation is routed to the replica holding its cache")
-    replicas = ReplicaSet(build, args.replicas, args.host, args.port, args.ray, cpus=args.threads,
-                          max_body=args.max_body_kib << 10)
+    print(f"attnlab serve: limits are for all replicas together: each holds at most {each.max_sessions} "
+          f"conversation(s) and {each.max_bytes >> 20} MiB of cache (--max-sessions {config.max_sessions}, "
+          f"--max-cache-mib {config.max_bytes >> 20} divided by {args.replicas})")
+    replicas = ReplicaSet(build, args.replicas, args.host, args.port, args.ray, cpus=args.threads, config=config,
+                          keys=keys)
     print(f"attnlab serve: {args.replicas} replica(s) up")
     try:
         while True:
@@ -118,6 +137,11 @@ def add_parser(sub) -> None:
     p.add_argument("--max-body-kib", type=positive_int, default=1024, help="largest request body (KiB), else 413")
     p.add_argument("--max-prompt-tokens", type=positive_int, default=32768, help="largest prompt one request may feed")
     p.add_argument("--max-active", type=positive_int, default=8, help="requests in the scheduler at once; the rest queue")
+    p.add_argument("--max-active-per-key", type=positive_int, default=None,
+                   help="generations one key runs at once (default: every slot while alone, its share while other "
+                        "keys want slots)")
+    p.add_argument("--max-queued-per-key", type=positive_int, default=None,
+                   help="requests one key may have waiting for a slot (default: 4 x --max-active); beyond: 429")
     p.add_argument("--max-batch", type=positive_int, default=8,
                    help="conversations prefilling or decoding together (one batched decode step); the rest wait")
     p.add_argument("--queue-timeout", type=float, default=60.0, help="seconds a request waits for a slot, then 503")
@@ -127,6 +151,9 @@ def add_parser(sub) -> None:
                    help="seconds a request may take to send its headers, else 408 and closed")
     p.add_argument("--body-timeout", type=positive_float, default=30.0,
                    help="seconds a request may take to send its body after the headers, else 408 and closed")
+    p.add_argument("--send-timeout", type=positive_float, default=30.0,
+                   help="seconds a client may leave its reply unread (socket buffers full), else the connection is "
+                        "closed")
     p.add_argument("--keep-alive", type=positive_float, default=5.0, help="seconds an idle connection is kept open")
     p.add_argument("--max-connections", type=positive_int, default=512, help="open connections, all clients")
     p.add_argument("--max-connections-per-client", type=positive_int, default=64,

@@ -5,8 +5,9 @@ Concurrency: all model work runs on one model thread (`worker.py`) that steps th
 of every conversation in one batched step (`LM.step_batch`, each row over its own cache), so
 concurrent requests share each weight read. Requests become `submit`s, the scheduler's events
 become the streamed or whole answers, a client that leaves is `cancel`led. At most `max_active`
-requests are in the scheduler at once (the others wait for a slot up to `queue_timeout` seconds,
-then get 503), at most `max_batch` of them prefilling or decoding.
+requests are in the scheduler at once, shared fairly between API keys (`admission.py`: round robin,
+a busy key leaves a slot for a key that holds none); the others wait up to `queue_timeout` seconds,
+then get 503. A slot is freed when its generation ends, however far behind its reader is.
 
 Tokenising and rendering run on a separate small pool, never on the model thread, and only
 after the cheap checks on the raw request: a request that would cost more than the server's
@@ -14,8 +15,9 @@ limits is refused (400/413) before any work for it reaches the model. Client-cau
 are 400s with OpenAI's error body; anything else is logged with its traceback and answered
 with a generic 500.
 
-`Server` holds the state (model, session store, limits, worker); `create_app` registers its
-methods as FastAPI routes behind `guard.Guard` (Host allow-list, API keys, body size).
+`Server` holds the state (model, session store, admission, worker) under one `ServeConfig` (every
+limit, `config.py`); `create_app` registers its methods as FastAPI routes behind `guard.Guard`
+(Host allow-list, API keys, body size).
 """
 from __future__ import annotations
 
@@ -33,7 +35,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from attnlab.errors import AttnlabError
 from attnlab.sampling import Sampler
-from attnlab.serve.guard import LOOPBACK, Guard, HostGuard
+from attnlab.serve.admission import Admission
+from attnlab.serve.config import Keys, ServeConfig
+from attnlab.serve.guard import layers
 from attnlab.serve.protocol import APIError, ChatRequest, CommonRequest, CompletionRequest, clip, validation_error
 from attnlab.serve.replies import GONE, Reply, Turn
 from attnlab.options import PolicySpec
@@ -49,27 +53,22 @@ PAGE = Path(__file__).parent / "static" / "index.html"
 class Server:
     """One model served to many clients: session store, limits, the model thread and the request flow."""
 
-    def __init__(self, lm, model_name: str, spec: PolicySpec = PolicySpec(), max_sessions: int = 16,
-                 max_bytes: int = 1 << 30, max_tokens: int = 256, max_active: int = 8, queue_timeout: float = 60.0,
-                 max_prompt_tokens: int = 32768, chunk: int = 512, max_tokens_cap: int = 4096,
-                 max_body: int = 1 << 20, hosts=LOOPBACK, api_keys=(), admin_keys=(), openapi: bool = False,
-                 cors_origins=(), key_sessions: int | None = None, key_bytes: int | None = None, max_batch: int = 8):
-        self.lm, self.model_name, self.spec, self.chunk = lm, model_name, spec, chunk
-        self.max_tokens, self.max_active, self.queue_timeout = max_tokens, max_active, queue_timeout
-        self.max_prompt_tokens, self.max_tokens_cap = max_prompt_tokens, max(max_tokens_cap, max_tokens)
-        self.guard = dict(max_body=max_body, hosts=tuple(hosts), keys=tuple(api_keys), admin_keys=tuple(admin_keys))
-        self.openapi, self.cors_origins = openapi, list(cors_origins)
-        keys = max(1, len(set(api_keys) | set(admin_keys)))  # quotas: the global limits split between the keys
-        self.store = SessionStore(lm, max_sessions, max_bytes, chunk, key_sessions or max(1, max_sessions // keys),
-                                  key_bytes or max_bytes // keys)
-        self.store.policy(spec)  # a bad default fails at startup, not on the first request
+    def __init__(self, lm, config: ServeConfig, keys: Keys = Keys()):
+        self.lm, self.config, self.keys = lm, config, keys
+        self.model_name, self.spec, self.chunk = config.model_name, config.spec, config.chunk
+        self.max_tokens, self.max_tokens_cap = config.max_tokens, config.max_tokens_cap
+        self.max_prompt_tokens = config.max_prompt_tokens
+        key_sessions, key_bytes = config.quotas(keys)
+        self.store = SessionStore(lm, config.max_sessions, config.max_bytes, config.chunk, key_sessions, key_bytes)
+        self.store.policy(config.spec)  # a bad default fails at startup, not on the first request
         self.text = ChatText(lm.tokenizer)
-        self.scheduler = Scheduler(lm, max_batch, chunk)
+        self.scheduler = Scheduler(lm, config.max_batch, config.chunk)
         self.worker = ModelThread(self.scheduler)
         self.tokenizing = ThreadPoolExecutor(2, thread_name_prefix="attnlab-text")
         self.stats = {"requests": 0, "active": 0, "tokens_generated": 0, "errors": 0, "server_errors": 0}
         self.by_owner: defaultdict[str, Counter] = defaultdict(Counter)  # requests, tokens_generated per key
-        self.slots: asyncio.Semaphore | None = None  # made on first use, inside the serving event loop
+        self.admission = Admission(config.max_active, keys.owners, config.key_active, config.key_queued,
+                                   config.queue_timeout)
         self.created_at = int(time.time())
 
     async def on_worker(self, fn, *args):
@@ -150,17 +149,6 @@ class Server:
                                 f"max_tokens) but policy 'full' holds at most {ctx}; use a bounded policy "
                                 f"(attnlab.policy 'sink') to go on", param="messages", code="context_length_exceeded")
 
-    async def admit(self) -> asyncio.Semaphore:
-        """A generation slot, or 503 after queue_timeout seconds."""
-        if self.slots is None:
-            self.slots = asyncio.Semaphore(self.max_active)
-        try:
-            await asyncio.wait_for(self.slots.acquire(), self.queue_timeout)
-        except TimeoutError:
-            raise APIError(503, f"server busy: no generation slot freed within {self.queue_timeout:g} s",
-                           type="server_error", code="queue_timeout") from None
-        return self.slots
-
     async def start(self, request: Request, text: str | None, ids: list[int], s: PolicySpec, limit: int):
         """Find or make the session and give its cache room; returns (held, turn, the ids to feed).
 
@@ -207,7 +195,7 @@ class Server:
         held = reply.held
         future = self.worker.submit(reply.inbox.deliver, lambda keep: self.store.release(held, keep),
                                    session=held.session, prompt=new, sampler=sampler, max_tokens=limit,
-                                   stop_ids=self.lm.eos_ids, stops=stops)
+                                   stop_ids=self.lm.eos_ids, stops=stops, key=held.owner)
         try:
             reply.rid = await asyncio.shield(asyncio.wrap_future(future))
         except asyncio.CancelledError:
@@ -232,23 +220,26 @@ class Server:
                 self.worker.call(self.store.release, held, False)
         return done
 
-    def finish(self, sem) -> None:
-        self.stats["active"] -= 1
-        sem.release()
+    def finish(self, slot) -> None:
+        """The request's generation is over (or never started): its slot goes to the next key in turn."""
+        if slot.held:
+            self.stats["active"] -= 1
+            slot.release()
 
     async def respond(self, req: CommonRequest, request: Request, plan, text: str | None, ids: list[int]):
         s, sampler, limit, stops = plan
         self.stats["requests"] += 1
-        sem = await self.admit()
+        owner = request.state.caller.owner
+        slot = await self.admission.acquire(owner)
         self.stats["active"] += 1
         try:
             held, turn, new = await self.start(request, text, ids, s, limit)
         except BaseException:
-            self.finish(sem)
+            self.finish(slot)
             raise
-        turn.owner = request.state.caller.owner
-        self.by_owner[turn.owner]["requests"] += 1
-        reply = Reply(self, held, turn, text is not None, lambda: self.finish(sem))
+        turn.owner = owner
+        self.by_owner[owner]["requests"] += 1
+        reply = Reply(self, held, turn, text is not None, lambda: self.finish(slot))
         try:
             await self.submit(reply, request, new, sampler, limit, stops)
         except BaseException:
@@ -310,7 +301,7 @@ class Server:
         if not request.state.caller.admin:
             return {"status": "ok", "model": self.model_name}
         return {"status": "ok", "model": self.model_name, "sessions": len(self.store.sessions), **self.stats,
-                "scheduler": self.scheduler.summary()}
+                "admission": self.admission.summary(), "scheduler": self.scheduler.summary()}
 
     async def sessions(self, request: Request):
         owner = self.visible(request)
@@ -346,16 +337,10 @@ class Server:
     def app(self) -> FastAPI:
         """A FastAPI app whose routes and error handlers are thin calls to this server's methods."""
         app = FastAPI(title="attnlab", docs_url=None, redoc_url=None,
-                      openapi_url="/openapi.json" if self.openapi else None)
+                      openapi_url="/openapi.json" if self.config.openapi else None)
         app.state.server, app.state.store, app.state.stats = self, self.store, self.stats
-        if not self.cors_origins:
-            app.add_middleware(Guard, **self.guard)
-        else:  # Host check, then CORS (browsers send preflights without the key), then keys and body
-            from fastapi.middleware.cors import CORSMiddleware
-            app.add_middleware(Guard, **{**self.guard, "hosts": ("*",)})
-            app.add_middleware(CORSMiddleware, allow_origins=self.cors_origins, allow_methods=["GET", "POST"],
-                               allow_headers=["Authorization", "Content-Type"])
-            app.add_middleware(HostGuard, hosts=self.guard["hosts"])
+        for cls, options in layers(self.config, self.keys):
+            app.add_middleware(cls, **options)
         app.add_exception_handler(APIError, self.api_error)
         app.add_exception_handler(AttnlabError, self.user_error)
         app.add_exception_handler(RequestValidationError, self.invalid)
@@ -373,12 +358,9 @@ class Server:
         return app
 
 
-def create_app(lm, model_name: str, spec: PolicySpec = PolicySpec(), **limits) -> FastAPI:
-    """An app serving `lm` as `model_name`; spec is the default cache policy of new conversations.
-
-    limits: the keyword arguments of `Server` (max_sessions, max_bytes, max_tokens, ...).
-    """
-    return Server(lm, model_name, spec, **limits).app()
+def create_app(lm, config: ServeConfig, keys: Keys = Keys()) -> FastAPI:
+    """An app serving `lm` under `config` (its name, default cache policy and every limit) to `keys`."""
+    return Server(lm, config, keys).app()
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -8,34 +8,28 @@ h11 protocol with deadlines by h11 state: a connection must deliver its request 
 `header_timeout` seconds of its first byte (or of opening, or of its previous response), and its
 body within `body_timeout` seconds of the headers, else it gets 408 and is closed. Connections
 past `max_connections` in total or `max_per_client` from one address are closed as soon as they
-are accepted. `serve_config` builds the uvicorn config `attnlab serve` (and the tests) run.
+are accepted. A reply the client stops reading (the socket's buffers full, writes paused) for
+`send_timeout` seconds is cut: the connection is closed. A connection's reply buffers are bounded
+(`send_buffer` bytes in the socket, as many queued in the transport), so a slow reader holds no more
+than that, its reply's remaining events (at most its max_tokens) and no generation slot (`replies.py`). `serve_config` builds the uvicorn config `attnlab serve` (and the tests) run.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 from collections import Counter
-from dataclasses import dataclass
 
 import h11
 from uvicorn import Config, Server
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from attnlab.serve.config import Limits
+
 log = logging.getLogger("attnlab.serve")
 TIMEOUT_408 = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain\r\nconnection: close\r\n"
                b"content-length: 16\r\n\r\nrequest timeout\n")
-
-
-@dataclass(frozen=True)
-class Limits:
-    """The HTTP layer's limits (docs/serve.md, "Limits"); seconds and connection counts."""
-    header_timeout: float = 10.0    # request line + headers, from the first byte (or the connection, or the last reply)
-    body_timeout: float = 30.0      # the whole body, from the end of the headers
-    keep_alive: float = 5.0         # an idle connection between requests
-    max_connections: int = 512      # open at once, all clients
-    max_per_client: int = 64        # open at once from one client address
-    log_interval: float = 10.0      # at most one line per interval for refused connections and accept errors
 
 
 class Throttle:
@@ -77,10 +71,12 @@ class GuardedH11(H11Protocol):
             return
         self.counted = True
         counts[self.address] += 1
+        self.bound_buffers(transport, lim.send_buffer)
         self.arm(lim.header_timeout)
 
     def connection_lost(self, exc) -> None:
         self.disarm()
+        self.unstall()
         if getattr(self, "counted", False):
             self.counted = False
             self.open_by_client[self.address] -= 1
@@ -104,6 +100,33 @@ class GuardedH11(H11Protocol):
         if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
             self.disarm()  # uvicorn's keep-alive timer closes an idle connection; a started request gets this
             self.deadline = None
+
+    @staticmethod
+    def bound_buffers(transport, size: int) -> None:
+        """At most `size` bytes queued in the socket (the kernel would grow it to megabytes for a client that
+        does not read) and as many in the transport before writes pause."""
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
+            except OSError:
+                pass
+        transport.set_write_buffer_limits(high=size)
+
+    def pause_writing(self) -> None:
+        """The client is not reading what we send: it has `send_timeout` seconds to start again."""
+        super().pause_writing()
+        if getattr(self, "stall", None) is None:
+            self.stall = self.loop.call_later(self.limits.send_timeout, self.transport.abort)
+
+    def resume_writing(self) -> None:
+        self.unstall()
+        super().resume_writing()
+
+    def unstall(self) -> None:
+        if getattr(self, "stall", None) is not None:
+            self.stall.cancel()
+            self.stall = None
 
     def arm(self, seconds: float) -> None:
         self.disarm()

@@ -18,7 +18,8 @@ import hmac
 import json
 from dataclasses import dataclass
 
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
+from attnlab.serve.config import LOOPBACK
+
 OPEN_PATHS = ("/", "/health")
 
 
@@ -137,6 +138,27 @@ class Guard:
             if hmac.compare_digest(given, k) and found is None:
                 found = Caller(owner_of(k.decode()), admin)
         return found
+
+
+def layers(config, keys) -> list[tuple[type, dict]]:
+    """The middleware in front of every route of a server (or the replicas' front), innermost first: the
+    Guard alone, or with CORS origins the Host check, then CORS (browsers send preflights without the
+    key), then keys and body."""
+    guard = dict(max_body=config.max_body, hosts=config.hosts, keys=keys.api, admin_keys=keys.admin)
+    if not config.cors_origins:
+        return [(Guard, guard)]
+    from starlette.middleware.cors import CORSMiddleware
+    return [(Guard, {**guard, "hosts": ("*",)}),
+            (CORSMiddleware, dict(allow_origins=list(config.cors_origins), allow_methods=["GET", "POST"],
+                                  allow_headers=["Authorization", "Content-Type"])),
+            (HostGuard, dict(hosts=config.hosts))]
+
+
+def guarded(app, config, keys):
+    """A plain ASGI app inside `layers(config, keys)`."""
+    for cls, options in layers(config, keys):
+        app = cls(app, **options)
+    return app
 
 
 async def reject(send, status: int, message: str, code: str) -> None:

@@ -9,6 +9,11 @@ the replica's ASGI messages back as they come. Every replica is its own one-repl
 the conversation goes to the next replica in its ranking, which rebuilds the cache from the messages the
 client resent: a replica's loss costs its conversations one prefill each, nothing else (docs/serve.md).
 
+Clients never reach Serve's proxy: it listens on loopback, behind one server's guarded front (`front.py`:
+the same deadlines, connection caps, Host and key checks, before anything is relayed). The cache and
+session limits are for the whole set: each replica runs `ServeConfig.per_replica()` (the limits divided
+by N), which `attnlab serve` prints at startup.
+
 Ray is optional (`pip install 'attnlab[scale]'`) and imported only when a replica set starts.
 """
 from __future__ import annotations
@@ -253,22 +258,27 @@ def import_serve(address: str | None):
 
 
 class ReplicaSet:
-    """N replicas of `factory()`'s app behind one Router, as the Ray Serve application `name`.
+    """N replicas of `factory()`'s app behind one Router, as the Ray Serve application `name`, and in front of
+    Serve's proxy (which listens on loopback only) one server's guarded HTTP front (`front.py`) on host:port.
 
     address: None starts a local Ray instance on loopback (stopped by `close`); 'auto' or HOST:PORT joins
     a running cluster, where every node needs attnlab (and the model file, at the same path) installed.
-    cpus: Ray CPUs each replica reserves (its torch threads)."""
+    cpus: Ray CPUs each replica reserves (its torch threads). config, keys: the front's limits and keys
+    (`ServeConfig`, `Keys`; default: loopback, keyless, the default limits)."""
 
     def __init__(self, factory, replicas: int, host: str = "127.0.0.1", port: int = 8000,
-                 address: str | None = None, cpus: float = 1, max_body: int = 1 << 20, name: str = "attnlab"):
+                 address: str | None = None, cpus: float = 1, config=None, keys=None, name: str = "attnlab"):
         if replicas < 1:
             raise AttnlabError(f"--replicas must be at least 1, got {replicas}")
         self.ray, self.serve = import_serve(address)
         from attnlab.scale.backends import RayBackend
-        self.name, self.url = name, f"http://{host}:{port}"
+        from attnlab.serve.config import Keys, ServeConfig
+        config, keys = config or ServeConfig(name), keys or Keys()
+        self.name, self.url, self.front = name, f"http://{host}:{port}", None
         self.backend = RayBackend(address)  # joins, or starts a loopback instance it owns
         serve = self.serve
-        serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port})
+        inner = free_port()
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": inner})
         names = [f"replica-{i}" for i in range(replicas)]
         bound = {n: serve.deployment(Replica).options(name=n, num_replicas=1, ray_actor_options={"num_cpus": cpus},
                                                       max_ongoing_requests=256, health_check_period_s=2,
@@ -276,7 +286,7 @@ class ReplicaSet:
                  .bind(factory) for n in names}
         head = {"num_cpus": 0, "resources": {"node:__internal_head__": 0.001}}  # beside Serve's proxy and controller
         ingress = serve.deployment(Router).options(name="router", num_replicas=1, ray_actor_options=head,
-                                                   max_ongoing_requests=4096).bind(bound, max_body)
+                                                   max_ongoing_requests=4096).bind(bound, config.max_body)
         try:
             serve.run(ingress, name=name, route_prefix="/")
         except RuntimeError as e:  # a replica's constructor failed (a model file that does not load, ...)
@@ -285,6 +295,7 @@ class ReplicaSet:
             raise AttnlabError(f"the replicas did not start: {last[0].strip()[:300]}") from None
         self.replicas = {n: serve.get_deployment_handle(n, app_name=name) for n in names}
         self.router = serve.get_deployment_handle("router", app_name=name)
+        self.front = FrontServer(f"http://127.0.0.1:{inner}", host, port, config, keys)
 
     def where(self, replica: str) -> dict:
         """{actor: the Ray actor now holding `replica` (e.g. to kill it), node: the id of its node}."""
@@ -292,7 +303,40 @@ class ReplicaSet:
         return {"actor": self.ray.get_actor(at["actor"], namespace="serve"), "node": at["node"]}
 
     def close(self) -> None:
+        if self.front is not None:
+            self.front.close()
         try:
             self.serve.delete(self.name)  # waits for the replicas to finish; a local instance then stops whole
         finally:
             self.backend.close()
+
+
+class FrontServer:
+    """The front (`front.front_app`) under one server's guarded uvicorn, in a thread of this process."""
+
+    def __init__(self, upstream: str, host: str, port: int, config, keys):
+        import threading
+
+        from attnlab.serve.conn import GuardedServer, serve_config
+        from attnlab.serve.front import front_app
+        self.server = GuardedServer(serve_config(front_app(upstream, config, keys), host, port, config.http,
+                                                 lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, name="attnlab-front", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise AttnlabError(f"the front did not start on {host}:{port} (is the port free?)")
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def free_port() -> int:
+    """A free TCP port on loopback (Serve's proxy, behind the front)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -25,10 +25,14 @@ class Turn:
 
 
 class Inbox:
-    """A request's events, handed from the model thread (`deliver`) to the event loop (`peek`, `next`)."""
+    """A request's events, handed from the model thread (`deliver`) to the event loop (`peek`, `next`).
 
-    def __init__(self):
+    on_end runs as soon as the generation's last event arrives, however far behind the reader is: the
+    slot goes back then. What waits here for a slow reader is at most the request's max_tokens events."""
+
+    def __init__(self, on_end=lambda: None):
         self.loop, self.events, self.ready = asyncio.get_running_loop(), deque(), asyncio.Event()
+        self.on_end = on_end
 
     def deliver(self, events: list[Event]) -> None:
         self.loop.call_soon_threadsafe(self.put, events)
@@ -36,6 +40,8 @@ class Inbox:
     def put(self, events: list[Event]) -> None:
         self.events.extend(events)
         self.ready.set()
+        if events and events[-1].kind in ("done", "error"):
+            self.on_end()
 
     async def peek(self) -> Event:
         while not self.events:
@@ -50,12 +56,14 @@ class Inbox:
 
 
 class Reply:
-    """The events of one scheduled request (id `rid`) as text deltas; `close` cancels it and frees its slot."""
+    """The events of one scheduled request (id `rid`) as text deltas; `close` cancels it and frees its slot.
 
-    def __init__(self, server, held, turn: Turn, chat: bool, on_close):
+    on_end: frees the request's generation slot (idempotent); called when the generation ends or at close."""
+
+    def __init__(self, server, held, turn: Turn, chat: bool, on_end):
         self.server, self.held, self.session, self.turn = server, held, held.session, turn
-        self.chat, self.on_close = chat, on_close
-        self.inbox, self.rid, self.watcher, self.closed = Inbox(), None, None, False
+        self.chat, self.on_end = chat, on_end
+        self.inbox, self.rid, self.watcher, self.closed = Inbox(on_end), None, None, False
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created, self.kind = int(time.time()), "chat.completion" if chat else "text_completion"
 
@@ -68,7 +76,7 @@ class Reply:
             self.watcher.cancel()
         if self.rid is not None:
             self.server.worker.cancel(self.rid)
-        self.on_close()
+        self.on_end()
 
     async def watch(self, request) -> None:
         """Wait for the client to leave (in prefill, in a stream, before a whole answer), then cancel the request."""

@@ -39,9 +39,9 @@ def running(app, limits=None):
 @pytest.fixture(scope="module")
 def served(smollm2):
     """(base_url, app) of a sink-256 server that takes prompts of at most 4096 tokens."""
-    from attnlab.serve import PolicySpec, create_app
-    app = create_app(smollm2, "smollm2-135m", PolicySpec("sink", 256, 4, "cache"), max_prompt_tokens=4096,
-                     chunk=64, max_tokens=16)
+    from attnlab.serve import PolicySpec, ServeConfig, create_app
+    app = create_app(smollm2, ServeConfig("smollm2-135m", PolicySpec("sink", 256, 4, "cache"), max_prompt_tokens=4096,
+                                          chunk=64, max_tokens=16))
     with running(app) as url:
         yield url, app
 

@@ -71,11 +71,11 @@ def objects(node: dict, defs: dict, depth: int = 0):
 @pytest.fixture(scope="module")
 def fuzzed(smollm2):
     """A server with keys and tiny caps, so that the requests the schema allows are cheap to answer."""
-    from attnlab.serve import PolicySpec, create_app
+    from attnlab.serve import Keys, PolicySpec, ServeConfig, create_app
     from tests.serve.conftest import running
-    app = create_app(smollm2, MODEL, PolicySpec("sink", 64, 4, "cache"), max_prompt_tokens=96, chunk=64,
-                     max_tokens=2, max_tokens_cap=3, max_bytes=64 << 20, max_sessions=4, api_keys=[KEY],
-                     queue_timeout=30)
+    app = create_app(smollm2, ServeConfig(MODEL, PolicySpec("sink", 64, 4, "cache"), max_prompt_tokens=96, chunk=64,
+                                          max_tokens=2, max_tokens_cap=3, max_bytes=64 << 20, max_sessions=4,
+                                          queue_timeout=30), Keys(api=[KEY]))
     schema = app.openapi()  # the schema is built even though /openapi.json is not served
     with running(app) as url:
         yield url, app, schema

@@ -38,8 +38,8 @@ def widths(int4_lm, monkeypatch):
 
 
 def _app(lm, **limits):
-    from attnlab.serve import PolicySpec, create_app
-    return create_app(lm, MODEL, PolicySpec("sink", 128, 4, "cache"), chunk=32, max_tokens=16, **limits)
+    from attnlab.serve import PolicySpec, ServeConfig, create_app
+    return create_app(lm, ServeConfig(MODEL, PolicySpec("sink", 128, 4, "cache"), chunk=32, max_tokens=16, **limits))
 
 
 def _serve(lm, **limits):

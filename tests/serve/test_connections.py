@@ -23,9 +23,10 @@ LIMITS = Limits(header_timeout=3.0, body_timeout=2.0, keep_alive=1.0, max_connec
 
 @pytest.fixture(scope="module")
 def guarded_http(smollm2):
-    from attnlab.serve import PolicySpec, create_app
+    from attnlab.serve import Keys, PolicySpec, ServeConfig, create_app
     from tests.serve.conftest import running
-    app = create_app(smollm2, "smollm2-135m", PolicySpec("sink", 64, 4, "cache"), api_keys=["key-connections-1"])
+    app = create_app(smollm2, ServeConfig("smollm2-135m", PolicySpec("sink", 64, 4, "cache")),
+                     Keys(api=["key-connections-1"]))
     with running(app, LIMITS) as url:
         yield url, int(url.rsplit(":", 1)[1])
 
@@ -78,10 +79,10 @@ def test_hundreds_of_half_sent_sockets_are_capped_and_dropped_while_health_answe
 
 
 def test_the_total_cap_closes_connections_past_it(smollm2):
-    from attnlab.serve import create_app
+    from attnlab.serve import ServeConfig, create_app
     from tests.serve.conftest import running
     limits = Limits(header_timeout=60, max_connections=100, max_per_client=60)  # no deadline passes meanwhile
-    with running(create_app(smollm2, "smollm2-135m"), limits) as url:
+    with running(create_app(smollm2, ServeConfig("smollm2-135m")), limits) as url:
         port, socks = int(url.rsplit(":", 1)[1]), []
         try:
             for i in range(3):  # 3 x 40 = 120 > 100 in total, each address under its own cap

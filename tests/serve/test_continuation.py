@@ -35,9 +35,9 @@ def lm(request, smollm2):
 
 @pytest.fixture(scope="module")
 def served(lm):
-    from attnlab.serve import PolicySpec, create_app
+    from attnlab.serve import PolicySpec, ServeConfig, create_app
     from tests.serve.conftest import running
-    app = create_app(lm[1], MODEL, PolicySpec("full"), chunk=16, max_tokens=24)
+    app = create_app(lm[1], ServeConfig(MODEL, PolicySpec("full"), chunk=16, max_tokens=24))
     with running(app) as url:
         yield url, app
 

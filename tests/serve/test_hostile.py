@@ -23,11 +23,11 @@ STORY = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a sto
 
 @pytest.fixture(scope="module")
 def guarded(smollm2):
-    from attnlab.serve import PolicySpec, create_app
+    from attnlab.serve import Keys, PolicySpec, ServeConfig, create_app
     from tests.serve.conftest import running
-    app = create_app(smollm2, MODEL, PolicySpec("sink", 256, 4, "cache"), max_prompt_tokens=1500, chunk=64,
-                     max_tokens=16, max_bytes=48 << 20, max_tokens_cap=512, api_keys=[ALICE, BOB],
-                     admin_keys=[ADMIN])
+    app = create_app(smollm2, ServeConfig(MODEL, PolicySpec("sink", 256, 4, "cache"), max_prompt_tokens=1500, chunk=64,
+                                          max_tokens=16, max_bytes=48 << 20, max_tokens_cap=512),
+                     Keys(api=[ALICE, BOB], admin=[ADMIN]))
     with running(app) as url:
         yield url, app
 

@@ -23,11 +23,12 @@ WORDS = ("the quick brown fox jumps over the lazy dog while seven wizards quietl
 @pytest.fixture(scope="module")
 def server(smollm2):
     """Keys A and B (and an admin), 4 conversations and 64 MiB of cache in all: 2 and 32 MiB per... key."""
-    from attnlab.serve import PolicySpec, create_app
+    from attnlab.serve import Keys, PolicySpec, ServeConfig, create_app
     from tests.serve.conftest import running
-    app = create_app(smollm2, MODEL, PolicySpec("sink", 64, 4, "cache"), max_sessions=4, max_bytes=64 << 20,
-                     chunk=16, max_tokens=8, max_tokens_cap=2048, api_keys=[A, B], key_sessions=2,
-                     key_bytes=32 << 20, admin_keys=[ADMIN], cors_origins=["https://ok.example"])
+    app = create_app(smollm2, ServeConfig(MODEL, PolicySpec("sink", 64, 4, "cache"), max_sessions=4, max_bytes=64 << 20,
+                                          chunk=16, max_tokens=8, max_tokens_cap=2048, key_sessions=2,
+                                          key_bytes=32 << 20, cors_origins=["https://ok.example"]),
+                     Keys(api=[A, B], admin=[ADMIN]))
     with running(app) as url:
         yield url, app
 
@@ -97,7 +98,7 @@ def test_a_continued_full_conversation_cannot_grow_past_the_cap(server):
     slot = store.slot_bytes(held.spec)
     # a new full cache is sized for prompt + max_tokens exactly, and counted with positions
     assert cache.layers[0].capacity == first.json()["usage"]["prompt_tokens"] + 4
-    assert held.nbytes() == int(cache.layers[0].capacity * slot) == first.json()["attnlab"]["cache_bytes"]
+    assert held.nbytes() == cache.layers[0].capacity * slot + store.own == first.json()["attnlab"]["cache_bytes"]
     history += [{"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
                 {"role": "user", "content": " ".join(WORDS[:400])}]
     # ~450 tokens + max_tokens 1300: about 78 MiB > 32 MiB per key: refused before any work, session kept
@@ -135,13 +136,14 @@ def test_a_raw_completion_counts_against_the_cap(server):
 def test_a_client_that_leaves_during_prefill_stops_within_a_chunk(server, monkeypatch):
     url, app = server
     from attnlab.session import Session
-    calls, real = [], Session.feed
+    calls, real = [], Session.took
 
-    def counted(self, ids):
-        calls.append(time.monotonic())
-        time.sleep(0.05)  # a slow chunk, so the client surely leaves mid-prompt
-        return real(self, ids)
-    monkeypatch.setattr(Session, "feed", counted)
+    def counted(self, ids, logits):
+        if len(ids) > 1:  # a prefill chunk went in (decode rows take one token)
+            calls.append(time.monotonic())
+            time.sleep(0.05)  # a slow chunk, so the client surely leaves mid-prompt
+        return real(self, ids, logits)
+    monkeypatch.setattr(Session, "took", counted)
     body = json.dumps({**HI, "stream": True, "messages": [{"role": "user", "content": " ".join(WORDS[:500])}]})
     port = int(url.rsplit(":", 1)[1])
     s = socket.create_connection(("127.0.0.1", port))

@@ -44,11 +44,11 @@ def make_app():
     import torch
 
     import attnlab
-    from attnlab.serve import PolicySpec, create_app
+    from attnlab.serve import Keys, PolicySpec, ServeConfig, create_app
     torch.set_num_threads(1)
     lm = attnlab.load(MODEL, dtype="float32", compile=False, kv_dtype="float32")
-    return create_app(lm, MODEL, PolicySpec("sink", 256, 4, "cache"), chunk=64, max_tokens=8, api_keys=[KEY],
-                      admin_keys=[ADMIN])
+    return create_app(lm, ServeConfig(MODEL, PolicySpec("sink", 256, 4, "cache"), chunk=64, max_tokens=8),
+                      Keys(api=[KEY], admin=[ADMIN]))
 
 
 def free_port() -> int:

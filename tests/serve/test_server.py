@@ -208,9 +208,9 @@ def test_serve_command_rejects_bad_options(capsys):
 
 
 def test_busy_server_answers_503_after_the_bounded_wait(smollm2):
-    from attnlab.serve import PolicySpec, create_app
+    from attnlab.serve import PolicySpec, ServeConfig, create_app
     from tests.serve.conftest import running
-    app = create_app(smollm2, MODEL, PolicySpec("sink", 64), max_active=1, queue_timeout=0.3)
+    app = create_app(smollm2, ServeConfig(MODEL, PolicySpec("sink", 64), max_active=1, queue_timeout=0.3))
     body = {"model": MODEL, "prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "max_tokens": 300, "temperature": 0,
             "stream": True}
     with running(app) as url, httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as first:
