@@ -33,34 +33,31 @@ class PolicySpec:
 
     @classmethod
     def parse(cls, text: "str | PolicySpec | None") -> "PolicySpec | None":
-        """'sink:1024', 'h2o:0.2', 'full' or None (= full) -> a spec."""
+        """'sink:1024', 'h2o:0.2', 'snapkv:window_size=32:1024', 'full' or None (= full) -> a spec (the name part is
+        `make_policy`'s: a name and the method's fields)."""
         if text is None or isinstance(text, PolicySpec):
             return text
-        name, _, budget = str(text).strip().partition(":")
-        return cls(name, budget or 1024)
+        parts = str(text).strip().split(":")
+        budget = parts.pop() if len(parts) > 1 and "=" not in parts[-1] else None
+        return cls(":".join(parts), budget or 1024)
 
     @property
     def fractional(self) -> bool:
         from attnlab.kv.policies import parse_budget
         return isinstance(parse_budget(self.budget), float)
 
-    def _make(self):
+    def _make(self, length: int | None = None):
         from attnlab.kv.policies import make_policy
         if self.name == "full":
             return None
         return make_policy(self.name, self.budget, positions=self.positions, n_sink=self.n_sink, chunk=self.chunk,
-                           block=self.block)
+                           block=self.block, length=length)
 
     def build(self, length: int | None = None):
         """A new Policy (None for full); a fractional budget is resolved against the stream's `length` tokens."""
-        p = self._make()
-        if p is None or not self.fractional:
-            return p
-        if not length:
+        if self.fractional and self.name != "full" and not length:
             raise AttnlabError(f"policy {self.name} needs a budget in tokens here (e.g. 1024), not {self.budget}")
-        p = p.resolve(length)
-        p.check_budget(p.tokens)
-        return p
+        return self._make(length)
 
     def describe(self) -> dict:
         return {"policy": self.name, "budget": None if self.name == "full" else self.budget, "n_sink": self.n_sink,
