@@ -133,6 +133,21 @@ def backfill_record(path: Path, command: str, how: str, root: Path = ROOT, extra
     return {"command": command, "commit": introducing_commit(path, root), "note": note}
 
 
+def with_provenance(text: str, rec: dict, back: dict) -> str:
+    """``text`` (the JSON of ``rec``) with ``back`` added as its "provenance", changing nothing else:
+    appended before the closing brace in the file's own layout, or merged into an existing
+    "provenance" object with the file re-written in its own indentation."""
+    old = rec.get("provenance")
+    if old is None:
+        body, multiline = text.rstrip(), "\n" in text.strip()
+        return body[:-1].rstrip() + (",\n  " if multiline else ", ") + '"provenance": ' + json.dumps(back) + (
+            "\n}" if multiline else "}") + "\n"
+    merged = {**rec, "provenance": {**old, **back} if isinstance(old, dict) else back}
+    style = next(((i, a) for i in (None, 1, 2, 4) for a in (True, False)
+                  if json.dumps(rec, indent=i, ensure_ascii=a).strip() == text.strip()), (2, True))
+    return json.dumps(merged, indent=style[0], ensure_ascii=style[1]) + "\n"
+
+
 # (path prefix under docs/figures, command the docs give for it, page that gives its arguments); first match wins
 DOCUMENTED = [
     ("bench/i43_qwen_load", "python benchmarks/load.py", "docs/benchmarks/decode.md"),
@@ -167,7 +182,7 @@ def backfill(figures: Path = FIGURES, root: Path = ROOT, skip: tuple = (), extra
     """Add a backfilled ``provenance`` record to every stored result that has no run record (lists go
     to provenance.json); never touches a number. ``extra``: {path: what else the note must say}.
     Returns the paths it recorded."""
-    from attnlab.io import provenance, write_json
+    from attnlab.io import provenance, write_json, write_text
     registry_file = figures / REGISTRY.name
     registry = json.loads(registry_file.read_text()) if registry_file.exists() else {}
     records, done = registry.get("records", {}), []
@@ -186,9 +201,7 @@ def backfill(figures: Path = FIGURES, root: Path = ROOT, skip: tuple = (), extra
             _documented(rel)[0], f"the one {_documented(rel)[1]} gives beside this file (arguments there)")
         back = backfill_record(path, command, how, root, (extra or {}).get(rel, ""))
         if isinstance(rec, dict):
-            old = rec.get("provenance")
-            rec["provenance"] = {**old, **back} if isinstance(old, dict) else back
-            write_json(path, rec)
+            write_text(path, with_provenance(path.read_text(), rec, back))
         else:
             records[rel] = back
         done.append(rel)

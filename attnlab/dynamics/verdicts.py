@@ -1,7 +1,8 @@
 """The theory lab's verdicts, decided from the stored result files by one set of numeric rules.
 
 ``python -m attnlab.dynamics.verdicts`` prints the verdict table; ``--write`` puts it into
-docs/theory.md (between ``<!-- verdict-table -->`` markers, with the rules above it) and the
+docs/theory.md (between ``<!-- verdict-table -->`` markers, with the rules above it, and the
+table of stored files with their commands and commits between ``<!-- files-table -->``) and the
 README (between ``<!-- verdicts -->`` markers, the claim and verdict columns only). A test checks
 both equal this module's output, so no verdict is written by hand. The per-experiment reading of
 the files is in ``verdict_claims.py``; the rules are here, once.
@@ -139,10 +140,33 @@ def theory_block(rows: list[Row]) -> str:
     return RULES + "\n\n" + theory_table(rows)
 
 
-def check_docs(theory: str, readme: str, rows: list[Row]) -> list[str]:
+FILES_MARK = "<!-- files-table -->"
+
+
+def files_table(figs: Path) -> str:
+    """Every JSON of docs/figures/theory with its figure, command and commit, read from the file (a
+    backfilled record says so)."""
+    import json
+    lines = ["| numbers | figure | command | commit |", "|---|---|---|---|"]
+    for js in sorted(figs.glob("*.json")):
+        rec = json.loads(js.read_text())
+        prov = rec.get("provenance") if isinstance(rec.get("provenance"), dict) else None
+        if prov and "note" in prov:
+            command, commit = prov["command"], f"backfilled: added in {prov['commit'][:7]}"
+        else:
+            command, commit = rec.get("command", ""), str(rec.get("commit", ""))[:7] + (" (dirty)" if rec.get("dirty") else "")
+        png = js.with_suffix(".png")
+        fig = f"[{png.name}](figures/theory/{png.name})" if png.exists() else ""
+        lines.append(f"| [{js.name}](figures/theory/{js.name}) | {fig} | `{_esc(command)}` | {commit} |")
+    return "\n".join(lines)
+
+
+def check_docs(theory: str, readme: str, rows: list[Row], figs: Path | None = None) -> list[str]:
     """Problems: theory.md's block or the README's differs from the script's, or a README claim or
     verdict cell differs from theory.md's."""
     problems = []
+    if figs is not None and between(theory, FILES_MARK).strip() != files_table(figs).strip():
+        problems.append("docs/theory.md's file table is not the files' records")
     if between(theory, THEORY_MARK).strip() != theory_block(rows).strip():
         problems.append("docs/theory.md's verdict block is not the script's output")
     if between(readme, README_MARK).strip() != readme_table(rows).strip():
@@ -167,7 +191,9 @@ def main(argv=None) -> int:
         print(theory_block(rows))
         return 0
     from attnlab.io import write_text
+    from .verdict_claims import FIGS
     for name, mark, body in (("docs/theory.md", THEORY_MARK, theory_block(rows)),
+                             ("docs/theory.md", FILES_MARK, files_table(FIGS)),
                              ("README.md", README_MARK, readme_table(rows))):
         path = root / name
         write_text(path, replace_between(path.read_text(), mark, body))

@@ -103,7 +103,8 @@ def test_every_stored_result_under_docs_figures_carries_its_provenance():
 def test_verdict_rules_and_tables_are_the_scripts_output():
     theory = (records.ROOT / "docs" / "theory.md").read_text()
     readme = (records.ROOT / "README.md").read_text()
-    assert verdicts.check_docs(theory, readme, build_rows()) == []
+    from attnlab.dynamics.verdict_claims import FIGS
+    assert verdicts.check_docs(theory, readme, build_rows(), FIGS) == []
 
 
 def test_a_changed_claim_or_verdict_cell_fails(tmp_path):
@@ -147,3 +148,15 @@ def test_s2_authors_cells_read_from_pickle_strings():
 def test_records_cli_runs_without_git(tmp_path, monkeypatch):
     monkeypatch.setattr(shutil, "which", lambda name: None)
     assert records.git_available() is False
+
+
+def test_backfill_adds_provenance_without_touching_anything_else(tmp_path):
+    """The added record leaves every other byte's meaning and the file's layout alone."""
+    back = {"command": "python x.py", "commit": "abc1234", "note": "backfilled"}
+    for text in ('{"a": 1.5, "b": [1, 2]}\n', '{\n  "a": 1.5,\n  "b": [\n    1\n  ]\n}\n'):
+        new = records.with_provenance(text, json.loads(text), back)
+        assert json.loads(new) == {**json.loads(text), "provenance": back}
+        assert new.startswith(text.rstrip()[:-1].rstrip())
+    text = json.dumps({"a": 1, "provenance": {"run": "cmd (commit 1234567)"}}, indent=1)
+    assert json.loads(records.with_provenance(text, json.loads(text), back))["provenance"] == {
+        "run": "cmd (commit 1234567)", **back}
