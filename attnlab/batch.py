@@ -25,6 +25,7 @@ class Row:
     cache: object           # the `KVCache` they go into
     logits: str = "last"    # which logits come back: "last" [b, 1, vocab], "all" [b, T, vocab], "none"
     observers: tuple = ()   # recorders of this row's pass (beside the cache's own)
+    prompt: bool = False    # a prompt's chunk (not sampled tokens): attended as a chunk even when one token long
 
     def __post_init__(self):
         self.ids = as_ids(self.ids)
@@ -42,8 +43,9 @@ class Row:
 
     @property
     def single(self) -> bool:
-        """One token of one conversation (a decode step): what the native step and the batched eager pass take."""
-        return self.ids.shape == (1, 1)
+        """One sampled token of one conversation (a decode step): what the native step and the batched eager pass
+        take."""
+        return self.ids.shape == (1, 1) and not self.prompt
 
 
 @dataclass
@@ -55,8 +57,8 @@ class Batch:
             raise AttnlabError("a batch's rows go into distinct caches (one row per cache)")
 
     @classmethod
-    def one(cls, ids, cache, logits: str = "last", observers=()) -> "Batch":
-        return cls([Row(ids, cache, logits, observers)])
+    def one(cls, ids, cache, logits: str = "last", observers=(), prompt: bool = False) -> "Batch":
+        return cls([Row(ids, cache, logits, observers, prompt)])
 
     @classmethod
     def decode(cls, tokens, caches: list) -> "Batch":

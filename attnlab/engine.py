@@ -166,8 +166,8 @@ class LM:
         quest, rope = self.options.attention, self.model.rope
         fitted = [self._fit(r) for r in batch.rows]
         rows = [r for r, _ in fitted]
-        plain = [self.compiled is not None and r.tokens == 1 and not r.observers and not r.cache.observers
-                 and self.sparsity is None for r in rows]  # what the native step may cover
+        plain = [self.compiled is not None and r.tokens == 1 and not r.prompt and not r.observers
+                 and not r.cache.observers and self.sparsity is None for r in rows]  # what the native step may cover
         fast = [p and r.single for p, r in zip(plain, rows)]
         steps = [r.cache.begin(r.tokens, rope, real=f) for r, f in zip(rows, fast)]
         out: list[torch.Tensor | None] = [None] * len(rows)
@@ -184,7 +184,7 @@ class LM:
         for i, r in enumerate(rows):
             if i not in native and (i not in single or len(single) == 1):
                 ctx = Pass(steps[i].rot, steps[i], r.cache.layers, observers=(*r.observers, *r.cache.observers),
-                           sparsity=self.sparsity, quest=quest)
+                           sparsity=self.sparsity, quest=quest, prompt=r.prompt)
                 out[i] = self.model(r.ids, ctx, last_only=r.logits != "all")
         for r in rows:
             r.cache.advance(r.tokens)
@@ -200,9 +200,9 @@ class LM:
             return row, []
         cut = (row.tokens - 1) // room * room
         wants = "all" if row.logits == "all" else "none"
-        head = [self.step(Batch.one(row.ids[:, a:a + room], row.cache, wants, row.observers))[0]
+        head = [self.step(Batch.one(row.ids[:, a:a + room], row.cache, wants, row.observers, row.prompt))[0]
                 for a in range(0, cut, room)]
-        return Row(row.ids[:, cut:], row.cache, row.logits, row.observers), head if wants == "all" else []
+        return Row(row.ids[:, cut:], row.cache, row.logits, row.observers, row.prompt), head if wants == "all" else []
 
     def _native(self, rows, steps, fast, quest, out) -> set[int]:
         """Run the rows the native step covers (their logits into out); returns their indices."""
@@ -245,7 +245,7 @@ class LM:
         outs = []
         for start in range(0, ids.shape[1], chunk):
             part = ids[:, start:start + chunk]
-            outs.append(self.step(Batch.one(part, cache, "all" if all_logits else "last", observers))[0])
+            outs.append(self.step(Batch.one(part, cache, "all" if all_logits else "last", observers, prompt=True))[0])
             if progress is not None:
                 progress(part.shape[1])
         if not outs:

@@ -140,6 +140,9 @@ class Pass:
     on the B rows together (one read of each weight), and RoPE, the cache and attention run per row under that
     row's own pass (its rot, step, kvs, observers, quest); rot, step and kvs of the batch's pass are then unused.
 
+    prompt: the chunk is a prompt's (`Row.prompt`): attended as a chunk is even when it is one token (the causal
+    kernel, exact under Quest), so a prompt's bits do not depend on where its chunks end.
+
     Recorded names: "attn_in" [B, T, dim] (normed attention input), "q" [B, Hq, T, D] (queries before RoPE,
     after the cache stored the chunk), "probs" [B, Hq, T, L]
     (only if some observer needs_probs), "heads" [B, Hq, T, D] (per-head outputs before wo),
@@ -153,6 +156,7 @@ class Pass:
     sparsity: Any = None
     quest: Any = None
     rows: list | None = None
+    prompt: bool = False
 
     def __post_init__(self):
         self.observers = tuple(self.observers)
@@ -208,7 +212,10 @@ class Attention(nn.Module):
             mask = "causal" if ctx.mask is None else ctx.mask[None, None]
         else:
             k, v, mask = kv.update(k, v, ctx.step)
-            if ctx.quest is not None and T == 1 and kv.page and i >= ctx.quest.dense:  # Quest; prefill stays exact
+            if mask is None and ctx.prompt:
+                mask = "causal"  # a prompt's one-token chunk: the chunks' kernel, not a decode step's
+            if ctx.quest is not None and T == 1 and not ctx.prompt and kv.page and i >= ctx.quest.dense:
+                # Quest reads pages on a decode step; a prompt's chunks stay exact
                 k, v, mask, slots = read_pages(q, kv, ctx.quest, k, v, mask)
         ctx.record(i, "q", qk[:, :self.n_heads])  # pre-RoPE queries (a press's scorer reads them)
         out, probs = attend(q, k, v, mask, need_probs=ctx.needs_probs, window=self.cfg.sliding_window)

@@ -208,7 +208,7 @@ class Runner:
         decode = [s.requests[i] for i in plan.decode if i in s.requests]
         chunks = [(s.requests[i], a, b) for i, a, b in plan.chunks if i in s.requests]
         rows = [Row(torch.tensor([[r.pending]]), r.session.cache) for r in decode]
-        rows += [Row(torch.tensor([r.prompt[a:b]]), r.session.cache) for r, a, b in chunks if b > a]
+        rows += [Row(torch.tensor([r.prompt[a:b]]), r.session.cache, prompt=True) for r, a, b in chunks if b > a]
         try:
             logits = s.lm.step(Batch(rows)) if rows else []
         except Exception as e:  # which row failed is unknown: the step's caches may be half-written
