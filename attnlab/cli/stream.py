@@ -25,7 +25,7 @@ def policy_list(text: str) -> list[str]:
     from attnlab.kv.policies import POLICIES
     names = [n.strip() for n in text.split(",") if n.strip()]
     for n in names:
-        if n not in POLICIES:
+        if n.split(":")[0] not in POLICIES:  # a name, or a spec NAME:field=value (make_policy)
             raise UserError(f"unknown policy {n!r}; choose from {', '.join(POLICIES)}")
     if not names:
         raise UserError("no policy given")
@@ -52,13 +52,9 @@ def build_policy(name: str, budget: str, positions: str, n_sink: int, length: in
     """One policy from CLI options; a fractional budget is resolved against `length` tokens."""
     from attnlab.kv.policies import make_policy
     try:
-        p = make_policy(name, budget, positions=positions, n_sink=n_sink, chunk=chunk, block=block)
-        if length is not None:
-            p = p.resolve(length)
-            p.check_budget(p.tokens)
+        return make_policy(name, budget, positions=positions, n_sink=n_sink, chunk=chunk, block=block, length=length)
     except ValueError as e:
         raise UserError(str(e)) from None
-    return p
 
 
 def _slug(text: str) -> str:
