@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from attnlab.batch import Batch
 from attnlab.errors import AttnlabError
 from attnlab.eval.ruler import TASKS, make_sample, string_match_all
 from attnlab.io import keyed_name, save_figure, write_json
@@ -93,7 +94,7 @@ def answer_batch(lm, cache, logits: torch.Tensor, questions: list[list[int]], ma
             done[b] = len(out[b]) >= max_new[b] or "\n" in text.lstrip()
         if all(done) or step == steps - 1:
             break
-        logits = lm.forward(token[:, None], cache)[:, -1]
+        logits = lm.step(Batch.one(token[:, None], cache))[0][:, -1]
     return [lm.tokenizer.decode(o, skip_special_tokens=True) for o in out]
 
 
