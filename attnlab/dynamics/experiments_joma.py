@@ -14,8 +14,8 @@ import torch
 from . import plots
 from .common import make_generator
 from .experiments import finish, progress_bar
-from .hierarchy import (HierConfig, HierTransformer, LatentTree, authors_measure, cooccurrence_by_height,
-                        hierarchy_measures, probe_references, train_hierarchy)
+from .hierarchy import (authors_measure, cooccurrence_by_height, hierarchy_measures, probe_references, seeded_model,
+                        train_hierarchy)
 from .hierarchy_random import random_measure, train_random
 from .joma import JointModel, TokenWeightSetup, train_joint, u_shape_stats, v_dynamics
 
@@ -155,12 +155,7 @@ def run_hierarchy(out: Path, seed: int = 0, size: str = "full", progress: bool =
     per_seed, first = [], None
     with progress_bar(cfg["steps"] * cfg["seeds"], "hierarchy", progress) as bar:
         for s in range(seed, seed + cfg["seeds"]):
-            gen = make_generator(s)
-            tree = LatentTree(gen)
-            shuffle = torch.randperm(tree.num_classes, generator=gen)
-            torch.manual_seed(s)  # nn.Module init uses the global generator
-            model = HierTransformer(HierConfig(vocab=tree.vocab, num_classes=tree.num_classes, dim=cfg["dim"],
-                                               mlp_hidden=cfg["hidden"]))
+            gen, tree, shuffle, model = seeded_model(s, cfg["dim"], cfg["hidden"])
             if child_prob < 1.0:
                 per_seed.append(_random_seed(model, tree, shuffle, cfg, s, gen, bar))
                 continue

@@ -199,6 +199,17 @@ class HierTransformer(nn.Module):
         return self.head(x[:, -1]), hiddens
 
 
+def seeded_model(seed: int, dim: int, hidden: int):
+    """(generator, tree, class permutation, untrained model) of one J4 seed, always drawn in this order."""
+    from .common import make_generator
+    gen = make_generator(seed)
+    tree = LatentTree(gen)
+    shuffle = torch.randperm(tree.num_classes, generator=gen)
+    torch.manual_seed(seed)  # nn.Module init uses the global generator
+    model = HierTransformer(HierConfig(vocab=tree.vocab, num_classes=tree.num_classes, dim=dim, mlp_hidden=hidden))
+    return gen, tree, shuffle, model
+
+
 def _pearson_cols(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """(H, n) Pearson correlations between the columns of a (N, H) and b (N, n)."""
     a, b = a - a.mean(0), b - b.mean(0)

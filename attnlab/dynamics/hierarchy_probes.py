@@ -27,9 +27,8 @@ from pathlib import Path
 import torch
 
 from . import plots
-from .common import make_generator
 from .experiments import finish, progress_bar
-from .hierarchy import HierConfig, HierTransformer, LatentTree, batch_loss, pooled_activations
+from .hierarchy import LatentTree, batch_loss, pooled_activations, seeded_model
 from .spec import Experiment
 
 SIZES = {"quick": dict(dim=32, hidden=400, steps=100, lr=1e-3, seeds=2, record_every=5),
@@ -39,14 +38,10 @@ MOVED = 0.02
 PERMUTATIONS = 200
 
 
-def _setup(s: int, cfg: dict):
-    gen = make_generator(s)
-    tree = LatentTree(gen)
-    shuffle = torch.randperm(tree.num_classes, generator=gen)
-    torch.manual_seed(s)  # nn.Module init uses the global generator
-    model = HierTransformer(HierConfig(vocab=tree.vocab, num_classes=tree.num_classes, dim=cfg["dim"],
-                                       mlp_hidden=cfg["hidden"]))
-    return gen, tree, shuffle, model
+def _seeds(cfg: dict, seed: int, name: str, progress: bool, one) -> list:
+    """[one(seed, gen, tree, shuffle, model, bar) for each of the size's seeds], one progress bar."""
+    with progress_bar(cfg["steps"] * cfg["seeds"], name, progress) as bar:
+        return [one(s, *seeded_model(s, cfg["dim"], cfg["hidden"]), bar) for s in range(seed, seed + cfg["seeds"])]
 
 
 def _train(model, tree, cfg, gen, on_step=None, bar=None):
@@ -91,24 +86,20 @@ def _leaf_sets(tree: LatentTree, level: int) -> torch.Tensor:
 
 def run_superposition(out: Path, seed: int = 0, size: str = "full", progress: bool = True) -> dict:
     t0, cfg = time.perf_counter(), SIZES[size]
-    per_seed = []
-    with progress_bar(cfg["steps"] * cfg["seeds"], "superposition", progress) as bar:
-        for s in range(seed, seed + cfg["seeds"]):
-            gen, tree, shuffle, model = _setup(s, cfg)
-            labels = torch.arange(tree.num_classes)
 
-            def measure():
-                with torch.no_grad():
-                    pooled = pooled_activations(model, tree, labels)
-                res = {}
-                for lvl, h in enumerate(pooled):
-                    leaves = _leaf_sets(tree, lvl)
-                    res[f"layer{lvl}"] = {tag: superposed_fraction(h, tree.latent_indicators(lab, lvl), leaves)
-                                          for tag, lab in (("true", labels), ("shuffled", shuffle))}
-                return res
-            before = measure()
-            _train(model, tree, cfg, gen, bar=bar)
-            per_seed.append({"seed": s, "untrained": before, "trained": measure()})
+    def one(s, gen, tree, shuffle, model, bar):
+        labels = torch.arange(tree.num_classes)
+
+        def measure():
+            with torch.no_grad():
+                pooled = pooled_activations(model, tree, labels)
+            return {f"layer{lvl}": {tag: superposed_fraction(h, tree.latent_indicators(lab, lvl), _leaf_sets(tree, lvl))
+                                    for tag, lab in (("true", labels), ("shuffled", shuffle))}
+                    for lvl, h in enumerate(pooled)}
+        before = measure()
+        _train(model, tree, cfg, gen, bar=bar)
+        return {"seed": s, "untrained": before, "trained": measure()}
+    per_seed = _seeds(cfg, seed, "superposition", progress, one)
     head = [p["trained"]["layer1"]["true"][0] for p in per_seed]
     ctrl = [p["trained"]["layer1"]["shuffled"][0] for p in per_seed]
     metrics = {"config": {**cfg, "encode": ENCODE, "headline": "block 1 vs level-1 latents"}, "per_seed": per_seed,
@@ -152,23 +143,21 @@ def order_test(when: torch.Tensor, height: torch.Tensor, gen: torch.Generator) -
 
 def run_bottom_up(out: Path, seed: int = 0, size: str = "full", progress: bool = True) -> dict:
     t0, cfg = time.perf_counter(), SIZES[size]
-    per_seed = []
-    with progress_bar(cfg["steps"] * cfg["seeds"], "bottom-up", progress) as bar:
-        for s in range(seed, seed + cfg["seeds"]):
-            gen, tree, _, model = _setup(s, cfg)
-            used = tree.active[0].any(0).nonzero().flatten()
-            height = tree.lca_height()[used][:, used]
-            iu = torch.triu_indices(len(used), len(used), 1)
-            steps, cos = [], []
 
-            def record(t):
-                with torch.no_grad():  # block 0's MLP units on each leaf alone: how the first layer sees it
-                    e = torch.nn.functional.normalize(model(used[:, None])[1][0][:, 0], dim=-1)
-                steps.append(t)
-                cos.append((e @ e.T)[iu[0], iu[1]])
-            _train(model, tree, cfg, gen, on_step=record, bar=bar)
-            when = learned_steps(steps, torch.stack(cos))
-            per_seed.append({"seed": s, **order_test(when, height[iu[0], iu[1]], gen)})
+    def one(s, gen, tree, _shuffle, model, bar):
+        used = tree.active[0].any(0).nonzero().flatten()
+        height = tree.lca_height()[used][:, used]
+        iu = torch.triu_indices(len(used), len(used), 1)
+        steps, cos = [], []
+
+        def record(t):
+            with torch.no_grad():  # block 0's MLP units on each leaf alone: how the first layer sees it
+                e = torch.nn.functional.normalize(model(used[:, None])[1][0][:, 0], dim=-1)
+            steps.append(t)
+            cos.append((e @ e.T)[iu[0], iu[1]])
+        _train(model, tree, cfg, gen, on_step=record, bar=bar)
+        return {"seed": s, **order_test(learned_steps(steps, torch.stack(cos)), height[iu[0], iu[1]], gen)}
+    per_seed = _seeds(cfg, seed, "bottom-up", progress, one)
     low = [p["mean_step_by_height"].get(1, float("nan")) for p in per_seed]
     high = [p["mean_step_by_height"].get(3, float("nan")) for p in per_seed]
     metrics = {"config": {**cfg, "moved": MOVED, "permutations": PERMUTATIONS}, "per_seed": per_seed,
