@@ -29,18 +29,13 @@ from attnlab.stop import Stop
 DEFAULT_MODEL = "smollm2-135m"
 
 
-def set_threads(threads: int | None) -> None:
-    if threads is not None:
-        if threads < 1:
-            raise AttnlabError(f"threads must be >= 1, got {threads}")
-        torch.set_num_threads(threads)
-
-
 class LM:
     """A causal LM ready for inference. `model` is a plain `Transformer`; `tokenizer` a transformers tokenizer.
 
     sparsity: the Deja Vu plan every pass runs with (None = dense); `with_sparsity` gives a view of the
-    same weights under another plan. compiled: the native single-token step (`compile_decode`), if asked for."""
+    same weights under another plan. compiled: the native single-token step (`compile_decode`), if asked for.
+    threads: the native step's team of threads, set once (options.threads, else torch's count when built); torch's
+    own count (the eager path's ops) is the command line's to set (`attnlab.cli`), never the engine's."""
 
     def __init__(self, model: Transformer, tokenizer=None, source: Path | None = None, tokenizer_error: str = "",
                  kv_dtype: torch.dtype | None = None, options: Options | None = None, sparsity=None):
@@ -49,6 +44,7 @@ class LM:
         self.kv_dtype = kv_dtype  # KV-cache storage; None = the model's dtype
         self.options = options or Options()
         self.sparsity = sparsity
+        self.threads = self.options.threads or torch.get_num_threads()  # the native step's team, fixed at load
         self.compiled = None
 
     @classmethod
@@ -57,7 +53,6 @@ class LM:
         """Load a model under `options` (or the same fields as keywords: dtype, threads, quant, compile, rope,
         sparsity, kv_dtype, policy, attention; see `attnlab.options.Options`). Bad options fail before the slow load."""
         opts = Options(**fields) if options is None else options.but(**fields) if fields else options
-        set_threads(opts.threads)
         model, _, path = load_model(spec, opts.weights_dtype, opts.quant, rope=opts.rope)
         from attnlab.kernels import ops
         ops.load()  # the C++ kernels the install built, loaded before any forward or trace
@@ -85,7 +80,7 @@ class LM:
         cannot run (bfloat16, unfused quantized layers, no C++ kernels) it warns once and decodes eagerly."""
         from attnlab.model.native import NativeStep
         try:
-            self.compiled = NativeStep(self.model)
+            self.compiled = NativeStep(self.model, self.threads)
         except ValueError as e:
             self.compiled = None
             warnings.warn(f"attnlab: the native decode step cannot run {e}; decoding eagerly (--eager / compile=False "

@@ -94,18 +94,21 @@ def test_a_team_of_threads_equals_eager(threads, spec, kv, n):
     assert fast.compiled.threads == n and fast.compiled.calls == {"native": 64, "eager": 0}
 
 
-def test_the_step_follows_the_thread_count(threads):
-    """Changing torch's thread count between steps rebuilds the team; the logits stay the float ones."""
+def test_the_step_keeps_the_engines_thread_count(threads):
+    """Threads are the engine's, set once when it is built: changing torch's count between steps neither rebuilds
+    nor changes the step's team; the logits stay the float ones."""
+    threads(2)
     eager, fast = _pair()
     ref = _decode(eager, IDS)
     cache = fast.new_cache(capacity=8)
     fast.prefill(IDS[:, :8], cache)
-    got = []
+    step, got = fast.compiled.step, []
     for t in range(8, IDS.shape[1]):
         threads(1 + t % 2)
         got.append(fast.forward(IDS[:, t:t + 1], cache))
     _close(torch.cat(got, 1), ref, None)
-    assert fast.compiled.threads == 1 + (IDS.shape[1] - 1) % 2
+    assert fast.threads == 2 and fast.compiled.step is step
+    assert fast.compiled.threads == (2 if torch.classes.attnlab.DecodeStep.openmp() else 1)
 
 
 def test_phase_profile_covers_the_step(threads):

@@ -159,7 +159,9 @@ def run_attention_entropy(out, seed: int = 0, size: str = "full", progress: bool
     if size == "full" and WORKERS > 1:
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor
-        with ProcessPoolExecutor(WORKERS, mp_context=mp.get_context("spawn"), initializer=torch.set_num_threads,
+
+        from attnlab.cli import use_threads
+        with ProcessPoolExecutor(WORKERS, mp_context=mp.get_context("spawn"), initializer=use_threads,
                                  initargs=(1,)) as pool:
             logs = list(pool.map(_train_job, jobs))
     else:

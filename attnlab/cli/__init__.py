@@ -74,12 +74,10 @@ def check_tokens_fit(tokens: int, text: str, what: str) -> None:
 
 def cmd_info(args) -> int:
     """Architecture summary from the file's metadata only: no weights are read (milliseconds, not seconds)."""
-    from attnlab.engine import set_threads
     from attnlab.model.metadata import read_config
     from attnlab.kernels import build, isa
     from attnlab.options import Options
 
-    set_threads(args.threads)
     c, source = read_config(args.model)
     if args.rope is not None:  # what a load with --rope would run
         from attnlab.model.loaders import _trained_length
@@ -296,11 +294,22 @@ def _quiet_stdout() -> None:
         pass
 
 
+def use_threads(threads: int | None) -> None:
+    """torch's intra-op threads for this process (None: leave torch's): the one place attnlab sets them, at the
+    command line's edge (and in the worker processes it starts). The engine keeps its own count (`LM.threads`)."""
+    if threads is not None:
+        if threads < 1:
+            raise AttnlabError(f"threads must be >= 1, got {threads}")
+        import torch
+        torch.set_num_threads(threads)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # results record the command that made them
     try:
+        use_threads(getattr(args, "threads", None) or None)
         code = int(args.func(args) or 0)
         sys.stdout.flush()  # a closed pipe shows up here, not in the interpreter's exit
         return code

@@ -109,10 +109,8 @@ TRAIN_FIELDS = {  # option -> (TrainConfig field, type, help)
 
 
 def cmd_train(args) -> int:
-    from attnlab.engine import set_threads
     from attnlab.train import TrainConfig, Trainer, ddp
 
-    set_threads(args.threads)
     ddp.init()  # under torchrun: data-parallel over the ranks (gloo); otherwise nothing
     kwargs = {f: getattr(args, f) for f, _, _ in TRAIN_FIELDS.values() if getattr(args, f) is not None}
     if args.rope_scale:

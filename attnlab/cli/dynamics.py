@@ -18,10 +18,6 @@ from attnlab.io import finish_record, run_record
 
 def _runner(exp: Experiment):
     def run(args: argparse.Namespace) -> int:
-        import torch
-
-        if args.threads:
-            torch.set_num_threads(args.threads)
         out = Path(args.out) if args.out else Path("runs") / "dynamics" / exp.name
         size = "quick" if args.quick else "full"
         opts = {name: getattr(args, name) for name, *_ in exp.options}

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from attnlab.cli.common import UserError, nonneg_int, positive_int
-from attnlab.engine import DEFAULT_MODEL, set_threads
+from attnlab.engine import DEFAULT_MODEL
 from attnlab.io import progress
 
 
@@ -10,7 +10,6 @@ def cmd_extend(args) -> int:
     from attnlab.train import ddp
     from attnlab.train.extend import extend
 
-    set_threads(args.threads)
     ddp.init()  # under torchrun: data-parallel over the ranks (gloo)
     if args.factor < 1:
         raise UserError(f"--factor must be >= 1, got {args.factor}")

@@ -11,10 +11,10 @@ is ready the moment the model is loaded (walking the modules once, milliseconds)
 `NativeStep(model)` reads, once, every tensor a step needs and each linear layer's kernel call
 (`QuantLinear.kernel()`: op name + packed operands, whatever layout the kernels chose; a float
 `nn.Linear` is a matmul). It holds the network's tensors, not its modules: swap a module after
-building the step and build it again (`LM.compile_decode()`). With torch's thread count above one,
-the step runs as one team of threads (each linear cut into a slice of rows per thread, or per thread and
-part for a layer whose parts keep different formats, see step.cpp);
-a changed thread count rebuilds it on the next call. A call covers one token for each of B conversations
+building the step and build it again (`LM.compile_decode()`). Its thread count is the engine's (`LM.threads`,
+set once at load), not torch's global one: with more than one, the step runs as one team of threads (each linear
+cut into a slice of rows per thread, or per thread and part for a layer whose parts keep different formats, see
+step.cpp). A call covers one token for each of B conversations
 (`batch`: each its own cache, bound per row; the linear layers read each weight once for all B), no padding,
 float32 / float16 / int8 caches, a sliding window over a cache that never evicted, and Quest's page
 selection (`quest=`: each row selects its own pages from its cache's page summaries, bound with the cache,
@@ -104,13 +104,13 @@ class NativeStep:
 
     calls counts steps run natively ("native") and those handed back to eager ("eager")."""
 
-    def __init__(self, model: Transformer):
+    def __init__(self, model: Transformer, threads: int = 1):
         why = unsupported(model)
         if why:
             raise ValueError(why)
         self.model = model
         self.calls = {"native": 0, "eager": 0}
-        self._build(torch.get_num_threads())
+        self._build(threads)
 
     def _build(self, threads: int) -> None:
         """The C++ step for a team of `threads`: each linear layer cut into one slice of rows per thread
@@ -165,8 +165,6 @@ class NativeStep:
             return None
         if ids.shape != (len(steps), 1):
             raise ValueError(f"one token per row: ids {tuple(ids.shape)} for {len(steps)} rows")
-        if torch.get_num_threads() != self.threads and self.team:
-            self._build(torch.get_num_threads())
         setting = (quest.budget, quest.dense, quest.channels) if quest is not None else (0, 0, 0)
         if setting != self._quest:
             self.step.set_quest(*setting)

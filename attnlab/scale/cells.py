@@ -63,9 +63,8 @@ def resolve(fn: str) -> Callable:
 
 def execute(fn: str, params: dict, threads: int = 1, func: Callable | None = None) -> dict:
     """What a worker runs: the call, with `threads` torch threads, timed; -> {result, seconds, host, pid}."""
-    import torch
-    if threads:
-        torch.set_num_threads(threads)
+    from attnlab.cli import use_threads
+    use_threads(threads or None)
     t0 = time.perf_counter()
     result = (func or resolve(fn))(**params)
     return {"result": result, "seconds": round(time.perf_counter() - t0, 4), "host": socket.gethostname(),

@@ -328,6 +328,7 @@ def test_mixed_file_decodes_natively(mixed_file):
     try:
         for n in (1, 2) if torch.classes.attnlab.DecodeStep.openmp() else (1,):
             torch.set_num_threads(n)
+            fast.threads = n  # the engine's own count, which its native step is built with
             fast.compile_decode()
             _close(_decode(fast, ids), ref, "int4:32")
             assert fast.compiled.threads == n and fast.compiled.calls == {"native": 16, "eager": 0}
