@@ -176,6 +176,13 @@ class QuantLinear(nn.Module):
             self._rows = (*(getattr(p, n) for n in self.fmt.operands), self.group)
         return self._rows
 
+    def step_embedding(self) -> tuple | None:
+        """(buffers..., group) the native step reads a tied embedding from (the row layout of a format whose
+        `step_embedding` names them, no min), or None: the lookup stays `embed_rows`."""
+        if self.parts is not None or self.repacked or self.has_min or self.kind != "int8":
+            return None
+        return (self.q, self.scale, self.group)
+
     def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ids of W dequantised, [*ids.shape, K]: a tied embedding's lookup. Repacked int8 weights
         read the rows from their blocks in C++ (`q8x_rows`: a decode step's lookup was ~0.2 ms of Python
