@@ -124,9 +124,9 @@ class NativeStep:
                                                      cfg.hidden_dim, float(model.norm.eps), threads)
         self.embed = None  # the lookup called from Python (a tied head in repacked blocks: `embed_rows`)
         if type(model.embed) is QuantEmbedding:
-            head = model.embed.head[0]
-            if head.kind == "int8" and not head.repacked and not head.has_min:
-                self.step.set_embedding(head.q, head.scale, head.group)
+            table = model.embed.head[0].step_embedding()
+            if table is not None:
+                self.step.set_embedding(*table)
             else:
                 self.embed = model.embed
         else:
