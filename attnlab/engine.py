@@ -86,6 +86,17 @@ class LM:
             warnings.warn(f"attnlab: the native decode step cannot run {e}; decoding eagerly (--eager / compile=False "
                           "asks for that without this warning)")
 
+    def with_threads(self, threads: int) -> "LM":
+        """The same weights under a native step built for another team of threads (milliseconds; a benchmark's
+        thread sweep). torch's own count stays the caller's to set."""
+        if threads < 1:
+            raise AttnlabError(f"threads must be >= 1, got {threads}")
+        view = copy.copy(self)
+        view.threads = threads
+        if self.compiled is not None:
+            view.compile_decode()
+        return view
+
     def with_attention(self, attention) -> "LM":
         """The same weights, native step and tokenizer under another decode attention (a QuestSpec, its text
         "quest:..." or None: full); caches made by either serve both (prefill is exact under Quest)."""

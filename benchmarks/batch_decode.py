@@ -1,4 +1,4 @@
-"""The engine alone: B conversations advanced together by `LM.step_batch`, aggregate tokens per second by B.
+"""The engine alone: B conversations advanced together by `LM.step`, aggregate tokens per second by B.
 
 What the server's scheduler can get at most from one step for B conversations (no HTTP, no sampling): each
 conversation's cache is prefilled with its own prompt (lengths spread evenly over --prompt-tokens), then every
@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import llamacpp  # noqa: E402
 
 import attnlab  # noqa: E402
+from attnlab.batch import Batch  # noqa: E402
 from attnlab.data import corpus  # noqa: E402
 from attnlab.io import provenance, write_json, write_text  # noqa: E402
 
@@ -49,6 +50,7 @@ def main(argv=None) -> None:
               "cells": []}
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
+        lm = lm.with_threads(threads)  # the native step's team is the engine's, built for this count
         caches = []
         for i in range(top):
             n = lo + (hi - lo) * i // max(1, top - 1)
@@ -60,10 +62,10 @@ def main(argv=None) -> None:
             for b in (batches if r % 2 == 0 else batches[::-1]):
                 rows = caches[:b]
                 tokens = torch.full((b,), 42)
-                lm.step_batch(tokens, rows)  # binds the rows
+                lm.step(Batch.decode(tokens, rows))  # binds the rows
                 t = time.perf_counter()
                 for _ in range(args.steps):
-                    tokens = lm.step_batch(tokens, rows).argmax(-1)
+                    tokens = torch.cat([lg[:, -1] for lg in lm.step(Batch.decode(tokens, rows))]).argmax(-1)
                 times[b].append(time.perf_counter() - t)
                 for c in rows:  # back to the prompt, so every round decodes at the same depths
                     c.truncate(len(c) - args.steps - 1)

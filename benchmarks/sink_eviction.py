@@ -43,6 +43,7 @@ def main(argv=None) -> int:
     tok = torch.tensor([[7]])
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
+        lm = lm.with_threads(threads)  # the native step's team is the engine's, built for this count
         print(f"\n### {threads} thread{'s' if threads > 1 else ''}: decode tok/s, median of {args.repeats} x "
               f"{args.steps} steps (x full attention over as many keys; min-max); eviction ms per step\n")
         print("| budget | cache | tok/s | eviction ms/step |\n|---|---|---|---|")

@@ -25,8 +25,9 @@ def main() -> None:
     for _ in range(args.rounds):
         for threads in (int(t) for t in args.threads.split(",")):
             torch.set_num_threads(threads)
+            run = lm.with_threads(threads)  # the native step's team is the engine's, built for this count
             start = time.perf_counter()
-            n = len(list(lm.stream(ids, lm.new_cache(), Sampler(), args.tokens, stop_at_eos=False)))
+            n = len(list(run.stream(ids, lm.new_cache(), Sampler(), args.tokens, stop_at_eos=False)))
             seconds = time.perf_counter() - start
             print(f"threads {threads}: {n} tokens in {seconds:.2f} s = {n / seconds:.1f} tok/s", flush=True)
 
