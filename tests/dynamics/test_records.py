@@ -145,9 +145,12 @@ def test_s2_authors_cells_read_from_pickle_strings():
         s2_cells(raw[: len(raw) // 2])
 
 
-def test_records_cli_runs_without_git(tmp_path, monkeypatch):
+def test_without_git_the_ancestry_check_is_skipped_not_failed(monkeypatch):
+    """A clone without git (or a tarball): git_available says so, and the key checks still run."""
     monkeypatch.setattr(shutil, "which", lambda name: None)
     assert records.git_available() is False
+    assert records.check_record({**_good(), "commit": "0123456"}, "x.json", git=False) == []
+    assert records.check_record({**_good(), "dirty": True}, "x.json", git=False)
 
 
 def test_backfill_adds_provenance_without_touching_anything_else(tmp_path):
