@@ -160,6 +160,7 @@ DOCUMENTED = [
     ("dejavu/profile", "python benchmarks/dejavu.py --out runs/dejavu", "docs/dejavu.md"),
     ("dejavu/concentration", "attnlab dejavu collect --out runs/dejavu", "docs/dejavu.md"),
     ("dejavu/", "attnlab dejavu eval --out runs/dejavu", "docs/dejavu.md"),
+    ("kv/quest-ruler/int8-keys-t", "python -P benchmarks/quest_pages_oracle.py", "docs/kv.md"),
     ("kv/quest-ruler", "python -P benchmarks/quest_ruler.py", "docs/kv.md"),
     ("quant/decode_kl", "python benchmarks/decode_kl.py", "docs/quant.md"),
     ("quant/decode_speed", "python benchmarks/decode_speed.py", "docs/quant.md"),
