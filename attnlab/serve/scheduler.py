@@ -6,9 +6,10 @@ as data (a `Plan`: which conversations decode one token, which prompt chunk goes
 it with one engine call (one `Batch`: the decode rows and the chunk's row) and turns the logits into events,
 each reply ended by the one stop check (`attnlab.stop.Stop`). `Scheduler.step()` is the two in turn.
 
-A plan is at most one prefill chunk of one newcomer (round robin over the newcomers, so a long prompt delays the
-others' next tokens by one chunk at most) beside every conversation whose prompt is in: each advances by exactly
-one token per step. At most `max_batch` requests hold a slot (prefilling or decoding); the others wait and take
+A plan is one chunk of the first newcomer's prompt (round robin over the newcomers, so a long prompt delays the
+others' next tokens by one chunk at most), with the whole prompts of the next newcomers that fit in the same
+chunk's tokens (a burst of short prompts goes in in one step), beside every conversation whose prompt is in: each
+advances by exactly one token per step. At most `max_batch` requests hold a slot (prefilling or decoding); the others wait and take
 the slots that free, oldest first, so none starves (every request ends within its max_tokens). Requests carry a
 `key` (the caller's identity): while several keys wait, slots go to them in turn (round robin over keys, each
 key's oldest first), and `schedule(caps=...)` holds a key at its cap of slots.
@@ -152,9 +153,15 @@ class Scheduler:
         plan one step: every decoding request's next token, and one chunk of one newcomer's prompt."""
         self._admit(caps or {})
         plan = Plan(decode=[r.id for r in self.decoding])
-        if self.prefilling:
-            r = self.prefilling[0]
-            plan.chunks.append((r.id, r.fed, min(len(r.prompt), r.fed + self.chunk_now())))
+        budget = self.chunk_now() if self.prefilling else 0
+        for r in self.prefilling:  # the first newcomer's next chunk; then whole prompts that fit beside it
+            rest = len(r.prompt) - r.fed
+            n = min(rest, budget) if not plan.chunks else rest if rest <= budget else -1
+            if n >= 0:
+                plan.chunks.append((r.id, r.fed, r.fed + n))
+                budget -= n
+            if budget <= 0:
+                break
         self.last = plan
         return plan
 
@@ -222,6 +229,7 @@ class Runner:
                 r.session.took(r.prompt[a:b], logits[at][0, -1])
                 r.fed, at = b, at + 1
                 s.counters["prefill_chunks"] += 1
+        for r, _, _ in chunks:
             self._prefilled(r, events)
         if decode:
             s.counters["decode_steps"] += 1
@@ -237,7 +245,8 @@ class Runner:
         """After a chunk: round robin on to the next newcomer, or the prompt is in: the request decodes."""
         s = self.s
         if r.fed < len(r.prompt):
-            s.prefilling.rotate(-1)  # round robin: the next newcomer's chunk comes next
+            s.prefilling.remove(r)  # round robin: the newcomers after it go first next step
+            s.prefilling.append(r)
             return
         s.prefilling.remove(r)
         r.prefilled = True
