@@ -216,8 +216,9 @@ def j4(figs):
     m = load("j4_hierarchy.json", figs)["metrics"]
     A = m["authors_measure"]
     tr, un = A["trained_true_per_seed"], A["untrained_true_per_seed"]
-    order = Claim("layer 0 > layer 1", f"trained {', '.join(f'{a:.3f} > {b:.3f}' for a, b in tr)} (3 seeds), inside "
-                  "Table 1's range for layer 1 (0.55-0.81); untrained already " + ", ".join(f"{a:.3f} > {b:.3f}" for a, b in un),
+    pairs = lambda xs: ", ".join(f"{a:.3f} > {b:.3f}" for a, b in xs)  # noqa: E731
+    order = Claim("trained layer 0 > layer 1", f"trained {pairs(tr)} ({len(tr)} seeds), inside Table 1's range for layer 1 "
+                  f"(0.55-0.81); not produced by training: untrained already {pairs(un)}",
                   sum(a > b for a, b in tr), len(tr), [band_agrees([b for _, b in tr], [0.55, 0.81])])
     g, gs = A["gain_true_per_seed"], A["gain_shuffled_per_seed"]
     spec = Claim("hierarchy-specific learning", "layer-1 gain with true latents " + ", ".join(f"{x[1]:+.3f}" for x in g)

@@ -30,8 +30,9 @@ mean and a spread over seeds (S2), when every cell differs by at most {K_SE:g} c
   draws or models), and every size check agrees;
 - **reproduced in kind**: every shape check holds on more than half of the runs, but a size check
   misses or there are fewer than {MIN_RUNS} runs;
-- **not reproduced**: a shape check fails on half of the runs or more, or a control shows the same
-  effect;
+- **not reproduced**: a shape check fails on half of the runs or more; for a claim that training
+  produces an effect, beating its controls (untrained model, shuffled labels) is one of the shape
+  checks;
 - **pending**: the run the claim needs is not stored (its command is given); **not tested**: the
   stored run does not exercise the claim.
 For orthogonality the shape check is that co-occurring |cos| stays within {ORTH}x sqrt(2/(pi d)).
