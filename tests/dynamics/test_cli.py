@@ -42,6 +42,29 @@ def test_cli_run_records_its_command_and_commit(tmp_path):
     assert re.fullmatch(r"[0-9a-f]{40}|unknown", m["commit"]) and m["dirty"] in (True, False, None)
 
 
+def test_cli_record_is_taken_when_the_run_starts_and_names_its_wall_time(tmp_path, monkeypatch):
+    """The commit and dirty flag are read before the experiment runs (a change made during the run
+    cannot leak into its record), and the wall time covers the whole run."""
+    import time
+
+    from attnlab.cli import main
+    from attnlab.dynamics.registry import EXPERIMENTS, Experiment, register
+    seen = {}
+
+    def run(out, seed, size, progress):
+        seen["t"] = time.time()
+        monkeypatch.setattr("attnlab.io.provenance", lambda argv: {"command": "x", "commit": "late", "dirty": True})
+        time.sleep(0.3)
+        return {"figures": []}
+    register(Experiment("record-test", "test only", run))
+    try:
+        assert main(["dynamics", "record-test", "--seed", "4", "--out", str(tmp_path), "--no-progress"]) == 0
+    finally:
+        EXPERIMENTS.pop("record-test")
+    m = json.loads((tmp_path / "metrics.json").read_text())
+    assert m["commit"] != "late" and m["started_unix"] <= seen["t"] and m["wall_s"] >= 0.3 and m["seed"] == 4
+
+
 def test_registering_a_new_experiment_adds_a_subcommand(tmp_path):
     calls = []
     register(Experiment("dummy-test", "test only", lambda out, seed, size, progress: calls.append(size) or {}))
