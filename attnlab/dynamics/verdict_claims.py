@@ -283,10 +283,10 @@ ROWS = [
     ("J4", "Table 1: layer-0 units track level-0 latents, layer 1 lower; the hierarchy is learned", "`decoder_only_hier.py`: "
            "d 1024, 3 post-LN layers, 10,000 Adam steps", "d 128, 2,000 steps, 3 seeds; true vs class-shuffled latents", j4),
     ("J4 order", "JoMA, hierarchy: learned bottom-up (pairs with a low common ancestor first)", "(claim, no run)",
-           "latent-tree data, 3 seeds; step each leaf pair's embedding similarity crosses half its final value",
+           "latent-tree data, 6 seeds; step at which a leaf pair's block-0 similarity has made half its change",
            _new("j4_bottom_up.json", "attnlab dynamics bottom-up --threads 1", _bottom_up)),
     ("superp.", "JoMA, hierarchy: one MLP unit encodes several unrelated patterns (superposition)", "(claim, no run)",
-           "latent-tree model, 3 seeds; top-activating inputs of each unit vs a label-shuffled control",
+           "latent-tree model, 6 seeds; units vs class-shuffled latents and the untrained model",
            _new("j4_superposition.json", "attnlab dynamics superposition --threads 1", _superposition)),
     ("rank", "JoMA, pretrained models: the lower layer of the MLP (input projection) has low stable rank",
            "pretrained checkpoints (OPT / Pythia)",
