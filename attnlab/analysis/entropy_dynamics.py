@@ -19,6 +19,7 @@ plus validation loss. Uniform causal attention over 35 tokens has entropy 2.63.
 from __future__ import annotations
 
 import math
+import os
 import time
 from pathlib import Path
 
@@ -159,11 +160,16 @@ def run_attention_entropy(out, seed: int = 0, size: str = "full", progress: bool
     if size == "full" and WORKERS > 1:
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor
-
-        from attnlab.cli import use_threads
-        with ProcessPoolExecutor(WORKERS, mp_context=mp.get_context("spawn"), initializer=use_threads,
-                                 initargs=(1,)) as pool:
-            logs = list(pool.map(_train_job, jobs))
+        saved = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = "1"  # one torch thread per spawned worker (read when it imports torch)
+        try:
+            with ProcessPoolExecutor(WORKERS, mp_context=mp.get_context("spawn")) as pool:
+                logs = list(pool.map(_train_job, jobs))
+        finally:
+            if saved is None:
+                os.environ.pop("OMP_NUM_THREADS")
+            else:
+                os.environ["OMP_NUM_THREADS"] = saved
     else:
         logs = [_train_job(j) for j in jobs]
     runs = dict(zip(labels, logs))

@@ -40,7 +40,7 @@ class LocalBackend:
         errors = []
         for cell in cells:
             try:
-                payload = execute(cell.fn, cell.params, threads, cell.func)
+                payload = execute(cell.fn, cell.params, cell.func)  # threads: this process's, set by its command
             except (AttnlabError, OSError) as e:  # anything else is a bug: its traceback stays
                 errors.append((cell.key, " ".join(str(e).split()) or type(e).__name__))
                 continue
@@ -89,9 +89,9 @@ def assert_loopback(ray) -> None:
         raise AttnlabError(f"Ray nodes outside loopback: {', '.join(bad)} (set {LOOPBACK_ENV}=0 before Ray starts)")
 
 
-def _task(fn: str, params: dict, threads: int) -> dict:
+def _task(fn: str, params: dict) -> dict:
     import ray
-    return {**execute(fn, params, threads), "node": ray.get_runtime_context().get_node_id()}
+    return {**execute(fn, params), "node": ray.get_runtime_context().get_node_id()}
 
 
 class RayBackend:
@@ -132,8 +132,10 @@ class RayBackend:
 
     def run(self, cells, threads: int = 1):
         ray = self.ray
-        remote = ray.remote(_task).options(num_cpus=self.cpus, max_retries=self.max_retries, retry_exceptions=False)
-        refs = {remote.remote(c.fn, c.params, threads): c for c in cells}
+        env = {"env_vars": {"OMP_NUM_THREADS": str(threads)}} if threads else None  # torch's threads in the task
+        remote = ray.remote(_task).options(num_cpus=self.cpus, max_retries=self.max_retries, retry_exceptions=False,
+                                           runtime_env=env)
+        refs = {remote.remote(c.fn, c.params): c for c in cells}
         pending, errors = list(refs), []
         while pending:
             done, pending = ray.wait(pending, num_returns=1)

@@ -61,10 +61,9 @@ def resolve(fn: str) -> Callable:
     return getattr(importlib.import_module(module), name)
 
 
-def execute(fn: str, params: dict, threads: int = 1, func: Callable | None = None) -> dict:
-    """What a worker runs: the call, with `threads` torch threads, timed; -> {result, seconds, host, pid}."""
-    from attnlab.cli import use_threads
-    use_threads(threads or None)
+def execute(fn: str, params: dict, func: Callable | None = None) -> dict:
+    """What a worker runs: the call, timed; -> {result, seconds, host, pid}. torch's threads are the process's: the
+    command line's for the local backend, the task's environment (OMP_NUM_THREADS) for Ray's."""
     t0 = time.perf_counter()
     result = (func or resolve(fn))(**params)
     return {"result": result, "seconds": round(time.perf_counter() - t0, 4), "host": socket.gethostname(),
