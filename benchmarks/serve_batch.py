@@ -6,7 +6,15 @@ plus a question, the same max_tokens, temperature 0), R rounds each, the two ser
 Recorded per round: aggregate generated tokens per second (every stream's content chunks over the round's wall
 time), time to first token and inter-token latency (p50 / p99 over every stream), errors, and each server's peak
 RSS. llama-server's slots are fixed at start (`-np N`, context N x --ctx), so it is restarted per N; attnlab
-serves every N from one process (`--max-batch`). Writes a JSON record and a Markdown table (atomically).
+serves every N from one process (`--max-batch`). Beside each attnlab aggregate, the engine's own figure for the
+same requests, measured in this process (`engine_figure`): for N = 1 its `generate` of the same prompt and
+token count; for N > 1 the bound its measured prefill and batched step times give (every prompt prefilled, then
+the longest reply's steps of all N rows together), and the served aggregate over the engine's single stream.
+Writes a JSON record and a Markdown table (atomically).
+
+The issue-55 targets, e.g. (attnlab only, 1 and 2 threads):
+    python benchmarks/serve_batch.py --servers attnlab --concurrency 1,8 --prompt-words 5,20 --max-tokens 256
+    python benchmarks/serve_batch.py --servers attnlab --concurrency 1,8 --prompt-words 75,750 --max-tokens 64
 
     python benchmarks/serve_batch.py --concurrency 1,2,4,8,16 --threads 1,2 --rounds 3 --out docs/figures/serve/vs-llama-server
 """
@@ -63,11 +71,42 @@ async def round_(url: str, model: str, prompts: list[str], max_tokens: int, key:
         results = await asyncio.gather(*(one_stream(client, model, p, max_tokens) for p in prompts))
         wall = time.perf_counter() - t0
     tokens = sum(len(r["times"]) for r in results)
+    per = [len(r["times"]) for r in results]
     ttft = [r["times"][0] for r in results if r["times"]]
     gaps = [b - a for r in results for a, b in zip(r["times"], r["times"][1:])]
     return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, "errors": [r["error"] for r in results
                                                                                  if "error" in r],
-            "ttft": ttft, "itl": gaps}
+            "ttft": ttft, "itl": gaps, "per_stream": per}
+
+
+def engine_figure(lm, prompts: list[str], tokens: list[int], steps: int = 8) -> dict:
+    """The engine's own aggregate tokens per second for the same requests (chat-rendered, greedy; tokens: each
+    stream's count as served). N = 1: `generate` of the prompt, the whole request timed (prefill included). N > 1:
+    the bound its measured times give, sum(tokens) / (every prompt's prefill + max(tokens) batched steps of all
+    N rows), a step's time the median of `steps` steps over the N prefilled caches."""
+    import torch
+
+    from attnlab.batch import Batch
+    from attnlab.sampling import Sampler
+    ids = [lm.chat_ids([{"role": "user", "content": p}]) for p in prompts]
+    if len(ids) == 1:
+        t = time.perf_counter()
+        n = len(lm.generate_ids(ids, max(1, tokens[0]), Sampler())[0])
+        return {"engine": "generate", "engine_tok_s": n / (time.perf_counter() - t)}
+    caches = [lm.new_cache(capacity=len(p) + max(tokens) + steps + 2) for p in ids]
+    t = time.perf_counter()
+    for p, c in zip(ids, caches):
+        lm.prefill(torch.tensor([p]), c, chunk=256)
+    prefill = time.perf_counter() - t
+    tok, times = torch.full((len(ids),), 42), []
+    lm.step(Batch.decode(tok, caches))  # binds the rows
+    for _ in range(steps):
+        t = time.perf_counter()
+        lm.step(Batch.decode(tok, caches))
+        times.append(time.perf_counter() - t)
+    step = statistics.median(times)
+    return {"engine": "bound", "engine_tok_s": sum(tokens) / (prefill + max(tokens) * step),
+            "engine_prefill_s": prefill, "engine_step_ms": step * 1e3}
 
 
 async def fairness(url: str, model: str, prompts: list[str], long_prompt: str, max_tokens: int, key: str,
@@ -147,7 +186,7 @@ def summarize(rounds: list[dict]) -> dict:
             "ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99), "itl_p50": pct(itl, 0.5),
             "itl_p99": pct(itl, 0.99), "errors": sum(len(r["errors"]) for r in rounds),
             "error_examples": [e for r in rounds for e in r["errors"]][:3],
-            "tokens": sum(r["tokens"] for r in rounds)}
+            "tokens": sum(r["tokens"] for r in rounds), "per_stream": rounds[0]["per_stream"]}
 
 
 def main(argv=None) -> None:
@@ -208,8 +247,13 @@ def main(argv=None) -> None:
         write_json(args.out / ("overhead.json" if args.overhead else "fairness.json"), record)
         return
     for threads in (int(t) for t in args.threads.split(",")):
-        ours = ours_url = None
+        ours = ours_url = lm = None
+        single = None  # the engine's single stream at this thread count (its N = 1 figure)
         if "attnlab" in servers:
+            import attnlab
+            import torch
+            torch.set_num_threads(threads)  # this script is a command line's edge
+            lm = attnlab.load(model, threads=threads)
             ours, ours_url = start_server([model, "--threads", str(threads), "--name", "m", "--api-key", key,
                                            "--max-batch", str(top), "--max-sessions", str(4 * top),
                                            "--max-active", str(top), *args.attnlab_args.split()],
@@ -238,10 +282,20 @@ def main(argv=None) -> None:
                 for s in servers:
                     cell = {"server": s, "threads": threads, "n": n, **summarize(runs[s]),
                             "peak_rss_mib": peaks[s].peak if peaks[s] else None}
+                    if s == "attnlab":  # the engine's own figure for round 0's requests
+                        cell.update(engine_figure(lm, round_prompts(prompts, n, 0), cell["per_stream"]))
+                        single = cell["engine_tok_s"] if n == 1 else single
+                        cell["of_engine"] = cell["tok_s"] / cell["engine_tok_s"]
+                        cell["x_engine_single"] = cell["tok_s"] / single if single else None
                     record["cells"].append(cell)
                     print(f"threads {threads} N {n:>2} {s:<12} {cell['tok_s']:7.1f} tok/s  ttft p50 "
                           f"{cell['ttft_p50']:.2f} s  itl p50/p99 {cell['itl_p50'] * 1e3:.0f}/{cell['itl_p99'] * 1e3:.0f} "
                           f"ms  errors {cell['errors']}  rss {cell['peak_rss_mib'] or 0:.0f} MiB", flush=True)
+                    if s == "attnlab":
+                        print(f"{'':>18}engine ({cell['engine']}) {cell['engine_tok_s']:7.1f} tok/s  served / engine "
+                              f"{cell['of_engine']:.2f}" + (f"  served / engine's single stream "
+                                                            f"{cell['x_engine_single']:.2f}x" if single else ""),
+                              flush=True)
                 write_json(args.out / "serve_batch.json", record)
         finally:
             if ours:
@@ -252,8 +306,9 @@ def main(argv=None) -> None:
 
 
 def table(record: dict) -> str:
-    rows = ["| threads | N | server | tok/s (median) | x N=1 | TTFT p50 / p99 s | ITL p50 / p99 ms | errors | peak RSS MiB |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| threads | N | server | tok/s (median) | x N=1 | TTFT p50 / p99 s | ITL p50 / p99 ms | errors | peak RSS MiB "
+            "| engine tok/s (N=1: generate, N>1: bound) | served / engine | x engine's single stream |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     base = {(c["server"], c["threads"]): c["tok_s"] for c in record["cells"] if c["n"] == 1}
     for c in record["cells"]:
         one = base.get((c["server"], c["threads"]))
@@ -262,6 +317,8 @@ def table(record: dict) -> str:
                     f"{c['tok_s']:.1f} | - |")
         rows[-1] += (f" {c['ttft_p50']:.2f} / {c['ttft_p99']:.2f} | {c['itl_p50'] * 1e3:.0f} / "
                      f"{c['itl_p99'] * 1e3:.0f} | {c['errors']} | {c['peak_rss_mib'] or 0:.0f} |")
+        rows[-1] += (f" {c['engine_tok_s']:.1f} | {c['of_engine']:.2f} | " + (
+            f"{c['x_engine_single']:.2f} |" if c.get("x_engine_single") else "- |") if "engine_tok_s" in c else " - | - | - |")
     return "\n".join([f"`{record['command']}` at {record['commit'][:10]}", "", record["cpu"], "", *rows]) + "\n"
 
 
