@@ -28,7 +28,7 @@ their slot index, so positions never exceed the capacity.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, fields, replace
 from typing import ClassVar
 
 import torch
@@ -157,7 +157,9 @@ class Policy:
 
     def describe(self) -> str:
         block = f", block={self.block}" if self.block > 1 else ""
-        return f"{self.name}(budget={self.budget}, positions={self.positions}{block})"
+        changed = "".join(f", {f.name}={getattr(self.method, f.name)}" for f in fields(self.method or Scorer())
+                          if getattr(self.method, f.name) != f.default)  # the method's fields not at their default
+        return f"{self.name}(budget={self.budget}, positions={self.positions}{block}{changed})"
 
 
 def select(pos: torch.Tensor, score: torch.Tensor, budget: int, n_sink: int, n_recent: int) -> torch.Tensor:

@@ -71,6 +71,7 @@ def test_knorm_policy_equals_masked_full_attention(positions):
 def test_policy_specs():
     p = make_policy("snapkv:window_size=32:kernel_size=7", 256)
     assert (p.method.window_size, p.method.kernel_size, p.n_recent(256)) == (32, 7, 32)
+    assert p.describe() == "snapkv(budget=256, positions=cache, window_size=32, kernel_size=7)"  # what a result names
     assert make_policy("sink", 64, n_sink=2).n_sink(64) == 2 and make_policy("sink:n_sink=8", 64, n_sink=2).n_sink(64) == 8
     assert make_policy("window", 64, n_sink=2).n_sink(64) == 0  # --n-sink sets the sinks of a method that keeps some
     assert make_policy("h2o", "25%", length=100).tokens == 25
