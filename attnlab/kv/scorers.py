@@ -59,7 +59,9 @@ class Scorer:
     def __post_init__(self):
         for f in fields(self):  # a field's kind is its default's: bool (0 and 1 taken), int or float, never < 0
             value, default = getattr(self, f.name), f.default
-            if isinstance(default, bool) and value in (0, 1) and not isinstance(value, float):
+            if isinstance(default, bool):
+                if isinstance(value, float) or value not in (0, 1):
+                    raise AttnlabError(f"{self.name}: {f.name} is a flag (0 or 1), got {value!r}")
                 setattr(self, f.name, bool(value))
                 continue
             kind = int if isinstance(default, int) else (int, float)

@@ -82,5 +82,8 @@ def test_policy_specs():
                        ("tova:window_size=3", "window_size")):
         with pytest.raises(AttnlabError, match=match):
             make_policy(bad, 64)
+    assert make_press("expected_attention:use_vnorm=0").method.use_vnorm is False  # a flag as kvpress_anchor writes it
+    with pytest.raises(AttnlabError, match="flag"):
+        make_press("expected_attention:use_vnorm=2")
     with pytest.raises(AttnlabError, match="must exceed n_sink"):
         make_policy("h2o", "1%", length=100)  # a resolved budget is checked against the method too
