@@ -27,9 +27,9 @@ def peer(args) -> None:
     import nanogcg
     import torch
     import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     torch.set_num_threads(args.threads)
-    tok = AutoTokenizer.from_pretrained(args.peer)
+    tok = _tokenizer(args.peer)
     model = AutoModelForCausalLM.from_pretrained(args.peer, torch_dtype=torch.float32).eval()
     rows = []
     for pair in json.loads(Path(args.pairs_json).read_text()):
@@ -48,6 +48,19 @@ def peer(args) -> None:
     Path(args.out).write_text(json.dumps({"nanogcg": nanogcg.__version__ if hasattr(nanogcg, "__version__") else
                                           "0.3.0", "transformers": transformers.__version__, "torch": torch.__version__,
                                           "results": rows}, indent=2) + "\n")
+
+
+def _tokenizer(folder: str):
+    """The export's tokenizer under transformers 4.47: its config names transformers 5's class, so the fast
+    tokenizer is built from tokenizer.json with the same special tokens and chat template. No bos_token: SmolLM2's
+    is <|im_start|>, and nanogcg strips every occurrence of the BOS text from the rendered template, which would
+    attack a prompt without its turn markers (the template writes no BOS of its own)."""
+    from transformers import PreTrainedTokenizerFast
+    cfg = json.loads((Path(folder) / "tokenizer_config.json").read_text())
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(Path(folder) / "tokenizer.json"),
+                                  **{k: cfg[k] for k in ("eos_token", "pad_token", "unk_token") if k in cfg})
+    tok.chat_template = (Path(folder) / "chat_template.jinja").read_text()
+    return tok
 
 
 def _succeeds(model, tok, pair, suffix: str, extra: int = 2) -> bool:
@@ -72,6 +85,7 @@ def main(argv=None) -> int:
     ap.add_argument("--length", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--score-dtype", default="file", help="ours: `attnlab attack --score-dtype` (file, bfloat16)")
     ap.add_argument("--out", default="runs/nanogcg")
     ap.add_argument("--peer", default=None, help=argparse.SUPPRESS)  # nanogcg's side: the exported folder
     ap.add_argument("--pairs-json", default=None, help=argparse.SUPPRESS)
@@ -90,8 +104,8 @@ def main(argv=None) -> int:
         subprocess.run([*attnlab, "export", args.model, str(model_dir), "--force"], check=True)
     budget = ["--steps", str(args.steps), "--batch", str(args.batch), "--topk", str(args.topk), "--length",
               str(args.length), "--seed", str(args.seed), "--threads", str(args.threads)]
-    subprocess.run([*attnlab, "attack", args.model, "--pairs", args.pairs, "--out", str(out / "ours"), *budget],
-                   check=True)
+    subprocess.run([*attnlab, "attack", args.model, "--pairs", args.pairs, "--out", str(out / "ours"), *budget,
+                    "--score-dtype", args.score_dtype], check=True)
     ours = json.loads((out / "ours" / "attack.json").read_text())["results"]
     (out / "pairs.json").write_text(json.dumps([{"pair": i, "prompt": p, "target": t} for i, p, t in pairs(args.pairs)]))
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}

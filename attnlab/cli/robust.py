@@ -36,13 +36,22 @@ def cmd_attack(args) -> int:
     args.resume_hint = f"run the same command again to continue from {out}"
     engine = load_lm(args)
     model = _grad_model(args)
+    scorer = None
+    if args.score_dtype != "file":
+        from attnlab.engine import LM
+        from attnlab.options import Options
+        scorer = LM.load(args.model, Options(dtype=args.score_dtype, compile=False, threads=args.threads),
+                         tokenizer=False)
     allowed = allowed_tokens(engine.tokenizer, engine.cfg.vocab_size, "punct" if cfg.tokens == "punct" else "all")
     init = initial_suffix(engine.tokenizer, cfg.length)
     results = []
     with progress(len(chosen) * cfg.steps, "attack", unit="step") as bar:
         for i, prompt, target in chosen:
             case = make_case(engine, prompt, target)
-            attack = GCG(engine, model, case, cfg, allowed, init, {"model": str(args.model), "quant": engine.quant})
+            ident = {"model": str(args.model), "quant": engine.quant}
+            if scorer is not None:
+                ident["score_dtype"] = args.score_dtype
+            attack = GCG(engine, model, case, cfg, allowed, init, ident, scorer)
             res = attack.run(out / f"pair-{i:02d}.state.json", bar)
             rand = share.random_suffix(allowed, cfg.length, cfg.seed + i)
             res.update(pair=i, prompt=prompt, target=target, tokens=cfg.tokens,
@@ -54,6 +63,7 @@ def cmd_attack(args) -> int:
                "success_by_step": [sum(r["success_by_step"][s] for r in results) / n for s in range(cfg.steps)],
                "seconds_per_step": sum(r["seconds_per_step"] for r in results) / n}
     write_json(out / "attack.json", {**record, "seed": cfg.seed, "model": str(args.model), "quant": engine.quant,
+                                     "score_dtype": args.score_dtype,
                                      "threads": args.threads, "config": cfg.__dict__, "summary": summary,
                                      "results": results})
     _plots(results, out, f"GCG on {args.model} ({cfg.tokens} tokens, L={cfg.length}, B={cfg.batch}, k={cfg.topk})")
@@ -180,6 +190,9 @@ def add_parser(sub) -> None:
                         "--fluent-top next tokens at each position (the subtler variants)")
     p.add_argument("--fluent-top", type=positive_int, default=100, help="fluent: next tokens kept per position")
     p.add_argument("--chunk", type=positive_int, default=32, help="candidate rows per engine pass")
+    p.add_argument("--score-dtype", default="file", choices=["file", "bfloat16"],
+                   help="weights that score the candidates: the file's (packed; a [B, T] batch expands them to "
+                        "float32) or bfloat16 (AMX tiles where the CPU has them; the success check stays on the file's)")
     p.add_argument("--seed", type=int, default=0, help="seed of the candidate draws")
     p.add_argument("--out", default="runs/attack", help="folder: a state file per pair (resumable), attack.json, "
                                                          "loss.png, attention.png")

@@ -24,7 +24,7 @@ from attnlab.errors import AttnlabError
 from attnlab.sampling import Sampler
 
 # Windowed NLL thresholds (nats/token) calibrated on ordinary prompts (docs/robust.md: `attnlab guard --calibrate`)
-CALIBRATED = {"SmolLM2-135M-Instruct.Q4_1.gguf": 9.0}
+CALIBRATED = {"SmolLM2-135M-Instruct.Q4_1.gguf": 10.3}
 WINDOW = 10
 
 
@@ -71,6 +71,14 @@ class PerplexityFilter:
         reason = (f"perplexity filter: {where} scores {s:.2f} nats/token, above the threshold {self.threshold:g}"
                   if flagged else "")
         return Verdict(flagged, s, reason)
+
+    def check_messages(self, messages: list[dict]) -> Verdict:
+        """A chat request: each user message's text checked alone; the first flagged one, else the highest score."""
+        verdicts = [self.check(m["content"]) for m in messages
+                    if m.get("role") == "user" and isinstance(m.get("content"), str) and m["content"]]
+        if not verdicts:
+            return Verdict(False, 0.0, "")
+        return next((v for v in verdicts if v.flagged), max(verdicts, key=lambda v: v.score))
 
 
 def perturb(text: str, rate: float, rng: random.Random) -> str:

@@ -176,11 +176,13 @@ class GCG:
     """One attack on one case; `run` steps it to cfg.steps, writing `state_path` after every step."""
 
     def __init__(self, engine, grad_model, case: Case, cfg: GCGConfig, allowed: torch.Tensor, init: list[int],
-                 ident: dict | None = None):
+                 ident: dict | None = None, scorer_engine=None):
+        """engine: the greedy success check (and the candidates' scoring unless scorer_engine, e.g. a bfloat16 load
+        of the same file: AMX tiles score a [B, T] batch faster than packed weights, which expand to float32)."""
         if len(init) != cfg.length:
             raise AttnlabError(f"the initial suffix has {len(init)} tokens, the attack asks for {cfg.length}")
         self.engine, self.grad_model, self.case, self.cfg, self.allowed = engine, grad_model, case, cfg, allowed
-        self.scorer = Scorer(engine, case, cfg.chunk)
+        self.scorer = Scorer(scorer_engine or engine, case, cfg.chunk)
         self.gen = torch.Generator().manual_seed(cfg.seed)
         settings = {k: v for k, v in asdict(cfg).items() if k != "steps"}  # a rerun may ask for more steps
         self.ident = {"config": settings, "before": case.before, "after": case.after, "target": case.target,

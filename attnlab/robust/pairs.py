@@ -83,7 +83,7 @@ def play_lines(min_words: int = 4) -> list[str]:
     return out
 
 
-def ordinary_prompts(encode, plays: int = 600, ruler: int = 40, ruler_length: int = 192,
+def ordinary_prompts(encode, plays: int = 600, ruler: int = 40, ruler_length: int = 512,
                      seed: int = 0) -> list[dict]:
     """[{"source", "text"}]: `plays` play lines drawn at random, every chat question, `ruler` RULER prompts of
     ruler_length tokens (of `encode`) over the RULER tasks in turn; deterministic in seed."""

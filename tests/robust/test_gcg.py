@@ -52,9 +52,9 @@ def test_scorer_matches_the_full_pass(setup):
     assert torch.allclose(batched, full, atol=1e-3) and torch.allclose(together, full, atol=1e-3)
 
 
-def _attack(setup, steps, seed=0, length=6):
+def _attack(setup, steps, seed=0, length=6, batch=16):
     lm, case, allowed = setup
-    cfg = GCGConfig(length=length, steps=steps, batch=16, topk=16, seed=seed, chunk=16)
+    cfg = GCGConfig(length=length, steps=steps, batch=batch, topk=16, seed=seed, chunk=16)
     return GCG(lm, lm.model, case, cfg, allowed, initial_suffix(lm.tokenizer, length))
 
 
@@ -71,15 +71,21 @@ def test_gcg_lowers_the_loss_below_random_suffixes(setup):
 
 
 def test_resume_gives_the_uninterrupted_result(setup, tmp_path):
-    whole = _attack(setup, steps=4, seed=3).run()
+    whole = _attack(setup, steps=2, seed=3, batch=4, length=4).run()
     path = tmp_path / "state.json"
-    _attack(setup, steps=2, seed=3).run(path)  # "interrupted" after two steps
-    resumed = _attack(setup, steps=4, seed=3).run(path)
+    _attack(setup, steps=1, seed=3, batch=4, length=4).run(path)  # "interrupted" after one step
+    resumed = _attack(setup, steps=2, seed=3, batch=4, length=4).run(path)
     assert resumed["losses"] == whole["losses"] and resumed["suffix_ids"] == whole["suffix_ids"]
-    other = GCG(setup[0], setup[0].model, setup[1], GCGConfig(length=6, steps=4, batch=8, topk=16, seed=3),
-                setup[2], initial_suffix(setup[0].tokenizer, 6))
+    assert len(set(map(tuple, (r["suffix"] for r in _history(path))))) > 1  # the suffix moved
+    other = GCG(setup[0], setup[0].model, setup[1], GCGConfig(length=4, steps=4, batch=8, topk=16, seed=3),
+                setup[2], initial_suffix(setup[0].tokenizer, 4))
     with pytest.raises(AttnlabError, match="other settings"):
         other.run(path)
+
+
+def _history(path):
+    import json
+    return json.loads(path.read_text())["history"]
 
 
 def test_subtle_token_sets(setup):
