@@ -258,6 +258,8 @@ def main(argv=None) -> None:
                                            "--max-batch", str(top), "--max-sessions", str(4 * top),
                                            "--max-active", str(top), *args.attnlab_args.split()],
                                           free_port(), 600)
+            asyncio.run(round_(ours_url, "m", ["Hello."], 8, key))  # warm-up: a first request's one-time costs
+            engine_figure(lm, ["Hello."], [8])
         try:
             for n in levels:
                 peer = peer_url = None
