@@ -107,8 +107,8 @@ class Policy:
         n, pos = kv.n, kv.pos[:, :, :kv.n]
         B = pos.shape[0]
         budget = self.tokens
-        o = Observed(pos, torch.full((B,), budget), (pos[:, 0] >= 0).sum(-1),
-                     forced(pos, self.n_sink(budget), self.n_recent(budget)), **scorers.gathered(kv, n))
+        o = Observed(pos, torch.full((B,), budget), (pos[:, 0] >= 0).sum(-1), self.n_sink(budget),
+                     self.n_recent(budget), **scorers.gathered(kv, n))
         if self.method.reads_keys:
             o.keys, o.values = scorers.stored(kv)
         return o

@@ -146,7 +146,7 @@ def observed(press: Press, kv, recorder: PressRecorder, i: int, hf_layout: bool 
     pos = kv.pos[:, :, :kv.n]
     n_real = (pos[:, 0] >= 0).sum(-1)
     keep = torch.tensor([max(1, int(x * (1 - press.ratio))) for x in n_real.tolist()])
-    o = Observed(pos, keep, n_real, scorers.forced_for(press.method, pos, keep), k, v, tables=kv.rope.tables)
+    o = Observed(pos, keep, n_real, *scorers.kept_always(press.method, keep), k, v, tables=kv.rope.tables)
     if press.window:
         o.window = _window_probs(o, *recorder.tails[i])
     if press.needs_probs:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from functools import cached_property
 from typing import ClassVar
 
 import torch
@@ -31,14 +32,16 @@ INF = float("inf")
 @dataclass
 class Observed:
     """What a scorer reads for one layer. pos [B, H_kv, n] (-1 = padding); keep, n_real [B] (each row's quota and
-    real length); forced [B, H_kv, n]: slots kept whatever their score (`forced`); keys, values [B, H_kv, n, D]
-    (float, rotated, pairs (2i, 2i+1)); window [B, H_kv, G, W, n]: attention of the last W queries, oldest first
-    (G query heads per KV head, or G = 1: their mean); acc [B, H_kv, n]: attention summed over every query (group
-    mean); q_mean [B, Hq, D], q_cov [B, Hq, D, D]: pre-RoPE query statistics; tables: positions -> RoPE rotations."""
+    real length); n_sink, n_recent [B]: what the method keeps of each row whatever the score (`forced`, computed
+    when read: [B, H_kv, n]); keys, values [B, H_kv, n, D] (float, rotated, pairs (2i, 2i+1)); window
+    [B, H_kv, G, W, n]: attention of the last W queries, oldest first (G query heads per KV head, or G = 1: their
+    mean); acc [B, H_kv, n]: attention summed over every query (group mean); q_mean [B, Hq, D], q_cov
+    [B, Hq, D, D]: pre-RoPE query statistics; tables: positions -> RoPE rotations."""
     pos: torch.Tensor
     keep: torch.Tensor
     n_real: torch.Tensor
-    forced: torch.Tensor
+    n_sink: object
+    n_recent: object
     keys: torch.Tensor | None = None
     values: torch.Tensor | None = None
     window: torch.Tensor | None = None
@@ -46,6 +49,10 @@ class Observed:
     q_mean: torch.Tensor | None = None
     q_cov: torch.Tensor | None = None
     tables: object = None
+
+    @cached_property
+    def forced(self) -> torch.Tensor:
+        return forced(self.pos, self.n_sink, self.n_recent)
 
 
 @dataclass
@@ -292,11 +299,10 @@ def forced(pos: torch.Tensor, n_sink, n_recent) -> torch.Tensor:
     return (pos >= 0) & ((pos < n_sink) | (pos > latest - n_recent))
 
 
-def forced_for(method: Scorer, pos: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """`forced` with each row's sinks and recent window out of its quota keep [B] (clipped to fit it)."""
+def kept_always(method: Scorer, keep: torch.Tensor) -> tuple[list[int], list[int]]:
+    """Each row's sinks and recent window out of its quota keep [B], clipped to fit it: (n_sink, n_recent)."""
     sinks = [min(method.sinks(k), k) for k in keep.tolist()]
-    recent = [max(0, min(method.recent(k), k - s)) for k, s in zip(keep.tolist(), sinks)]
-    return forced(pos, sinks, recent)
+    return sinks, [max(0, min(method.recent(k), k - s)) for k, s in zip(keep.tolist(), sinks)]
 
 
 def choose(pos: torch.Tensor, score: torch.Tensor, keep, force: torch.Tensor | None = None,
@@ -304,7 +310,7 @@ def choose(pos: torch.Tensor, score: torch.Tensor, keep, force: torch.Tensor | N
     """The slots to keep, the one selection of policies and presses: pos, score [B, H, n]; keep: pairs per row
     (an int, or [B]); force [B, H, n]: slots kept first (+inf); padding (position -1) last; page > 1: whole pages
     (`whole_pages`). Returns ascending idx [B, H, m] (m = max keep) and alive [B, H, m]: False for a row's surplus
-    slots (to be masked), when rows keep different counts."""
+    slots (to be masked), when rows keep different counts (None for an int keep: every slot is alive)."""
     s = score.float()
     if force is not None:
         s = s.masked_fill(force, INF)
@@ -312,8 +318,7 @@ def choose(pos: torch.Tensor, score: torch.Tensor, keep, force: torch.Tensor | N
     if page > 1:
         s = whole_pages(s, pos, page)
     if isinstance(keep, int):
-        idx = s.topk(keep, dim=-1, sorted=False).indices.sort(-1).values
-        return idx, torch.ones(idx.shape, dtype=torch.bool)
+        return s.topk(keep, dim=-1, sorted=False).indices.sort(-1).values, None
     m = int(keep.max())
     top = s.topk(m, dim=-1).indices  # descending score: a row's first keep[b] are its own
     alive = (torch.arange(m)[None, None] < keep[:, None, None]).expand_as(top)
@@ -380,7 +385,6 @@ def gathered(kv, n: int) -> dict:
     if "acc" in state:
         out["acc"] = state["acc"][..., :n]
     if "obs" in state:
-        W, rows = state["obs"].shape[2], state["rows"]
-        order = (state["ptr"] - rows + torch.arange(rows)) % W
-        out["window"] = state["obs"][:, :, order, :n][:, :, None]
+        obs, W, rows, ptr = state["obs"][..., :n], state["obs"].shape[2], state["rows"], state["ptr"]
+        out["window"] = (obs if rows == W and ptr == 0 else obs[:, :, (ptr - rows + torch.arange(rows)) % W])[:, :, None]
     return out
