@@ -64,6 +64,17 @@ def smollm2_native():
     return attnlab.load()
 
 
+@pytest.fixture(scope="module")
+def qwen_native():
+    import attnlab
+    from attnlab.model.files import resolve
+    try:
+        resolve("qwen2.5-coder-0.5b")
+    except Exception as e:  # noqa: BLE001 - not fetched here
+        pytest.skip(f"the Qwen2.5-Coder-0.5B file is not fetched ({e})")
+    return attnlab.load("qwen2.5-coder-0.5b")
+
+
 def _logits_of(lm, run) -> dict:
     """Per cache, the logits each step returned for it (a chunk's last row, a decode row), during run()."""
     seen: dict = {}
@@ -98,11 +109,25 @@ def _serve(lm, prompts, chunk, order, stagger=0) -> dict[int, torch.Tensor]:
     return {i: torch.stack(seen[id(s.cache)][-NEW:]) for i, s in sessions.items()}
 
 
-@pytest.mark.skipif(not (build.repacks() and build.wide()), reason="bit-level batch invariance needs weights repacked "
-                    "into 16-row blocks and the C++ prompt attention (AVX-512 VNNI or AMX)")
+INVARIANT = pytest.mark.skipif(not (build.repacks() and build.wide()), reason="bit-level batch invariance needs "
+                               "weights repacked into 16-row blocks and the C++ prompt attention (AVX-512 VNNI or AMX)")
+
+
+@INVARIANT
 @pytest.mark.parametrize("native", [True, False], ids=["native", "eager"])
 def test_a_conversation_gets_the_same_bits_alone_in_a_batch_of_8_and_chunked(smollm2_native, native):
-    lm = smollm2_native
+    _invariant(smollm2_native, native)
+
+
+@INVARIANT
+@pytest.mark.real
+@pytest.mark.parametrize("native", [True, False], ids=["native", "eager"])
+def test_qwen_q4_k_m_gets_the_same_bits_alone_in_a_batch_of_8_and_chunked(qwen_native, native):
+    """The real checkpoint's mix (Q4_K and Q6_K superblocks, layers of parts, an untied head)."""
+    _invariant(qwen_native, native)
+
+
+def _invariant(lm, native: bool) -> None:
     if not native:
         lm = copy.copy(lm)
         lm.compiled = None
