@@ -10,7 +10,6 @@ from tests.conftest import tiny_lm
 from tests.kv.kv_reference import NEVER, cache_reference, original_reference, run
 from tests.kv.test_press import RATIO, T, ids, lm  # noqa: F401 (fixtures: the press tests' model and prompt)
 
-KEEP = int(T * (1 - RATIO))  # the press's quota of a T-token prompt: the policy's budget
 BOTH = [("sink", "streaming_llm"), ("h2o", "h2o"), ("sink_h2o", "sink_h2o"), ("tova", "tova"), ("snapkv", "snapkv"),
         ("snapkv:window_size=16:kernel_size=3", "snapkv:window_size=16:kernel_size=3"), ("knorm", "knorm")]
 
@@ -21,26 +20,30 @@ def kept(layer) -> torch.Tensor:
     return pos[pos >= 0].view(*pos.shape[:2], -1).sort(-1).values
 
 
+@pytest.mark.parametrize("ratio", [0.25, RATIO, 0.75])
+@pytest.mark.parametrize("positions", ["original", "cache"])
 @pytest.mark.parametrize("policy_name, press_name", BOTH)
-def test_policy_keeps_what_the_press_keeps(lm, ids, policy_name, press_name):
+def test_policy_keeps_what_the_press_keeps(lm, ids, policy_name, press_name, positions, ratio):
     """Alike means: the same method and fields (asserted), the policy's budget equal to the press's quota
-    int(T * (1 - ratio)), one row, original positions, no pages, and the whole T-token prefix fed in one forward
+    int(T * (1 - ratio)), one row, no pages, and the whole T-token prefix fed in one forward
     (chunk >= T), so the policy's one and only eviction comes after every prefix query has been observed, as the
     press reads the whole prompt. (With smaller chunks a policy evicts between chunks, on part of the evidence.)
     The attention a policy scores with comes from the forward pass and the press recomputes its window's from the
-    recorded queries: equal up to float rounding, which moves no kept slot here."""
-    policy = make_policy(policy_name, KEEP, positions="original", chunk=T)
-    press = make_press(press_name, RATIO)
+    recorded queries: equal up to float rounding, which moves no kept slot here. The policy's positions do not
+    matter before its first eviction (under `cache` a key's slot is its position until then)."""
+    keep = int(T * (1 - ratio))
+    policy = make_policy(policy_name, keep, positions=positions, chunk=T)
+    press = make_press(press_name, ratio)
     assert policy.method == press.method
     cache = lm.new_cache(1, policy=policy)
     lm.prefill(ids, cache, chunk=T)
     pressed = lm.new_cache(1, capacity=T + 4)
     lm.prefill(ids, pressed, chunk=T, press=press)
-    recent = torch.arange(T - KEEP, T)
+    recent = torch.arange(T - keep, T)
     scored = False
     for layer, ref in zip(cache.layers, pressed.layers):
         got, want = kept(layer), kept(ref)
-        assert got.shape[-1] == KEEP and torch.equal(got, want), (policy_name, got, want)
+        assert got.shape[-1] == keep and torch.equal(got, want), (policy_name, got, want)
         scored |= not torch.equal(want, recent.expand_as(want))
     assert scored or policy_name == "sink"  # the method's score chose something other than the latest tokens
 
