@@ -306,7 +306,7 @@ def kept_always(method: Scorer, keep: torch.Tensor) -> tuple[list[int], list[int
 
 
 def choose(pos: torch.Tensor, score: torch.Tensor, keep, force: torch.Tensor | None = None,
-           page: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+           page: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The slots to keep, the one selection of policies and presses: pos, score [B, H, n]; keep: pairs per row
     (an int, or [B]); force [B, H, n]: slots kept first (+inf); padding (position -1) last; page > 1: whole pages
     (`whole_pages`). Returns ascending idx [B, H, m] (m = max keep) and alive [B, H, m]: False for a row's surplus
