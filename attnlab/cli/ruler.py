@@ -7,7 +7,7 @@ from pathlib import Path
 
 from attnlab.cli.common import UserError, add_model_args, add_sparsity_arg, load_lm, nonneg_int, positive_int
 from attnlab.cli.stream import _slug, policy_list, run_identity
-from attnlab.io import progress, write_json, write_text
+from attnlab.io import finish_record, progress, run_record, write_json, write_text
 
 
 def _list(text: str, kind, what: str) -> list:
@@ -65,6 +65,7 @@ def cmd_ruler(args) -> int:
     out = Path(args.out) if args.out else Path("runs") / "ruler" / _slug(Path(str(args.model)).name)
     args.tokens, args.streams, args.offset, args.text = 0, 0, 0, "ruler"
     identity = run_identity(args, "")
+    record = run_record(None, args.seed, command=_command(args, tasks, lengths, policies, ratios))  # this session's code
     with progress(len(plan(lengths, policies, ratios, args.samples)), "ruler", unit="unit") as bar:
         units = run_ruler(lambda: load_lm(args), tasks, lengths, policies, ratios, args.samples, out, identity, args.seed, args.haystack,
                           args.chunk, args.positions, args.n_sink, args.force, bar.update, compute=not args.table_only,
@@ -73,7 +74,9 @@ def cmd_ruler(args) -> int:
         raise UserError(f"no finished units in {out} for these options")
     rows = cells(units)
     seconds = sum(u["seconds"] for u in units)
-    summary = {"command": _command(args, tasks, lengths, policies, ratios), "model": str(args.model), "tasks": tasks,
+    record = finish_record(record)  # units resumed from an earlier session ran that session's code: see each unit
+    summary = {**{k: record[k] for k in ("command", "commit", "dirty", "started", "wall_s")},
+               "model": str(args.model), "tasks": tasks,
                "units_done": len(units), "units_planned": len(plan(lengths, policies, ratios, args.samples)),
                "lengths": lengths, "policies": ["full"] + policies, "ratios": ratios, "samples": args.samples,
                "seed": args.seed, "haystack": args.haystack, "chunk": args.chunk, "positions": args.positions,

@@ -142,3 +142,15 @@ def test_summary_json_is_what_the_report_reads(tmp_path):
                                                        "cells": rows}))
     (s,) = collect([tmp_path])
     assert s.kind == "ruler" and s.command == "attnlab ruler x" and "sink" in s.text
+
+
+def test_cli_summary_names_the_code_that_ran(tmp_path):
+    """The summary records the commit, dirty flag and seed of this session's code, taken when the run starts."""
+    from attnlab.cli import main
+    out = tmp_path / "r"
+    assert main(["ruler", "--tasks", "niah_single", "--lengths", "512", "--samples", "1", "--seed", "3",
+                 "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["command"].startswith("attnlab ruler") and summary["seed"] == 3
+    assert summary["commit"] not in ("", None) and summary["dirty"] in (True, False, None)
+    assert summary["wall_s"] >= 0 and summary["cells"]
