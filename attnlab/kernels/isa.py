@@ -20,9 +20,12 @@ import platform
 from pathlib import Path
 
 # the C++ sources of every variant: quantized matmuls; attention over the KV cache; matvecs over 16-row repacked
-# weights; the native decode step; TEAL's column ops; a forward pass's elementwise glue; a prompt's causal attention
-SOURCES = ("kernels.cpp", "attend.cpp", "repacked.cpp", "step.cpp", "sparse_cols.cpp", "glue.cpp", "causal.cpp", "quest.cpp")
-HEADERS = ("kernels_simd.h", "attend.h", "quest.h")
+# weights, the embedding gather from them and the repacking at load; the native decode step; TEAL's column ops;
+# a forward pass's elementwise glue; a prompt's causal attention; Quest's pages
+SOURCES = ("kernels.cpp", "attend.cpp", "repacked.cpp", "repacked_rows.cpp", "repack_load.cpp", "step.cpp",
+           "sparse_cols.cpp", "glue.cpp", "causal.cpp", "quest.cpp")
+HEADERS = ("kernels_simd.h", "attend.h", "quest.h", "repacked_layout.h", "repacked_isa.h", "repacked_amx.h",
+           "repacked_blocks.h")
 FLAGS = ("-O3", "-fopenmp")  # + the variant's ISA flags (LEVELS); OpenMP: at::parallel_for's threads
 LDFLAGS = ("-fopenmp",)
 # variant -> (cpuinfo flags it needs, compiler flags), best last
