@@ -136,9 +136,10 @@ def _register_fakes() -> None:
         torch.library.register_fake(f"attnlab::{name}")(lambda x, w, n, *rest: x.new_empty(x.shape[0], n))
     for name in ("q4x_glu", "q8x_glu"):
         torch.library.register_fake(f"attnlab::{name}")(lambda x, w, n, *rest: x.new_empty(x.shape[0], n // 2))
-    for name in ("f32", "q8", "q4"):
-        torch.library.register_fake(f"attnlab::{name}_rows_mv")(fake_mv)
-        torch.library.register_fake(f"attnlab::{name}_rows_axpy")(fake_axpy)
+    for name in ("f32_rows_mv", "q8_rows_mv", "q4_rows_mv"):
+        torch.library.register_fake(f"attnlab::{name}")(fake_mv)
+    for name in ("f32_rows_axpy", "q8_rows_axpy", "q4_rows_axpy"):
+        torch.library.register_fake(f"attnlab::{name}")(fake_axpy)
     torch.library.register_fake("attnlab::rms_norm")(lambda x, w, eps: torch.empty_like(x))
     torch.library.register_fake("attnlab::silu_mul")(lambda h: h.new_empty(*h.shape[:-1], h.shape[-1] // 2))
     torch.library.register_fake("attnlab::causal_attention")(lambda q, k, v, scale: torch.empty_like(q))

@@ -9,7 +9,7 @@ Matrix ops take activations x [M, K] float32 and a weight's packed operands (N o
   lut4_mm (k-means codes qs [N, K/2] through int8 codebooks lut [N, K/group, 16], lut_scale [N, K/group]).
   The kernels round x to int8 per 32 values (`reference.round_activations`); the fallback multiplies
   the dequantised matrix in float.
-Row ops (Deja Vu's sparse MLP) pick rows idx [k] int64 of a weight given as `operands(kind)`:
+Row ops (Deja Vu's sparse MLP) pick rows idx [k] int64 of a weight given as a layout's operands:
   rows_mv(x [K]) -> [k] = w[idx] @ x; rows_axpy(a [k]) -> [K] = sum_j a_j w[idx_j].
 """
 from __future__ import annotations
@@ -178,74 +178,52 @@ def q8x_mm(x: torch.Tensor, w: torch.Tensor, n: int, group: int, has_min: bool, 
     return x @ dequantize_int8_blocks(q, scale, min_=min_).T
 
 
-# ---------------------------------------------------------------- row-sparse ops
+# ---------------------------------------------------------------- row- and column-sparse ops
+# `sparse` is a layout's entry in the table of weight formats (`attnlab.quant.kinds.Sparse`: its C++ ops and the
+# fallback's rows), operands the layout's buffers then its group, as the table declares them.
 
-ROW_KINDS = ("f32", "q8", "q4")  # operands: (w [N, K],) | (q, scale, group) | (qs, scale, min, group)
-
-
-def _rows(kind: str, operands: tuple, idx: torch.Tensor) -> torch.Tensor:
-    """The selected rows as float32 [k, K]."""
-    if kind == "f32":
-        return operands[0].index_select(0, idx).float()
-    picked = [t.index_select(0, idx) for t in operands[:-1]]
-    if kind == "q8":
-        return dequantize_int8_blocks(*picked)
-    return dequantize_int4(*picked, operands[-1])
-
-
-def bound_rows(kind: str, operands: tuple) -> tuple:
+def bound_rows(sparse, operands: tuple) -> tuple:
     """(mv(x, idx), axpy(a, idx)) for one weight with the path and op looked up once, for a loop that
     calls them every token (the checks of a one-shot call cost as much as a small row op)."""
     if enabled():
-        mv, axpy = getattr(torch.ops.attnlab, f"{kind}_rows_mv"), getattr(torch.ops.attnlab, f"{kind}_rows_axpy")
+        mv, axpy = getattr(torch.ops.attnlab, sparse.rows_mv), getattr(torch.ops.attnlab, sparse.rows_axpy)
         return (lambda x, idx: mv(x, *operands, idx)), (lambda a, idx: axpy(a, *operands, idx))
-    if kind == "f32":  # a weighted bag of rows: torch streams each row once, no gathered copy
+    if sparse.bag:  # a weighted bag of rows: torch streams each row once, no gathered copy
         start = torch.zeros(1, dtype=torch.long)
         axpy = lambda a, idx: F.embedding_bag(idx, operands[0], start, per_sample_weights=a, mode="sum")[0]  # noqa: E731
     else:
-        axpy = lambda a, idx: a @ _rows(kind, operands, idx)  # noqa: E731
-    return (lambda x, idx: _rows(kind, operands, idx) @ x), axpy
+        axpy = lambda a, idx: a @ sparse.gather(operands, idx)  # noqa: E731
+    return (lambda x, idx: sparse.gather(operands, idx) @ x), axpy
 
 
-def rows_mv(kind: str, x: torch.Tensor, operands: tuple, idx: torch.Tensor) -> torch.Tensor:
+def rows_mv(sparse, x: torch.Tensor, operands: tuple, idx: torch.Tensor) -> torch.Tensor:
     """x [K] float32, idx [k] int64 -> [k]: w[idx] @ x, each selected row read once."""
-    return bound_rows(kind, operands)[0](x, idx)
+    return bound_rows(sparse, operands)[0](x, idx)
 
 
-def rows_axpy(kind: str, a: torch.Tensor, operands: tuple, idx: torch.Tensor) -> torch.Tensor:
+def rows_axpy(sparse, a: torch.Tensor, operands: tuple, idx: torch.Tensor) -> torch.Tensor:
     """a [k] float32, idx [k] int64 -> [K]: sum_j a_j w[idx_j] (repeated indices add up)."""
-    return bound_rows(kind, operands)[1](a, idx)
+    return bound_rows(sparse, operands)[1](a, idx)
 
 
-# ---------------------------------------------------------------- column-sparse ops (TEAL)
-# y = W (x thresholded) for one token, on W stored transposed: wt [K inputs, N outputs], one input
-# channel per row, given as operands(kind) like the row ops: (wt,) | (q, scale, group) | (qs, scale, min, group)
-# with groups of 32 along N, or q4g: (ct [K, N/2], st, mt [K/32, N]), an int4 weight in its own groups of 32
-# inputs (attnlab/kernels/sparse_cols.cpp). Channels with |x_j| <= tau are never read.
+# Column-sparse (TEAL): y = W (x thresholded) for one token, on W stored transposed: wt [K inputs, N outputs], one
+# input channel per row, in the layout `sparse` names (attnlab/kernels/sparse_cols.cpp). Channels with |x_j| <= tau
+# are never read.
 
-def bound_cols(kind: str, operands: tuple):
+def bound_cols(sparse, operands: tuple):
     """cols(x [K] float32, tau) -> [N] float32 for one transposed weight, its op looked up once (the decode
     step calls it four times a layer)."""
     if enabled():
-        op = getattr(torch.ops.attnlab, f"{kind}_cols_mv")
+        op = getattr(torch.ops.attnlab, sparse.cols_mv)
         return lambda x, tau: op(x, tau, *operands)
-
-    n = operands[0].shape[1] * (2 if kind in ("q4", "q4g") else 1)
-
-    def rows(idx):
-        if kind != "q4g":
-            return _rows(kind, operands, idx)
-        ct, st, mt = operands  # the model's int4 groups: scale and min per (32 inputs, output)
-        codes = dequantize_int4(ct.index_select(0, idx), torch.ones(idx.numel(), n // 32),
-                                torch.zeros(idx.numel(), n // 32), 32)
-        return codes * st.index_select(0, idx // 32) + mt.index_select(0, idx // 32)
+    n = operands[0].shape[1] * sparse.width
 
     def cols(x, tau):
         idx = (x.abs() > tau).nonzero().flatten()
-        return x.index_select(0, idx) @ rows(idx) if idx.numel() else x.new_zeros(n)
+        return x.index_select(0, idx) @ sparse.gather(operands, idx) if idx.numel() else x.new_zeros(n)
     return cols
 
 
-def cols_mv(kind: str, x: torch.Tensor, tau: float, operands: tuple) -> torch.Tensor:
+def cols_mv(sparse, x: torch.Tensor, tau: float, operands: tuple) -> torch.Tensor:
     """x [K] float32 -> [N]: sum over j with |x_j| > tau of x_j * wt[j] (tau < 0 keeps every channel)."""
-    return bound_cols(kind, operands)(x, tau)
+    return bound_cols(sparse, operands)(x, tau)

@@ -81,3 +81,30 @@ class KScales:
 
     def map_rows(self, fn) -> "KScales":
         return KScales(*(None if t is None else fn(t) for t in (self.sc, self.d, self.m, self.dmin)))
+
+
+# ---------------------------------------------------------------- rows gathered as floats (the sparse ops' fallbacks)
+# operands as the row and column ops take them (`attnlab.quant.kinds.Sparse`): a layout's buffers, then its group
+
+def rows_float(operands: tuple, idx: torch.Tensor) -> torch.Tensor:
+    """Rows idx of a float matrix (w,) as float32 [k, K]."""
+    return operands[0].index_select(0, idx).float()
+
+
+def rows_int8(operands: tuple, idx: torch.Tensor) -> torch.Tensor:
+    """Rows idx of int8 codes (q, scale, group) dequantised, float32 [k, K]."""
+    return dequantize_int8_blocks(*(t.index_select(0, idx) for t in operands[:-1]))
+
+
+def rows_int4(operands: tuple, idx: torch.Tensor) -> torch.Tensor:
+    """Rows idx of int4 codes (qs, scale, min, group) dequantised, float32 [k, K]."""
+    return dequantize_int4(*(t.index_select(0, idx) for t in operands[:-1]), operands[-1])
+
+
+def rows_int4_by_inputs(operands: tuple, idx: torch.Tensor) -> torch.Tensor:
+    """Rows idx (input channels) of an int4 weight stored transposed in its own groups of 32 inputs: codes ct
+    [K, N/2], scale and min st, mt [K/32, N] per (32 inputs, output) -> float32 [k, N]."""
+    ct, st, mt = operands
+    n = ct.shape[1] * 2
+    codes = dequantize_int4(ct.index_select(0, idx), torch.ones(idx.numel(), n // 32), torch.zeros(idx.numel(), n // 32), 32)
+    return codes * st.index_select(0, idx // 32) + mt.index_select(0, idx // 32)

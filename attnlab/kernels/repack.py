@@ -1,4 +1,4 @@
-"""Weights repacked into 16-row blocks for the `q4x_mm` / `q8x_mm` kernels (layout: repacked.cpp), and back.
+"""Weights repacked into 16-row blocks for the `q4x_mm` / `q8x_mm` kernels (layout: repacked_layout.h), and back.
 
 Why: one 512-bit load then feeds 16 output rows (4 inputs of each per 32-bit lane), the shape
 `vpdpbusd` wants. The repacked tensor replaces the row layout (one copy of the weights in memory);
@@ -19,7 +19,7 @@ import torch
 from attnlab.kernels.reference import KScales, pack4, unpack4
 
 ROWS = 16
-HALF, SYM, KQ = 1, 2, 4  # the layout flags (repacked.cpp)
+HALF, SYM, KQ = 1, 2, 4  # the layout flags (repacked_layout.h)
 SUPER = 256  # inputs per K-quant superblock
 
 
@@ -40,7 +40,7 @@ def q8_layout(scale: torch.Tensor, min_: torch.Tensor | None = None) -> int:
 
 
 def _native(reference: bool) -> bool:
-    """Repack in C++ (one pass, `repacked.cpp`; in torch the permutes took ~70% of a 1B load): the torch
+    """Repack in C++ (one pass, `repack_load.cpp`; in torch the permutes took ~70% of a 1B load): the torch
     forms in `pack_*` are the layout's reference (`reference=True`, for tests) and a kernel-less fallback."""
     from attnlab.kernels import ops
     return not reference and ops.enabled()
@@ -90,18 +90,27 @@ def _check_kq(kscale, scale: torch.Tensor, min_: torch.Tensor | None, group: int
         raise ValueError("KQ layout asked with factors whose products are not the scales (and mins)")
 
 
-def kscales(w: torch.Tensor, N: int, K: int, kind: str):
-    """The K-quant factors (`KScales`) a KQ-packed weight holds: int4 (Q4_K) or int8 (Q6_K)."""
-    if kind == "int4":  # after 2048 code bytes: sc[8][16], m[8][16], d[16], dmin[16]
-        b = w[:, :, 2048:]
-        return KScales(_unbytes(b[:, :, :128], N), _unfloats(b[:, :, 256:288], N, True).half(),
-                       _unbytes(b[:, :, 128:256], N), _unfloats(b[:, :, 288:320], N, True).half())
-    b = w[:, :, 3072:]  # after 3072 code bytes: int8 sc[16][16], d[16]
+def kscales_q4k(w: torch.Tensor, N: int, K: int) -> KScales:
+    """Q4_K's factors in a KQ-packed int4 weight: after 2048 code bytes, sc[8][16], m[8][16], d[16], dmin[16]."""
+    b = w[:, :, 2048:]
+    return KScales(_unbytes(b[:, :, :128], N), _unfloats(b[:, :, 256:288], N, True).half(),
+                   _unbytes(b[:, :, 128:256], N), _unfloats(b[:, :, 288:320], N, True).half())
+
+
+def kscales_q6k(w: torch.Tensor, N: int, K: int) -> KScales:
+    """Q6_K's factors in a KQ-packed int8 weight: after 3072 code bytes, int8 sc[16][16], d[16]."""
+    b = w[:, :, 3072:]
     return KScales(_unbytes(b[:, :, :256], N).view(torch.int8), _unfloats(b[:, :, 256:288], N, True).half())
 
 
+def kscales(w: torch.Tensor, N: int, K: int, kind: str) -> KScales:
+    """The K-quant factors (`KScales`) a KQ-packed weight of format `kind` holds (`attnlab.quant.kinds`)."""
+    from attnlab.quant.kinds import kind as table
+    return table(kind).kscales(w, N, K)
+
+
 def _q4_codes(qs: torch.Tensor, nb: int, G: int, per: int) -> torch.Tensor:
-    """pack4's codes [N, K/2] -> the q4 chunks [nb, G, per * 256] (layout: repacked.cpp)."""
+    """pack4's codes [N, K/2] -> the q4 chunks [nb, G, per * 256] (layout: repacked_layout.h)."""
     c = _blocks(unpack4(qs), nb).view(nb, ROWS, G, per, 2, 4, 4).permute(0, 2, 3, 4, 5, 1, 6)  # nb G per half j r t
     return (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).reshape(nb, G, per * 256)
 
@@ -157,7 +166,7 @@ def unpack_q4(w: torch.Tensor, N: int, K: int, group: int, fmt: int) -> tuple[to
     """pack_q4's inverse: (qs [N, K/2], scale, min [N, K/group] float32); KQ's factors: `kscales`."""
     nb, G, per = w.shape[0], K // group, group // 32
     if fmt == KQ:  # the products, as formats.from_gguf makes them
-        ks = kscales(w, N, K, "int4")
+        ks = kscales_q4k(w, N, K)
         d, dmin = (t.float().repeat_interleave(SUPER // group, 1) for t in (ks.d, ks.dmin))
         return _q4_uncodes(w[:, :, :2048].reshape(nb, G, 256), N, K), d * ks.sc.float(), -(dmin * ks.m.float())
     off, size, half = per * 256, 32 if fmt & HALF else 64, bool(fmt & HALF)
@@ -232,7 +241,7 @@ def unpack_q8(w: torch.Tensor, N: int, K: int, group: int, has_min: bool, fmt: i
         hi = torch.stack([(high >> s) & 3 for s in (0, 2, 4, 6)], dim=3).view(nb, S, 8, 2, 2, 2, ROWS, 4)  # jj half p
         c = lo.view(nb, S, 8, 2, 2, 2, ROWS, 4) | (hi.permute(0, 1, 2, 4, 5, 3, 6, 7) << 4)  # nb S u half p jj r t
         q = (c.permute(0, 6, 1, 2, 3, 4, 5, 7).reshape(nb * ROWS, K)[:N].to(torch.int16) - 32).to(torch.int8)
-        ks = kscales(w, N, K, "int8")
+        ks = kscales_q6k(w, N, K)
         return q, ks.d.float().repeat_interleave(SUPER // group, 1) * ks.sc.float(), None
     u = w[:, :, :group * 16].reshape(nb, G, group // 4, ROWS, 4).permute(0, 3, 1, 2, 4).reshape(nb * ROWS, K)[:N]
     q = (u.to(torch.int16) - 128).to(torch.int8)
@@ -241,9 +250,15 @@ def unpack_q8(w: torch.Tensor, N: int, K: int, group: int, has_min: bool, fmt: i
     return q, _unfloats(w[:, :, off:off + size], N, half), mn
 
 
-def nbytes(kind: str, N: int, K: int, group: int, has_min: bool, fmt: int) -> int:
-    """Bytes of an N x K weight in this layout, rows unpadded: codes + per-group scales (and mins)."""
-    if fmt == KQ:  # per 256 inputs: Q4_K 128 code + 16 sc/m bytes + 4 of d/dmin; Q6_K 192 + 16 sc + 2 of d
-        return N * K // SUPER * (148 if kind == "int4" else 210)
-    floats = 1 if kind == "int4" and fmt & SYM else 2 if kind == "int4" or has_min else 1
-    return N * K // (2 if kind == "int4" else 1) + N * (K // group) * floats * (2 if fmt & HALF else 4)
+def nbytes_q4(N: int, K: int, group: int, has_min: bool, fmt: int) -> int:
+    """Bytes of an N x K int4 weight in this layout, rows unpadded: codes + per-group scales (and mins)."""
+    if fmt == KQ:  # per 256 inputs: 128 code bytes, 16 of sc and m, 4 of d and dmin
+        return N * K // SUPER * 148
+    return N * K // 2 + N * (K // group) * (1 if fmt & SYM else 2) * (2 if fmt & HALF else 4)
+
+
+def nbytes_q8(N: int, K: int, group: int, has_min: bool, fmt: int) -> int:
+    """Bytes of an N x K int8 weight in this layout, rows unpadded: codes + per-group scales (and mins)."""
+    if fmt == KQ:  # per 256 inputs: 192 code bytes, 16 of sc, 2 of d
+        return N * K // SUPER * 210
+    return N * K + N * (K // group) * (2 if has_min else 1) * (2 if fmt & HALF else 4)

@@ -31,7 +31,7 @@ def read_gguf(path: Path, packed_types: tuple[str, ...] | None = None, hf_layout
     """-> (ModelConfig, {hf_name: float32 tensor or Packed}) from a GGUF file, every tensor checked
     (`validate.check_weights`) as it is read.
 
-    Tensors of packed_types (default: every type `formats.GGUF_PACKED` holds exactly; () dequantises all)
+    Tensors of packed_types (default: every type `kinds.GGUF_PACKED` holds exactly; () dequantises all)
     stay quantized as `attnlab.quant.Packed`, on the file's own grid. Each tensor is read by itself from
     the file straight into its packed layout: no map of the whole file stays resident, no float copy.
     hf_layout=False leaves a llama file's q/k rows in llama.cpp's order, which is the network's (`build`'s
@@ -52,9 +52,9 @@ class GGUFTensors(MutableMapping):
     """Hugging Face name -> a GGUF file's tensor, read from the file (and checked) on access."""
 
     def __init__(self, path: Path, head, cfg: ModelConfig, packed_types, hf_layout: bool):
-        from attnlab.quant import formats
+        from attnlab.quant import kinds
         self.path, self.head, self.cfg, self.hf_layout = path, head, cfg, hf_layout
-        self.packed_types = formats.GGUF_PACKED if packed_types is None else packed_types
+        self.packed_types = kinds.GGUF_PACKED if packed_types is None else packed_types
         # rope_freqs (already in cfg) and tensors the network does not use have no name here
         self.names = {hf: name for name in head.tensors if (hf := validate.hf_name(name)) is not None}
 
@@ -100,12 +100,13 @@ class GGUFTensors(MutableMapping):
 def _tensor(raw: torch.Tensor, kind: str, shape: tuple[int, ...], packed_types):
     """One GGUF tensor's bytes -> Packed (a packed type, a matrix) or a float32 tensor of `shape`."""
     from attnlab.quant import formats
+    from attnlab.quant.kinds import GGUF
 
     if kind in packed_types and len(shape) == 2:
         return formats.from_gguf(raw, kind, shape)
-    floats = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-    if kind in floats:
-        return raw.view(floats[kind]).reshape(shape).float()
+    dtype = GGUF[kind].dtype if kind in GGUF else None  # a float type's
+    if dtype is not None:
+        return raw.view(dtype).reshape(shape).float()
     import gguf
     data = gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType[kind])  # other block types, as floats
     return torch.from_numpy(np.asarray(data, dtype=np.float32).reshape(shape))

@@ -14,6 +14,7 @@ from attnlab.model import metadata, validate
 from attnlab.model.files import ModelLoadError
 from attnlab.model.llama import Transformer
 from attnlab.quant.formats import Packed
+from attnlab.quant.kinds import KINDS
 from attnlab.quant.linear import QuantEmbedding, QuantLinear, linear_names
 from attnlab.quant.store import PARTS, FORMAT
 
@@ -76,8 +77,9 @@ def load_quantized(path: Path, dtype: torch.dtype = torch.float32):
             raise ModelLoadError(f"{path}: unexpected tensor {k} {list(v.shape)} {v.dtype}")
     model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=False, assign=True)
     if cfg.tie_embeddings:
-        if model.lm_head.kind != "int8":
-            raise ModelLoadError(f"{path}: a tied embedding needs an int8 lm_head, got {model.lm_head.kind}")
+        if not model.lm_head.fmt.embeds:
+            raise ModelLoadError(f"{path}: a tied embedding needs an lm_head of "
+                                 f"{'/'.join(k for k, f in KINDS.items() if f.embeds)}, got {model.lm_head.kind}")
         model.embed = QuantEmbedding(model.lm_head)
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
@@ -96,14 +98,11 @@ def _packed(path, name: str, info, tensors: dict, want: tuple[int, int]) -> Pack
     group = validate.field(path, info, "group", int, None, 1, K, where + ".group")
     bits = validate.field(path, info, "bits", int, None, 2, 8, where + ".bits")
     validate.field(path, info, "fused", bool, where=where + ".fused")
-    if kind not in ("int8", "int4", "kmeans") or group is None or bits is None or "fused" not in info or K % group:
-        raise ModelLoadError(f"{path}: {where} needs kind int8/int4/kmeans, a group dividing {K}, bits and fused")
-    groups = K // group
-    expect = {"int8": {"q": ((N, K), torch.int8), "scale": ((N, groups), None)},
-              "int4": {"qs": ((N, K // 2), torch.uint8), "scale": ((N, groups), None), "min": ((N, groups), None)},
-              "kmeans": {"qs": ((N, K // 2), torch.uint8), "codebook": ((N, groups, 16), None)}}[kind]
-    if kind == "int8" and f"{name}.min" in tensors:  # GGUF K-quants' min (Q5_K), or a promoted layer of parts
-        expect["min"] = ((N, groups), None)
+    if kind not in KINDS or group is None or bits is None or "fused" not in info or K % group:
+        raise ModelLoadError(f"{path}: {where} needs kind {'/'.join(KINDS)}, a group dividing {K}, bits and fused")
+    expect = KINDS[kind].stored(N, K, group)
+    if KINDS[kind].min_optional and f"{name}.min" in tensors:  # GGUF K-quants' min (Q5_K), or a promoted layer of parts
+        expect["min"] = ((N, K // group), None)
     parts = {}
     for part, (shape, dt) in expect.items():
         t = tensors.pop(f"{name}.{part}", None)

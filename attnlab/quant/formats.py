@@ -51,43 +51,37 @@ class Packed:
 
     def dequantize(self) -> torch.Tensor:
         """[N, K] float32."""
-        N, K = self.shape
-        if self.kind == "int8":
-            return dequantize_int8_blocks(self.q, self.scale, min_=self.min)
-        if self.kind == "int4":
-            return dequantize_int4(self.qs, self.scale, self.min, self.group)
-        codes = unpack4(self.qs).view(N, K // self.group, self.group)
-        return torch.gather(self.codebook, 2, codes.long()).view(N, K)
-
+        return _table()[self.kind].dequantize(self)
 
     @property
     def format(self) -> str:
         """'int4:32', 'int8:16', 'int8:32+min', ...: what `promote` and error messages compare."""
-        return f"{self.kind}:{self.group}" + ("+min" if self.kind == "int8" and self.min is not None else "")
+        return f"{self.kind}:{self.group}" + ("+min" if _table()[self.kind].min_optional and self.min is not None else "")
 
 
 def promote(p: Packed, kind: str, group: int, with_min: bool) -> Packed:
     """p in a format that holds it exactly: int4 codes as int8 (with their min), a group split into
     `group`-sized ones (scales repeated), a zero min added. Nothing is rounded."""
-    if p.kind == "kmeans" or p.group % group or (p.kind == "int8" and kind == "int4"):
+    src, dst = _table()[p.kind], _table()[kind]
+    if p.kind not in dst.holds or p.group % group:
         raise AttnlabError(f"a {p.format} matrix does not fit {kind}:{group} exactly")
-    if (p.kind, p.group, p.min is not None or p.kind == "int4") == (kind, group, with_min):
+    if (p.kind, p.group, p.min is not None or src.min_always) == (kind, group, with_min):
         return p
     rep = p.group // group
     scale = p.scale.repeat_interleave(rep, 1)
     mn = None if not with_min else (torch.zeros_like(p.scale) if p.min is None else p.min).repeat_interleave(rep, 1)
-    if kind == "int4":
-        return replace(p, group=group, scale=scale, min=mn, kscale=None)
-    q = p.q if p.kind == "int8" else unpack4(p.qs).view(torch.int8)  # codes 0..15 are int8 as they are
-    return Packed("int8", p.shape, group, 8, q=q, scale=scale, min=mn)
+    return dst.retag(p, group, scale, mn)
 
 
 def common_format(parts: list[Packed]) -> tuple[str, int, bool]:
     """(kind, group, with_min): the smallest format every one of parts fits exactly (`promote`)."""
-    if any(p.format != parts[0].format for p in parts) and any(p.kind == "kmeans" for p in parts):
-        raise AttnlabError("cannot concatenate k-means matrices of different formats")
+    table = _table()
+    alone = next((p for p in parts if not table[p.kind].holds), None)  # a format no other holds (k-means)
+    if alone is not None and any(p.format != parts[0].format for p in parts):
+        raise AttnlabError(f"cannot concatenate {alone.kind} matrices of different formats")
     kinds = {p.kind for p in parts}
-    kind = kinds.pop() if len(kinds) == 1 else "int8"  # int4 codes fit int8, never the reverse
+    fits = [k for k in table.values() if kinds <= set(k.holds)]  # int4 codes fit int8, never the reverse
+    kind = min(fits, key=lambda k: k.bits).name
     return kind, min(p.group for p in parts), any(p.min is not None for p in parts)
 
 
@@ -164,10 +158,23 @@ def quantize_kmeans(w: torch.Tensor, bits: int = 4, group: int | None = None, it
 
 # ---------------------------------------------------------------- GGUF blocks, by copy
 
-# GGUF block types that map onto a packed format exactly: their own grid, nothing requantised.
-GGUF_PACKED = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
-_BLOCK_BYTES = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
-                "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
+# The block types themselves (sizes, which decoder) are the table's: `attnlab.quant.kinds.GGUF`.
+
+
+def _table():
+    """The table of weight formats (`attnlab.quant.kinds`: it imports this module, so looked up at call time)."""
+    from attnlab.quant.kinds import KINDS
+    return KINDS
+
+
+def __getattr__(name: str):
+    """GGUF_PACKED and _BLOCK_BYTES, as before the table held them: derived from `kinds.GGUF`."""
+    from attnlab.quant import kinds
+    if name == "GGUF_PACKED":
+        return kinds.GGUF_PACKED
+    if name == "_BLOCK_BYTES":
+        return {n: (kinds.GGUF[n].size, kinds.GGUF[n].nbytes) for n in kinds.GGUF_PACKED}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _f16(raw: torch.Tensor, at: int, keep: bool = False) -> torch.Tensor:
@@ -215,39 +222,61 @@ def from_gguf(raw, kind: str, shape: tuple[int, int]) -> Packed:
     Q4_K/Q5_K in groups of 32, d*sc*(q-32) for Q6_K in groups of 16). Vectorised over all blocks.
     Q4_K and Q6_K also keep the factors of those products (`KScales`) for the superblock layouts.
     """
+    from attnlab.quant.kinds import GGUF
     N, K = shape
-    size, nbytes = _BLOCK_BYTES[kind]
-    raw = torch.as_tensor(raw).view(torch.uint8).reshape(N * K // size, nbytes)
-    if kind == "Q8_0":
-        return Packed("int8", (N, K), BLOCK, 8, q=raw[:, 2:].contiguous().view(torch.int8).reshape(N, K),
-                      scale=_f16(raw, 0).view(N, K // BLOCK))
-    if kind in ("Q4_0", "Q4_1"):  # ggml's nibble layout is the kernels': copied as it is
-        d = _f16(raw, 0)
-        m = -8 * d if kind == "Q4_0" else _f16(raw, 2)
-        qs = raw[:, 2 if kind == "Q4_0" else 4:].reshape(N, K // 2).contiguous()
-        return Packed("int4", (N, K), BLOCK, 4, qs=qs, scale=d.view(N, -1), min=m.view(N, -1))
-    if kind in ("Q5_0", "Q5_1"):
-        head = 2 if kind == "Q5_0" else 4
-        q = (_low_high(raw[:, head + 4:]) | (_fifth_bit(raw[:, head:head + 4]) << 4)).view(torch.int8)
-        m = _f16(raw, 2).view(N, -1) if kind == "Q5_1" else None
-        return Packed("int8", (N, K), BLOCK, 8, q=(q if m is not None else q - 16).reshape(N, K),
-                      scale=_f16(raw, 0).view(N, -1), min=m)
-    if kind == "Q6_K":
-        ql = _shifted(raw[:, :128].reshape(-1, 2, 64), [0, 4], 15).reshape(-1, 8, 32)
-        qh = _shifted(raw[:, 128:192].reshape(-1, 2, 32), [0, 2, 4, 6], 3).reshape(-1, 8, 32)
-        q = (ql | (qh << 4)).view(torch.int8) - 32
-        sc = raw[:, 192:208].view(torch.int8)
-        scale = _f16(raw, 208)[:, None] * sc.float()
-        return Packed("int8", (N, K), 16, 8, q=q.reshape(N, K), scale=scale.view(N, K // 16),
-                      kscale=KScales(sc.reshape(N, K // 16), _f16(raw, 208, keep=True).view(N, K // 256)))
+    t = GGUF[kind]
+    return t.decode(torch.as_tensor(raw).view(torch.uint8).reshape(N * K // t.size, t.nbytes), N, K)
+
+
+def gguf_q8_0(raw: torch.Tensor, N: int, K: int) -> Packed:
+    return Packed("int8", (N, K), BLOCK, 8, q=raw[:, 2:].contiguous().view(torch.int8).reshape(N, K),
+                  scale=_f16(raw, 0).view(N, K // BLOCK))
+
+
+def gguf_q4(raw: torch.Tensor, N: int, K: int, with_min: bool) -> Packed:
+    """Q4_1 (with_min), Q4_0 (min -8 * d): ggml's nibble layout is the kernels', copied as it is."""
+    d = _f16(raw, 0)
+    m = _f16(raw, 2) if with_min else -8 * d
+    qs = raw[:, 4 if with_min else 2:].reshape(N, K // 2).contiguous()
+    return Packed("int4", (N, K), BLOCK, 4, qs=qs, scale=d.view(N, -1), min=m.view(N, -1))
+
+
+def gguf_q5(raw: torch.Tensor, N: int, K: int, with_min: bool) -> Packed:
+    """Q5_1 (with_min), Q5_0 (codes - 16): 5-bit codes held as int8."""
+    head = 4 if with_min else 2
+    q = (_low_high(raw[:, head + 4:]) | (_fifth_bit(raw[:, head:head + 4]) << 4)).view(torch.int8)
+    m = _f16(raw, 2).view(N, -1) if with_min else None
+    return Packed("int8", (N, K), BLOCK, 8, q=(q if m is not None else q - 16).reshape(N, K),
+                  scale=_f16(raw, 0).view(N, -1), min=m)
+
+
+def gguf_q6_k(raw: torch.Tensor, N: int, K: int) -> Packed:
+    ql = _shifted(raw[:, :128].reshape(-1, 2, 64), [0, 4], 15).reshape(-1, 8, 32)
+    qh = _shifted(raw[:, 128:192].reshape(-1, 2, 32), [0, 2, 4, 6], 3).reshape(-1, 8, 32)
+    q = (ql | (qh << 4)).view(torch.int8) - 32
+    sc = raw[:, 192:208].view(torch.int8)
+    scale = _f16(raw, 208)[:, None] * sc.float()
+    return Packed("int8", (N, K), 16, 8, q=q.reshape(N, K), scale=scale.view(N, K // 16),
+                  kscale=KScales(sc.reshape(N, K // 16), _f16(raw, 208, keep=True).view(N, K // 256)))
+
+
+def _k_head(raw: torch.Tensor, N: int):
+    """Q4_K / Q5_K's d, dmin, 6-bit sc and m, and the float32 scale and min they make."""
     d, dmin = _f16(raw, 0)[:, None], _f16(raw, 2)[:, None]
     sc, mn = _k_scales(raw[:, 4:16])
-    scale, min_ = (d * sc.float()).view(N, -1), (-(dmin * mn.float())).view(N, -1)
-    if kind == "Q4_K":
-        ks = KScales(sc.reshape(N, K // 32), _f16(raw, 0, keep=True).view(N, -1), mn.reshape(N, K // 32),
-                     _f16(raw, 2, keep=True).view(N, -1))
-        return Packed("int4", (N, K), BLOCK, 4, qs=_k_nibbles(raw[:, -128:]).reshape(N, K // 2), scale=scale, min=min_,
-                      kscale=ks)
+    return sc, mn, (d * sc.float()).view(N, -1), (-(dmin * mn.float())).view(N, -1)
+
+
+def gguf_q4_k(raw: torch.Tensor, N: int, K: int) -> Packed:
+    sc, mn, scale, min_ = _k_head(raw, N)
+    ks = KScales(sc.reshape(N, K // 32), _f16(raw, 0, keep=True).view(N, -1), mn.reshape(N, K // 32),
+                 _f16(raw, 2, keep=True).view(N, -1))
+    return Packed("int4", (N, K), BLOCK, 4, qs=_k_nibbles(raw[:, -128:]).reshape(N, K // 2), scale=scale, min=min_,
+                  kscale=ks)
+
+
+def gguf_q5_k(raw: torch.Tensor, N: int, K: int) -> Packed:
+    _, _, scale, min_ = _k_head(raw, N)
     ql = _shifted(raw[:, -128:].reshape(-1, 4, 32), [0, 4], 15).reshape(-1, 8, 32)  # sub-block 2c: low, 2c+1: high
-    qh = _shifted(raw[:, 16:48].reshape(-1, 1, 32), list(range(8)), 1).reshape(-1, 8, 32)  # Q5_K: bit s of byte j
+    qh = _shifted(raw[:, 16:48].reshape(-1, 1, 32), list(range(8)), 1).reshape(-1, 8, 32)  # bit s of byte j
     return Packed("int8", (N, K), BLOCK, 8, q=(ql | (qh << 4)).view(torch.int8).reshape(N, K), scale=scale, min=min_)

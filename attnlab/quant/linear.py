@@ -62,31 +62,23 @@ class QuantSpec:
             nums = [int(n) for n in nums]
         except ValueError:
             raise AttnlabError(f"bad --quant {text!r}: numbers expected after ':'") from None
-        if method == "int8" and len(nums) <= 1:
-            group = nums[0] if nums else 0
-            if group < 0 or group % 32:
-                raise AttnlabError(f"int8 group must be 0 (per row) or a multiple of 32, got {group}")
-            return cls("int8", 8, group, fused)
-        if method == "int4" and len(nums) <= 1:
-            group = nums[0] if nums else 32
-            if group < 32 or group % 32:
-                raise AttnlabError(f"int4 group must be a multiple of 32, got {group}")
-            return cls("int4", 4, group, fused)
-        if method == "kmeans" and len(nums) <= 2:
-            bits = nums[0] if nums else 4
-            group = nums[1] if len(nums) > 1 else 0
-            if bits not in (2, 3, 4) or group < 0 or group % 32:
-                raise AttnlabError(f"kmeans needs 2-4 bits and a group that is 0 or a multiple of 32, got {text!r}")
-            return cls("kmeans", bits, group, fused)
-        raise AttnlabError(f"unknown --quant {text!r}; use int8, int4[:GROUP], kmeans[:BITS[:GROUP]] "
-                         "or kmeans-naive[:BITS[:GROUP]]")
+        got = KINDS[method].parse(nums, text) if method in KINDS else None
+        if got is None:
+            raise AttnlabError(f"unknown --quant {text!r}; use int8, int4[:GROUP], kmeans[:BITS[:GROUP]] "
+                               "or kmeans-naive[:BITS[:GROUP]]")
+        return cls(method, *got, fused)
 
     def __str__(self) -> str:
-        if self.method == "int8":
-            return "int8" + (f":{self.group}" if self.group else "")
-        if self.method == "int4":
-            return f"int4:{self.group}"
-        return f"kmeans{'' if self.fused else '-naive'}:{self.bits}" + (f":{self.group}" if self.group else "")
+        return KINDS[self.method].spec(self.bits, self.group, self.fused)
+
+    @staticmethod
+    def text(method: str, bits: int | None, group: int | None) -> str:
+        """`attnlab quantize`'s --method, --bits and --group as one --quant text (bits where the format takes them)."""
+        fmt = KINDS.get(method.removesuffix("-naive"))
+        if fmt is None or (bits is None and group is None):
+            return method
+        given = {"bits": str(bits), "group": None if group is None else str(group)}
+        return ":".join([method] + [given[n] for n in fmt.numbers if given[n] is not None])
 
     def quantize(self, w: torch.Tensor) -> Packed:
         return KINDS[self.method].quantize(w, self.group or None, self.bits)
@@ -118,7 +110,7 @@ class QuantLinear(nn.Module):
         if fused:
             ops.load()  # load now, never inside a torch.compile trace
         self.out_features, self.in_features = packed.shape
-        self.has_min = self.fmt.min_flag and getattr(packed, "min", None) is not None
+        self.has_min = self.fmt.min_optional and getattr(packed, "min", None) is not None
         self.repacked = (fused and self.fmt.repackable(self.in_features, self.group) and ops.load()
                          and (ops.repacks() or self.fmt.needs_repack(self.group, self.has_min)))
         if self.repacked:  # one copy: the 16-row blocks replace the row layout (`packed` rebuilds it)
@@ -127,16 +119,14 @@ class QuantLinear(nn.Module):
         else:
             for name, t in packed.tensors().items():
                 self.register_buffer(name, t.contiguous())
-        if packed.kind == "kmeans":  # the kernel's operands: each codebook rounded to int8 (not saved)
-            scale = self.codebook.abs().amax(-1).clamp_min(1e-12) / 127
-            self.register_buffer("lut", (self.codebook / scale[..., None]).round().to(torch.int8), persistent=False)
-            self.register_buffer("lut_scale", scale, persistent=False)
+        for name, t in self.fmt.derived(self).items():  # what the kernel reads besides the codes (not saved)
+            self.register_buffer(name, t, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
 
     def _init_parts(self, runs: list[Packed], bias: torch.Tensor | None, fused: bool) -> None:
         self.kind, self.group, has_min = common_format(runs)
-        self.bits, self.fused, self.repacked = 4 if self.kind == "int4" else 8, fused, False
-        self.has_min = self.fmt.min_flag and has_min
+        self.bits, self.fused, self.repacked = self.fmt.bits, fused, False
+        self.has_min = self.fmt.min_optional and has_min
         self.out_features, self.in_features = sum(p.shape[0] for p in runs), runs[0].shape[1]
         self.parts = nn.ModuleList(QuantLinear(p, fused=fused) for p in runs)
         self.register_state_dict_post_hook(_drop_parts)  # saved in the promoted form (`_save_to_state_dict`)
@@ -154,7 +144,7 @@ class QuantLinear(nn.Module):
         if self.parts is not None:
             return cat_rows([p.packed for p in self.parts])
         if getattr(self, "repacked", False):
-            ks = repack.kscales(self.wp, N, K, self.kind) if self.layout == repack.KQ else None
+            ks = self.fmt.kscales(self.wp, N, K) if self.layout == repack.KQ else None
             return self.fmt.unpack(self.wp, N, K, self.group, self.has_min, self.layout, ks)
         names = ("q", "qs", "scale", "min", "codebook")
         return Packed(self.kind, (N, K), self.group, self.bits,
@@ -179,9 +169,9 @@ class QuantLinear(nn.Module):
     def step_embedding(self) -> tuple | None:
         """(buffers..., group) the native step reads a tied embedding from (the row layout of a format whose
         `step_embedding` names them, no min), or None: the lookup stays `embed_rows`."""
-        if self.parts is not None or self.repacked or self.has_min or self.kind != "int8":
+        if self.parts is not None or self.repacked or self.has_min or self.fmt.step_embedding is None:
             return None
-        return (self.q, self.scale, self.group)
+        return (*(getattr(self, n) for n in self.fmt.step_embedding), self.group)
 
     def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ids of W dequantised, [*ids.shape, K]: a tied embedding's lookup. Repacked int8 weights
@@ -221,7 +211,7 @@ class QuantLinear(nn.Module):
             return sum(p.nbytes for p in self.parts)
         if not self.repacked:
             return self.packed.nbytes
-        return repack.nbytes(self.kind, self.out_features, self.in_features, self.group, self.has_min, self.layout)
+        return self.fmt.nbytes(self.out_features, self.in_features, self.group, self.has_min, self.layout)
 
     @property
     def row_align(self) -> int:
@@ -289,13 +279,11 @@ class QuantLinear(nn.Module):
         """The dequantised matrix for a float matmul: int8 / int4 rows in one pass into this thread's buffer
         (`ops.dequant_q8` / `dequant_q4`); keep (autograd reads it later), naive, other formats: `dequantize()`."""
         N, K = self.out_features, self.in_features
-        if (keep or not self.fused or self.repacked or self.kind not in ("int8", "int4") or N * K > SCRATCH_MAX
+        if (keep or not self.fused or self.repacked or self.fmt.dequant is None or N * K > SCRATCH_MAX
                 or self.scale.dtype != torch.float32):
             return self.dequantize()
         out = _scratch(N * K).view(N, K)
-        if self.kind == "int8":
-            return ops.dequant_q8(self.q, self.scale, self.min if self.has_min else None, out)
-        return ops.dequant_q4(self.qs, self.scale, self.min, out)
+        return getattr(ops, self.fmt.dequant)(*self.fmt.dequant_operands(lambda n: getattr(self, n, None)), out)
 
     def fused_rows(self) -> int:
         """The most rows the integer kernel multiplies; past them, the dequantised matrix (see the module's notes)."""
@@ -351,8 +339,9 @@ class QuantEmbedding(nn.Module):
 
     def __init__(self, head: QuantLinear):
         super().__init__()
-        if head.kind not in ("int8", "int4"):
-            raise AttnlabError("QuantEmbedding reads an int8 or int4 head")
+        if not head.fmt.embeds:
+            raise AttnlabError(f"QuantEmbedding reads a head of {', '.join(k for k, f in KINDS.items() if f.embeds)}, "
+                               f"not {head.kind}")
         self.head = [head]  # a plain list: the head's buffers belong to the head, not saved twice
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -384,9 +373,9 @@ def quantize_model(model, spec: QuantSpec | str, packed: dict[str, Packed] | Non
         old = model.get_submodule(name)
         if isinstance(old, QuantLinear):
             continue
-        fmt = spec if name != "lm_head" else QuantSpec.parse(spec.head) if spec.method != "int8" else spec
+        fmt = spec if name != "lm_head" or KINDS[spec.method].head_follows else QuantSpec.parse(spec.head)
         p = packed.get(name)
-        if p is None or p.kind != fmt.method or (fmt.group or p.shape[1]) != p.group or (p.kind == "int8" and p.min is not None):
+        if p is None or p.format != f"{fmt.method}:{fmt.group or p.shape[1]}":  # a min the spec cannot say: requantised
             p = fmt.quantize(p.dequantize() if p is not None else old.weight.data)
         _set(model, name, QuantLinear(p, getattr(old, "bias", None), fused=spec.fused))
     if model.cfg.tie_embeddings:

@@ -18,6 +18,7 @@ from torch import nn
 
 from attnlab.errors import AttnlabError
 from attnlab.kernels import ops
+from attnlab.quant.kinds import FLOAT32
 from attnlab.quant.linear import QuantLinear
 
 
@@ -33,12 +34,12 @@ def _args(weight, v: torch.Tensor, idx: torch.Tensor, name: str):
     return v.float().contiguous(), idx.long().contiguous()
 
 
-def _kernel(weight) -> str | None:
-    """Which row-op family serves this weight: 'f32', 'q8', 'q4' or None (dequantise the rows)."""
+def _kernel(weight):
+    """The row ops (`attnlab.quant.kinds.Sparse`) that serve this weight, or None (dequantise the rows)."""
     if isinstance(weight, nn.Linear):
         w = weight.weight
-        return "f32" if w.dtype == torch.float32 and w.is_contiguous() else None
-    return weight.fmt.rows if weight.fused and weight.fmt.rows_ok(weight.group, weight.has_min) else None
+        return FLOAT32 if w.dtype == torch.float32 and w.is_contiguous() else None
+    return weight.fmt.sparse if weight.fused and weight.fmt.has_rows(weight.group, weight.has_min) else None
 
 
 def _rows(weight, idx: torch.Tensor) -> torch.Tensor:
@@ -49,8 +50,8 @@ def _rows(weight, idx: torch.Tensor) -> torch.Tensor:
     return replace(p.map_rows(lambda t: t.index_select(0, idx)), shape=(idx.numel(), p.shape[1])).dequantize()
 
 
-def _operands(weight, kind: str) -> tuple:
-    if kind == "f32":
+def _operands(weight) -> tuple:
+    if isinstance(weight, nn.Linear):
         return (weight.weight.detach(),)
     return weight.row_operands()  # the row layout, whatever the layer holds (repacked blocks)
 
@@ -76,7 +77,7 @@ def bind_rows(weight: nn.Linear | QuantLinear) -> tuple:
     """(matvec(x, idx), combine(a, idx)) for one weight with its kernel and operands looked up once:
     the decode step calls them 30 times a token, where the checks of `rows_matvec` cost as much as a
     small row op. Inputs must already be contiguous float32 / int64 vectors (the plan's own tensors are)."""
-    kind = _kernel(weight)
-    if kind is not None:
-        return ops.bound_rows(kind, _operands(weight, kind))
+    sparse = _kernel(weight)
+    if sparse is not None:
+        return ops.bound_rows(sparse, _operands(weight))
     return (lambda x, idx: _rows(weight, idx) @ x), (lambda a, idx: a @ _rows(weight, idx))

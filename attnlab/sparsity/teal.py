@@ -286,10 +286,11 @@ def measure(lm, plan, ids, window: int = 1024) -> dict:
 from dataclasses import dataclass  # noqa: E402
 from typing import ClassVar  # noqa: E402
 
-from attnlab.quant.kinds import KINDS  # noqa: E402
+from attnlab.quant.kinds import FLOAT32, KINDS  # noqa: E402
 from attnlab.sparsity.plan import Plan  # noqa: E402  (plan.py imports this module lazily, in `methods`)
 
-# the transposed copies' format per model weight kind: `Kind.columns` (attnlab.quant.kinds); int4 group 32 keeps the model's codes, scales and mins (q4g: lossless); True requantises the transposed
+# the transposed copies' format per model weight format: `Kind.columns` (attnlab.quant.kinds); int4 group 32 keeps the
+# model's codes, scales and mins (`Kind.own_columns`: lossless); True requantises the transposed
 # weight along the output dimension instead (q4; measured: +21.6% perplexity on SmolLM2, see docs/dejavu.md)
 REQUANTISE = False
 
@@ -358,10 +359,10 @@ class _Cols:
     copies only) dense() -> the dequantised [N, K] weight the masked path multiplies, so prefill-sparse and
     evaluation compute what decoding does."""
 
-    def __init__(self, kind: str, operands: tuple, bias, nbytes: int, packed=None):
+    def __init__(self, sparse, operands: tuple, bias, nbytes: int, packed=None):
         from attnlab.kernels import ops
-        self.kind, self.operands, self.bias, self.nbytes, self._packed = kind, operands, bias, nbytes, packed
-        self.mv = ops.bound_cols(kind, operands)
+        self.sparse, self.operands, self.bias, self.nbytes, self._packed = sparse, operands, bias, nbytes, packed
+        self.mv = ops.bound_cols(sparse, operands)
         self._w = None
         self.dense = None if packed is None else self._dense
 
@@ -379,7 +380,7 @@ def _columns(linear, quant: str | None) -> _Cols:
     bias = None if bias is None else bias.detach().float()
     if not hasattr(linear, "dequantize"):
         wt = linear.weight.detach().float().T.contiguous()
-        return _Cols("f32", (wt,), bias, wt.numel() * linear.weight.element_size())
+        return _Cols(FLOAT32, (wt,), bias, wt.numel() * linear.weight.element_size())
     own = linear.fmt.own_columns
     if own and linear.group == 32 and not REQUANTISE:  # the model's own groups, by columns
         from attnlab.kernels.reference import pack4, unpack4
@@ -392,6 +393,6 @@ def _columns(linear, quant: str | None) -> _Cols:
         raise AttnlabError(f"teal runs on float, int8 and int4 weights, not {linear.kind} ({quant})")
     from attnlab.quant import QuantSpec
     packed = QuantSpec.parse(fmt).quantize(linear.dequantize().float().T.contiguous())
-    copy = KINDS[packed.kind]  # the column ops take the row ops' operands and family names
+    copy = KINDS[packed.kind]  # the column ops take the row layout's operands
     operands = tuple(packed.tensors()[n].contiguous() for n in copy.operands) + (32,)
-    return _Cols(copy.rows, operands, bias, packed.nbytes, packed)
+    return _Cols(copy.sparse, operands, bias, packed.nbytes, packed)

@@ -7,6 +7,7 @@ import torch
 from attnlab.errors import AttnlabError
 from attnlab.kernels import ops
 from attnlab.quant import QuantSpec
+from attnlab.quant.kinds import FLOAT32, KINDS
 from attnlab.sparsity.plan import make_plan, parse, plan_from_spec
 from attnlab.sparsity.teal import PROJ, Calibration, calibrate, measure
 from tests.conftest import tiny_lm
@@ -17,26 +18,32 @@ def decode(lm, ids):
     return torch.cat([lm.forward(ids[t:t + 1][None], cache)[0] for t in range(len(ids))])
 
 
+# the column layouts by the table's names: a float matrix, an int8 / int4 one requantised along the outputs, and an
+# int4 weight in its own groups of 32 inputs
+SPARSE = {"float32": FLOAT32, "int8": KINDS["int8"].sparse, "int4": KINDS["int4"].sparse,
+          "int4 own groups": KINDS["int4"].own_columns}
+
+
 def operands(kind, wt):
     """wt [K, N] in the column format of `kind`, and the float matrix it stands for."""
-    if kind == "f32":
+    if kind == "float32":
         return (wt,), wt
-    if kind == "q4g":  # an int4 weight [N, K] in its own groups of 32 inputs, by columns
+    if kind == "int4 own groups":  # an int4 weight [N, K] in its own groups of 32 inputs, by columns
         from attnlab.kernels.reference import pack4, unpack4
         p = QuantSpec.parse("int4:32").quantize(wt.T.contiguous())
         return (pack4(unpack4(p.qs).T.contiguous()), p.scale.T.contiguous(), p.min.T.contiguous()), p.dequantize().T
-    p = QuantSpec.parse("int8:32" if kind == "q8" else "int4:32").quantize(wt)
+    p = QuantSpec.parse(f"{kind}:32").quantize(wt)
     t = p.tensors()
-    ops_ = (t["q"], t["scale"], 32) if kind == "q8" else (t["qs"], t["scale"], t["min"], 32)
+    ops_ = tuple(t[n] for n in KINDS[kind].operands) + (32,)
     return ops_, p.dequantize()
 
 
 @pytest.mark.parametrize("fallback", [False, True])
-@pytest.mark.parametrize("kind", ["f32", "q8", "q4", "q4g"])
+@pytest.mark.parametrize("kind", list(SPARSE))
 @pytest.mark.parametrize("K,N", [(64, 96), (576, 1536), (37, 32)])
 def test_cols_equal_dense_on_zeroed_inputs(kind, K, N, fallback):
-    if kind == "q4g" and K % 32:
-        pytest.skip("q4g keeps groups of 32 inputs")
+    if kind == "int4 own groups" and K % 32:
+        pytest.skip("int4 in its own groups keeps groups of 32 inputs")
     g = torch.Generator().manual_seed(K + N)
     wt = torch.randn(K, N, generator=g)
     args, w = operands(kind, wt)
@@ -45,15 +52,15 @@ def test_cols_equal_dense_on_zeroed_inputs(kind, K, N, fallback):
         want = (x * (x.abs() > tau)) @ w
         if fallback:
             with ops.disabled():
-                got = ops.cols_mv(kind, x, tau, args)
+                got = ops.cols_mv(SPARSE[kind], x, tau, args)
         else:
-            got = ops.cols_mv(kind, x, tau, args)
-        if kind == "q4g" and not fallback:  # the dense int4 kernel on the zeroed input: the same rounding of x
+            got = ops.cols_mv(SPARSE[kind], x, tau, args)
+        if kind == "int4 own groups" and not fallback:  # the dense int4 kernel on the zeroed input: the same rounding of x
             p = QuantSpec.parse("int4:32").quantize(wt.T.contiguous())
             xm = (x * (x.abs() > tau))[None].contiguous()
             torch.testing.assert_close(got, ops.q4_mm(xm, p.qs, p.scale, p.min, 32)[0], atol=1e-3, rtol=1e-4)
             assert (got - want).norm() <= 2e-2 * want.norm() + 1e-6  # the rounding of x, as dense
-        elif kind == "q4" and not fallback:  # integer kernel: each 8 rows' coefficients rounded to int8 per block
+        elif kind == "int4" and not fallback:  # integer kernel: each 8 rows' coefficients rounded to int8 per block
             assert (got - want).norm() <= 2e-2 * want.norm() + 1e-6, (tau, (got - want).norm() / want.norm())
         else:
             torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)  # float sums of up to 576 products
@@ -61,14 +68,14 @@ def test_cols_equal_dense_on_zeroed_inputs(kind, K, N, fallback):
 
 def test_cols_threads_agree():
     g = torch.Generator().manual_seed(3)
-    args, w = operands("q4", torch.randn(512, 1024, generator=g))
+    args, w = operands("int4", torch.randn(512, 1024, generator=g))
     x = torch.randn(512, generator=g)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = ops.cols_mv("q4", x, 0.5, args)
+        one = ops.cols_mv(SPARSE["int4"], x, 0.5, args)
         torch.set_num_threads(2)
-        two = ops.cols_mv("q4", x, 0.5, args)
+        two = ops.cols_mv(SPARSE["int4"], x, 0.5, args)
     finally:
         torch.set_num_threads(before)
     torch.testing.assert_close(one, two, atol=1e-5, rtol=1e-5)
