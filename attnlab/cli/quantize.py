@@ -12,9 +12,7 @@ def cmd_quantize(args) -> int:
     from attnlab.quant import QuantSpec, model_bytes
     from attnlab.quant.store import save_quantized
 
-    spec = args.method if args.bits is None and args.group is None else \
-        ":".join([args.method] + ([str(args.bits)] if args.method.startswith("kmeans") else []) +
-                 ([str(args.group)] if args.group is not None else []))
+    spec = QuantSpec.text(args.method, args.bits, args.group)
     try:
         args.quant = QuantSpec.parse(spec)
     except ValueError as e:
