@@ -96,6 +96,7 @@ def ops_bench(threads: int = 1) -> list[dict]:
 
     from attnlab.kernels import ops
     from attnlab.kernels.reference import pack4, unpack4
+    from attnlab.quant.kinds import FLOAT32, KINDS
     from attnlab.quant import QuantSpec
     ops.load()
     torch.set_num_threads(threads)
@@ -119,8 +120,8 @@ def ops_bench(threads: int = 1) -> list[dict]:
                "q4_dense_us": t(lambda: ops.q4_mm(x, p.qs, p.scale, p.min, 32))}
         for sp in (0.0, 0.3, 0.4, 0.5):
             tau = float(x.abs().quantile(sp)) if sp else -1.0
-            row[f"f32_cols_{sp:.0%}_us"] = t(lambda: ops.cols_mv("f32", x[0], tau, (WT,)))
-            row[f"q4g_cols_{sp:.0%}_us"] = t(lambda: ops.cols_mv("q4g", x[0], tau, (ct, st, mt)))
+            row[f"f32_cols_{sp:.0%}_us"] = t(lambda: ops.cols_mv(FLOAT32, x[0], tau, (WT,)))
+            row[f"q4g_cols_{sp:.0%}_us"] = t(lambda: ops.cols_mv(KINDS["int4"].own_columns, x[0], tau, (ct, st, mt)))
         rows.append(row)
         print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
     return rows

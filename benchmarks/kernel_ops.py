@@ -100,8 +100,7 @@ def attention_calls(ops, depth: int, kv: str, layers: int, g: torch.Generator):
 def call(ops, layer, x, idx=None):
     """The op QuantLinear's batch-1 forward calls (`kernel()`; with idx, the rows op), from the namespace `ops`."""
     if idx is not None:
-        kind = "q8" if layer.kind == "int8" else "q4"
-        f, operands = getattr(ops, f"{kind}_rows_mv"), layer.row_operands()
+        f, operands = getattr(ops, layer.fmt.sparse.rows_mv), layer.row_operands()
         return lambda: f(x[0], *operands, idx)
     name, operands = layer.kernel()
     if ops is not torch.ops.attnlab:  # a baseline build: the row-layout ops of its time
