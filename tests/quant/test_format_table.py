@@ -89,3 +89,10 @@ def test_every_format_has_its_functions():
             back = fmt.unpack(wp, 32, 64, p.group, False, layout)
             assert torch.equal(back.dequantize(), p.dequantize()), name
             assert fmt.nbytes(32, 64, p.group, False, layout) <= wp.numel()
+
+
+def test_quantize_command_spells_bits_only_for_formats_that_take_them():
+    from attnlab.quant import QuantSpec
+    assert QuantSpec.text("kmeans", 3, 64) == "kmeans:3:64" and QuantSpec.text("kmeans-naive", 2, None) == "kmeans-naive:2"
+    assert QuantSpec.text("int4", 3, 64) == "int4:64" and QuantSpec.text("int8", None, None) == "int8"
+    assert str(QuantSpec.parse(QuantSpec.text("kmeans", 3, 64))) == "kmeans:3:64"
