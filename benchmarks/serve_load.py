@@ -6,8 +6,10 @@ then for each concurrency level N keeps N conversations going with asyncio + htt
 passage of 10-60 words from the Shakespeare test plays and a question), streams the reply
 (max_tokens --max-tokens) and records time to first token, the gaps between content chunks
 (inter-token latency), the tokens generated (`usage`) and the whole turn. A
-conversation ends after --turns turns and a new one starts. The server's RSS is sampled
-every second. Writes a JSON record and a Markdown table (atomically).
+conversation ends after --turns turns and a new one starts. Every second the server's RSS is
+sampled beside the cache bytes it counts (admin `GET /v1/sessions`), and the table reports the
+largest RSS - counted - RSS at start (what the count misses: model and runtime are in the start).
+Writes a JSON record and a Markdown table (atomically).
 
     python benchmarks/serve_load.py --concurrency 4,8 --minutes 3 --out docs/figures/serve/load
 """
@@ -29,6 +31,7 @@ from serve import QUESTIONS, free_port, passages, rss_mib, start_server  # noqa:
 from attnlab.io import provenance, write_json, write_text  # noqa: E402
 
 KEY = "load-test-key-0001"
+ADMIN = "load-test-admin-0001"
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -77,17 +80,20 @@ async def conversation(client, i: int, texts: list[str], args, deadline: float, 
                 break
 
 
-async def level(url: str, n: int, args, pid: int, texts: list[str]) -> dict:
-    rec = {"turn": [], "ttft": [], "itl": [], "tokens": 0, "errors": [], "rss": [rss_mib(pid)]}
+async def level(url: str, n: int, args, pid: int, texts: list[str], base: float) -> dict:
+    rec = {"turn": [], "ttft": [], "itl": [], "tokens": 0, "errors": [], "rss": [rss_mib(pid)], "over": []}
     began = time.monotonic()
     deadline = time.monotonic() + args.minutes * 60
     limits = httpx.Limits(max_connections=n + 2)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits,
                                  headers={"authorization": f"Bearer {KEY}"}) as client:
         async def watch():
+            admin = {"authorization": f"Bearer {ADMIN}"}
             while time.monotonic() < deadline:
                 await asyncio.sleep(1)
+                counted = (await client.get("/v1/sessions", headers=admin)).json()["total_bytes"] / 2**20
                 rec["rss"].append(rss_mib(pid))
+                rec["over"].append((rec["rss"][-1] - counted - base, counted))
                 left = deadline - time.monotonic()
                 print(f"\r{n} conversations: {len(rec['turn'])} turns, {len(rec['errors'])} errors, "
                       f"{max(0, left):.0f} s left   ", end="", file=sys.stderr, flush=True)
@@ -101,20 +107,23 @@ async def level(url: str, n: int, args, pid: int, texts: list[str]) -> dict:
             **{f"ttft_p{q}": pct(rec["ttft"], q) for q in (50, 95, 99)},
             "tokens": rec["tokens"], "tok_per_s": rec["tokens"] / elapsed,
             **{f"itl_p{q}": pct(rec["itl"], q) for q in (50, 99)},
-            "rss_start_mib": rec["rss"][0], "rss_end_mib": rec["rss"][-1], "rss_peak_mib": max(rec["rss"])}
+            "rss_start_mib": rec["rss"][0], "rss_end_mib": rec["rss"][-1], "rss_peak_mib": max(rec["rss"]),
+            "counted_peak_mib": max((c for _, c in rec["over"]), default=None),
+            "rss_over_count_mib": max((o for o, _ in rec["over"]), default=None)}
 
 
 def table(rows: list[dict]) -> str:
     def s(x):
         return "-" if x is None else f"{x:.2f}"
     out = ["| conversations | turns | errors | generated tok/s | ITL p50 / p99 (ms) | turn p50 / p95 / p99 (s) | "
-           "TTFT p50 / p95 / p99 (s) | RSS start / end / peak (MiB) |", "|---:|---:|---:|---:|---|---|---|---|"]
+           "TTFT p50 / p95 / p99 (s) | RSS start / end / peak (MiB) | counted peak (MiB) | RSS - counted - server start, "
+           "worst (MiB) |", "|---:|---:|---:|---:|---|---|---|---|---:|---:|"]
     for r in rows:
         itl = " / ".join("-" if r[k] is None else f"{1000 * r[k]:.0f}" for k in ("itl_p50", "itl_p99"))
         out.append(f"| {r['concurrency']} | {r['turns']} | {r['errors']} | {r['tok_per_s']:.1f} | {itl} | "
                    f"{s(r['turn_p50'])} / {s(r['turn_p95'])} / {s(r['turn_p99'])} | {s(r['ttft_p50'])} / "
                    f"{s(r['ttft_p95'])} / {s(r['ttft_p99'])} | {r['rss_start_mib']:.0f} / {r['rss_end_mib']:.0f} / "
-                   f"{r['rss_peak_mib']:.0f} |")
+                   f"{r['rss_peak_mib']:.0f} | {s(r['counted_peak_mib'])} | {s(r['rss_over_count_mib'])} |")
     return "\n".join(out) + "\n"
 
 
@@ -138,12 +147,12 @@ def main(argv=None) -> int:
     port = free_port()
     cmd = [args.model, "--policy", args.policy, "--budget", str(args.budget), "--threads", str(args.threads),
            "--max-cache-mib", str(args.max_cache_mib), "--max-sessions", str(2 * max(levels)),
-           "--max-active", str(max(levels)), "--name", "m", "--api-key", KEY, "--max-prompt-tokens", "4096",
+           "--max-active", str(max(levels)), "--name", "m", "--api-key", KEY, "--admin-key", ADMIN, "--max-prompt-tokens", "4096",
            *args.serve_args.split()]
     server, url = start_server(cmd, port, 900)
     try:
-        texts = passages(60, 200)
-        rows = [asyncio.run(level(url, n, args, server.pid, texts)) for n in levels]
+        texts, base = passages(60, 200), rss_mib(server.pid)
+        rows = [asyncio.run(level(url, n, args, server.pid, texts, base)) for n in levels]
     finally:
         server.terminate()
         server.wait(30)

@@ -73,7 +73,8 @@ def serve_settings(args, name, spec, hosts):
 
 def build_app(args, config, keys):
     """Load the model and build the server's app (in this process, or in each Ray Serve replica)."""
-    from attnlab.serve import create_app
+    from attnlab.serve import create_app, memory
+    memory.configure()  # before the weights are read: their buffers are mapped, and unmapped when freed
     lm = load_lm(args, options=model_options(args))
     try:
         return create_app(lm, config, keys)

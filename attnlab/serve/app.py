@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from collections import Counter, defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -35,9 +36,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from attnlab.errors import AttnlabError
 from attnlab.sampling import Sampler
+from attnlab.serve import memory
 from attnlab.serve.admission import Admission
 from attnlab.serve.config import Keys, ServeConfig
 from attnlab.serve.guard import layers
+from attnlab.serve.memory import Trimmer
 from attnlab.serve.protocol import APIError, ChatRequest, CommonRequest, CompletionRequest, clip, validation_error
 from attnlab.serve.replies import GONE, Reply, Turn
 from attnlab.options import PolicySpec
@@ -65,6 +68,10 @@ class Server:
         self.scheduler = Scheduler(lm, config.max_batch, config.chunk)
         self.worker = ModelThread(self.scheduler)
         self.tokenizing = ThreadPoolExecutor(2, thread_name_prefix="attnlab-text")
+        memory.configure()  # freed buffers go back to the system (`memory.py`)
+        # the model thread's Python between kernels hands the GIL to the event loop within 1 ms, not 5 (/health)
+        sys.setswitchinterval(min(sys.getswitchinterval(), 0.001))
+        self.trimmer = Trimmer()
         self.stats = {"requests": 0, "active": 0, "tokens_generated": 0, "errors": 0, "server_errors": 0}
         self.by_owner: defaultdict[str, Counter] = defaultdict(Counter)  # requests, tokens_generated per key
         self.admission = Admission(config.max_active, keys.owners, config.key_active, config.key_queued,
@@ -225,6 +232,7 @@ class Server:
         if slot.held:
             self.stats["active"] -= 1
             slot.release()
+            self.trimmer.soon()
 
     async def respond(self, req: CommonRequest, request: Request, plan, text: str | None, ids: list[int]):
         s, sampler, limit, stops = plan
@@ -297,11 +305,17 @@ class Server:
                 "context_length": self.lm.cfg.context_length, "attnlab": self.spec.describe()}
 
     async def health(self, request: Request):
-        """Up or not for anyone; the server-wide counters only for an admin key (or a keyless server)."""
-        if not request.state.caller.admin:
+        """(Answered by the Guard before any route: `health_body`; the route stays for the API schema.)"""
+        return self.health_body(request.state.caller)
+
+    def health_body(self, caller) -> dict:
+        """Up or not for anyone; the server-wide counters only for an admin key (or a keyless server). Read from
+        counters only: nothing here waits on the model thread."""
+        if not caller.admin:
             return {"status": "ok", "model": self.model_name}
         return {"status": "ok", "model": self.model_name, "sessions": len(self.store.sessions), **self.stats,
-                "admission": self.admission.summary(), "scheduler": self.scheduler.summary()}
+                "admission": self.admission.summary(), "scheduler": self.scheduler.summary(),
+                "memory_trims": self.trimmer.trims}
 
     async def sessions(self, request: Request):
         owner = self.visible(request)
@@ -313,8 +327,8 @@ class Server:
         return (await self.on_worker(self.held_or_404, sid, self.visible(request))).summary()
 
     async def session_cache(self, sid: str, request: Request):
-        held = self.held_or_404(sid, self.visible(request))
-        return await self.on_worker(held.cache_view)
+        owner = self.visible(request)  # looked up on the model thread: not evicted (and freed) in between
+        return await self.on_worker(lambda: self.held_or_404(sid, owner).cache_view())
 
     @staticmethod
     def visible(request: Request) -> str | None:
@@ -339,7 +353,7 @@ class Server:
         app = FastAPI(title="attnlab", docs_url=None, redoc_url=None,
                       openapi_url="/openapi.json" if self.config.openapi else None)
         app.state.server, app.state.store, app.state.stats = self, self.store, self.stats
-        for cls, options in layers(self.config, self.keys):
+        for cls, options in layers(self.config, self.keys, self.health_body):
             app.add_middleware(cls, **options)
         app.add_exception_handler(APIError, self.api_error)
         app.add_exception_handler(AttnlabError, self.user_error)

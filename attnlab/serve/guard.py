@@ -78,8 +78,11 @@ class HostGuard:
 
 
 class Guard:
-    def __init__(self, app, max_body: int = 1 << 20, hosts=LOOPBACK, keys=(), admin_keys=()):
-        self.app, self.max_body = app, max_body
+    """health: `health(caller) -> dict`, the answer to GET /health, given here, before any route or task of the
+    app (`Server.health_body`: read from counters, never waiting on the model thread)."""
+
+    def __init__(self, app, max_body: int = 1 << 20, hosts=LOOPBACK, keys=(), admin_keys=(), health=None):
+        self.app, self.max_body, self.health = app, max_body, health
         self.hosts = allowed_hosts(hosts)
         self.keys = [(k.encode(), False) for k in keys] + [(k.encode(), True) for k in admin_keys]
 
@@ -95,7 +98,9 @@ class Guard:
             if caller is None and scope["path"] not in OPEN_PATHS:
                 return await reject(send, 401, "missing or incorrect API key: send 'Authorization: Bearer KEY'",
                                     "invalid_api_key")
-        scope.setdefault("state", {})["caller"] = caller or Caller("", False)
+        scope.setdefault("state", {})["caller"] = caller = caller or Caller("", False)
+        if self.health is not None and scope["path"] == "/health" and scope.get("method") in ("GET", "HEAD"):
+            return await answer(send, 200, self.health(caller))
         length = headers.get(b"content-length")
         if length is not None:
             if not length.isdigit():
@@ -140,11 +145,11 @@ class Guard:
         return found
 
 
-def layers(config, keys) -> list[tuple[type, dict]]:
+def layers(config, keys, health=None) -> list[tuple[type, dict]]:
     """The middleware in front of every route of a server (or the replicas' front), innermost first: the
     Guard alone, or with CORS origins the Host check, then CORS (browsers send preflights without the
     key), then keys and body."""
-    guard = dict(max_body=config.max_body, hosts=config.hosts, keys=keys.api, admin_keys=keys.admin)
+    guard = dict(max_body=config.max_body, hosts=config.hosts, keys=keys.api, admin_keys=keys.admin, health=health)
     if not config.cors_origins:
         return [(Guard, guard)]
     from starlette.middleware.cors import CORSMiddleware
@@ -162,8 +167,12 @@ def guarded(app, config, keys):
 
 
 async def reject(send, status: int, message: str, code: str) -> None:
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                 "code": code}}).encode()
+    await answer(send, status, {"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                          "code": code}})
+
+
+async def answer(send, status: int, content: dict) -> None:
+    body = json.dumps(content).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})

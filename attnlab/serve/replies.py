@@ -9,7 +9,6 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from attnlab.serve.scheduler import Event
-from attnlab.serve.sessions import alloc_bytes
 
 GONE = Event(-1, "done", reason="gone")  # the client closed the connection (put by the server's watcher)
 
@@ -112,7 +111,7 @@ class Reply:
     def extension(self) -> dict:
         cache = self.session.cache
         return {"session": self.held.id if self.held and self.held.stored else None, "fed_tokens": self.turn.fed,
-                "tokens_seen": cache.seen, "slots_kept": len(cache), "cache_bytes": alloc_bytes(cache)}
+                "tokens_seen": cache.seen, "slots_kept": len(cache), "cache_bytes": self.held.nbytes()}
 
     async def whole(self) -> dict:
         """The non-streamed answer."""

@@ -60,9 +60,23 @@ class Held:
     stored: bool = True       # False: a raw completion's one-off cache (counted while it lives, never reused)
     created: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.time)
+    freed: int | None = None  # the bytes it held when `free` gave them back
 
     def nbytes(self) -> int:
-        return alloc_bytes(self.session.cache)
+        return alloc_bytes(self.session.cache) if self.freed is None else self.freed
+
+    def free(self) -> None:
+        """Give a dropped conversation's cache memory back now: every storage its cache holds resized to 0 bytes.
+
+        Why not leave it to the garbage collector: something else may still reference the tensors (the native
+        step keeps the buffers of the last cache bound to each of its rows until that row is bound to another:
+        up to max_batch dropped caches, measured 300 MiB held beyond the count under load). A dropped cache is
+        never stepped again (a row whose cache is another is bound anew), so its buffers may go."""
+        if self.freed is None:
+            self.freed = self.nbytes()
+            cache = self.session.cache
+            for t in [*(t for layer in cache.layers for t in layer.tensors()), *held_tensors(vars(cache))]:
+                t.untyped_storage().resize_(0)
 
     def summary(self) -> dict:
         cache = self.session.cache
@@ -228,6 +242,7 @@ class SessionStore:
     def drop(self, sid: str) -> None:
         held = self.sessions.pop(sid)
         self.evicted[held.owner] += 1
+        held.free()
 
     def release(self, held: Held, keep: bool = True) -> None:
         """Hand a session back (keep=False drops it, e.g. after a failed request), then trim the owner's LRU."""
@@ -235,9 +250,11 @@ class SessionStore:
             held.busy, held.last_used = False, time.time()
             if not held.stored:
                 self.loose.pop(held.id, None)
+                held.free()
                 return
             if not keep:
                 self.sessions.pop(held.id, None)
+                held.free()
             elif held.id in self.sessions:
                 self.sessions.move_to_end(held.id)
             self._evict(held.owner)

@@ -66,3 +66,22 @@ def test_counted_bytes_are_every_byte_the_cache_holds(policy, kv, attention):
     if attention and attention.endswith(":4"):  # the channel-major copy is in the count
         layer = a.session.cache.layers[0]
         assert layer.keys_t is not None and layer.keys_t.untyped_storage().data_ptr() in mine
+
+
+def test_a_dropped_conversation_gives_its_memory_back_while_still_referenced():
+    """Issue 61, item 3: under load RSS stood ~300 MiB over the count because the native step keeps the buffers
+    of the last cache bound to each of its rows; a dropped (evicted or failed) conversation's storages are now
+    emptied at once, whoever still references them, and its count stays readable."""
+    lm = tiny_lm(head_dim=32)
+    store, a = held(lm, PolicySpec("sink", 48, 4, "cache"), 100)
+    kept = [t for layer in a.session.cache.layers for t in layer.tensors()]  # as the native step's binding would
+    before = a.nbytes()
+    store.release(a, keep=False)
+    assert sum(t.untyped_storage().nbytes() for t in kept) == 0
+    assert a.nbytes() == before and store.total_bytes() == 0
+    b, _ = store.acquire("y", PolicySpec("sink", 48, 4, "cache"))
+    b.session.text = "y"
+    store.release(b)
+    store.max_sessions = store.key_sessions = 0  # b is evicted on the next release: freed the same way
+    store._evict("")
+    assert all(t.untyped_storage().nbytes() == 0 for layer in b.session.cache.layers for t in layer.tensors())

@@ -1,0 +1,212 @@
+"""Soak of `attnlab serve` under hostile-but-legal load: memory against the count, /health latency, errors.
+
+Starts `attnlab serve` (loopback, 3 API keys and an admin key, Quest with a channel-major key copy by
+default) and runs --clients clients for --minutes: client i uses key i mod 3 and, by i mod 4, holds
+multi-turn conversations (policies sink, h2o, tova, snapkv and full in turn), cancels streams after a few
+chunks, reads its streams slowly (a pause between chunks), or sends short raw completions. Every second it
+samples the server's RSS and the cache bytes the server counts (admin `GET /v1/sessions`); a separate
+process asks `/health` every 20 ms on its own connection (so the client's own load does not delay it).
+
+Pass criteria (issue 61): no error beyond the documented 4xx/503 answers (400 limits, 429 key queue,
+503 busy); RSS <= counted cache + the RSS at startup (model and runtime) + 300 MiB at every sample;
+/health p99.9 under 20 ms. Writes OUT.json / OUT.md (atomically) with the command, commit and seed.
+
+    python benchmarks/serve_soak.py --minutes 30 --out docs/figures/serve/soak
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import http.client
+import json
+import multiprocessing
+import random
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).parent))
+from serve import QUESTIONS, free_port, passages, rss_mib, start_server  # noqa: E402
+from serve_load import pct  # noqa: E402
+
+from attnlab.io import provenance, write_json, write_text  # noqa: E402
+
+KEYS = ["soak-key-0001", "soak-key-0002", "soak-key-0003"]
+ADMIN = "soak-admin-0001"
+POLICIES = ["sink", "h2o", "tova", "snapkv", "full"]
+DOCUMENTED = {400, 413, 429, 503}  # limits, the key's queue, a busy server (docs/serve.md)
+
+
+def probe_health(port: int, seconds: float, every: float, out) -> None:
+    """In its own process: GET /health every `every` s on one kept-alive connection; latencies to `out`."""
+    conn, lat, bad = http.client.HTTPConnection("127.0.0.1", port, timeout=30), [], 0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        t0 = time.perf_counter()
+        try:
+            conn.request("GET", "/health")
+            r = conn.getresponse()
+            r.read()
+            lat.append(time.perf_counter() - t0)
+            bad += r.status != 200
+        except (OSError, http.client.HTTPException):
+            bad += 1
+            conn.close()
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        time.sleep(every)
+    out.send((lat, bad))
+
+
+class Tally:
+    def __init__(self):
+        self.status: dict[str, int] = {}
+        self.errors: list[str] = []
+        self.tokens = 0
+
+    def count(self, what: str) -> None:
+        self.status[what] = self.status.get(what, 0) + 1
+
+
+async def stream(client, key: str, body: dict, tally: Tally, pause: float = 0.0, cut: int | None = None) -> str:
+    """One streamed request; returns its text. pause: seconds between chunks read (a slow reader); cut: leave
+    after that many chunks (a cancel)."""
+    parts = []
+    async with client.stream("POST", body.pop("path"), json=body, headers={"authorization": f"Bearer {key}"}) as r:
+        if r.status_code != 200:
+            await r.aread()
+            tally.count(str(r.status_code))
+            if r.status_code not in DOCUMENTED:
+                tally.errors.append(f"HTTP {r.status_code}: {r.text[:200]}")
+            return ""
+        n = 0
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("error"):
+                tally.errors.append(f"error event: {line[:200]}")
+                break
+            c = chunk["choices"][0] if chunk["choices"] else {}
+            text = (c.get("delta") or {}).get("content") or c.get("text") or ""
+            parts.append(text)
+            n += 1
+            tally.tokens += bool(text)
+            if cut is not None and n >= cut:
+                tally.count("cancelled")
+                return "".join(parts)
+            if pause:
+                await asyncio.sleep(pause)
+    tally.count("200")
+    return "".join(parts)
+
+
+async def client_loop(i: int, url: str, deadline: float, texts: list[str], args, tally: Tally) -> None:
+    rng, key, kind = random.Random(args.seed + i), KEYS[i % len(KEYS)], i % 4
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+        history: list[dict] = []
+        policy = POLICIES[i % len(POLICIES)]
+        while time.monotonic() < deadline:
+            words = texts[rng.randrange(len(texts))].split()[:rng.randint(10, 80)]
+            try:
+                if kind == 3:  # raw completions: a one-off cache each
+                    body = {"path": "/v1/completions", "model": "m", "prompt": " ".join(words), "stream": True,
+                            "max_tokens": rng.randint(4, 24), "attnlab": {"policy": policy}}
+                    await stream(client, key, body, tally)
+                    continue
+                history.append({"role": "user", "content": " ".join(words) + "\n\n" + rng.choice(QUESTIONS)})
+                body = {"path": "/v1/chat/completions", "model": "m", "messages": history, "stream": True,
+                        "max_tokens": args.max_tokens, "temperature": 0.7, "seed": rng.randrange(1 << 30),
+                        "attnlab": {"policy": policy, "budget": args.budget}}
+                text = await stream(client, key, body, tally, pause=0.25 if kind == 2 else 0.0,
+                                    cut=rng.randint(1, 6) if kind == 1 else None)
+                history.append({"role": "assistant", "content": text})
+                if len(history) >= 2 * args.turns or kind == 1:
+                    history, policy = [], POLICIES[rng.randrange(len(POLICIES))]
+            except (httpx.HTTPError, json.JSONDecodeError, KeyError) as e:
+                tally.errors.append(f"{type(e).__name__}: {e}"[:200])
+                history = []
+
+
+async def run(url: str, pid: int, args, base_mib: float) -> dict:
+    deadline = time.monotonic() + args.minutes * 60
+    tally, samples, texts = Tally(), [], passages(100, 300)
+
+    async def memory():
+        async with httpx.AsyncClient(base_url=url, timeout=30, headers={"authorization": f"Bearer {ADMIN}"}) as c:
+            while time.monotonic() < deadline:
+                counted = (await c.get("/v1/sessions")).json()["total_bytes"] / 2**20
+                rss = rss_mib(pid)
+                samples.append({"t": round(args.minutes * 60 - (deadline - time.monotonic()), 1), "rss_mib": rss,
+                                "counted_mib": counted, "over_mib": rss - counted - base_mib})
+                print(f"\r{samples[-1]['t']:.0f} s: RSS {rss:.0f} MiB, counted {counted:.0f} MiB, "
+                      f"{sum(tally.status.values())} requests, {len(tally.errors)} errors   ",
+                      end="", file=sys.stderr, flush=True)
+                await asyncio.sleep(1.0)
+    await asyncio.gather(memory(), *(client_loop(i, url, deadline, texts, args, tally) for i in range(args.clients)))
+    print(file=sys.stderr)
+    return {"status": tally.status, "errors": len(tally.errors), "error_samples": tally.errors[:10],
+            "tokens": tally.tokens, "samples": samples}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--minutes", type=float, default=30.0)
+    p.add_argument("--clients", type=int, default=16)
+    p.add_argument("--turns", type=int, default=6, help="turns of a conversation before a new one starts")
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--budget", type=int, default=256)
+    p.add_argument("--attention", default="quest:128:16:0:8", help="the server's --attention ('' for none)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--max-cache-mib", type=int, default=512)
+    p.add_argument("--serve-args", default="", help="more `attnlab serve` options")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="write OUT.json and OUT.md")
+    args = p.parse_args(argv)
+    made = {**provenance(None), "command": "python " + " ".join(sys.argv), "seed": args.seed}
+    port = free_port()
+    cmd = [args.model, "--policy", "sink", "--budget", str(args.budget), "--threads", str(args.threads),
+           "--max-cache-mib", str(args.max_cache_mib), "--max-sessions", "24", "--name", "m", "--admin-key", ADMIN,
+           "--max-prompt-tokens", "4096", *(f"--api-key={k}" for k in KEYS),
+           *(["--attention", args.attention] if args.attention else []), *args.serve_args.split()]
+    server, url = start_server(cmd, port, 900)
+    try:
+        base = rss_mib(server.pid)
+        there, here = multiprocessing.Pipe(duplex=False)
+        prober = multiprocessing.Process(target=probe_health, args=(port, args.minutes * 60, 0.02, here))
+        prober.start()
+        out = asyncio.run(run(url, server.pid, args, base))
+        health, health_bad = there.recv() if there.poll(60) else ([], -1)
+        prober.join(10)
+    finally:
+        server.terminate()
+        server.wait(30)
+    worst = max(out["samples"], key=lambda s: s["over_mib"], default={"over_mib": None})
+    row = {"minutes": args.minutes, "clients": args.clients, "requests": out["status"], "errors": out["errors"],
+           "error_samples": out["error_samples"], "tokens": out["tokens"], "rss_start_mib": base,
+           "rss_peak_mib": max((s["rss_mib"] for s in out["samples"]), default=None),
+           "counted_peak_mib": max((s["counted_mib"] for s in out["samples"]), default=None),
+           "worst_rss_over_count_mib": worst["over_mib"], "health_probes": len(health), "health_failed": health_bad,
+           **{f"health_p{q}_ms": None if not health else 1000 * pct(health, q) for q in (50, 99, 99.9)},
+           "health_max_ms": 1000 * max(health) if health else None}
+    row["pass"] = bool(row["errors"] == 0 and worst["over_mib"] is not None and worst["over_mib"] <= 300
+                       and row["health_p99.9_ms"] is not None and row["health_p99.9_ms"] < 20 and health_bad == 0)
+    md = ("| minutes | clients | requests (by status) | errors | RSS start / peak (MiB) | counted peak (MiB) | "
+          "worst RSS - counted - start (MiB) | /health p50 / p99 / p99.9 / max (ms) | pass |\n"
+          "|---:|---:|---|---:|---|---:|---:|---|---|\n"
+          f"| {args.minutes:g} | {args.clients} | {json.dumps(row['requests'])} | {row['errors']} | "
+          f"{base:.0f} / {row['rss_peak_mib']:.0f} | {row['counted_peak_mib']:.0f} | {worst['over_mib']:.0f} | "
+          + " / ".join("-" if row[k] is None else f"{row[k]:.1f}" for k in
+                       ("health_p50_ms", "health_p99_ms", "health_p99.9_ms", "health_max_ms"))
+          + f" | {'yes' if row['pass'] else 'no'} |\n")
+    print(md)
+    if args.out:
+        write_json(args.out + ".json", {**made, "args": vars(args), "result": row, "samples": out["samples"]})
+        write_text(args.out + ".md", md)
+    return 0 if row["pass"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""Every serving limit in one validated object (`attnlab.serve.config`), and `Server` taking it whole."""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from attnlab.errors import AttnlabError
+from attnlab.serve.config import Keys, Limits, ServeConfig
+
+
+def test_server_takes_at_most_four_parameters():
+    from attnlab.serve import Server, create_app
+    assert len(inspect.signature(Server.__init__).parameters) <= 4  # self, lm, config, keys
+    assert list(inspect.signature(create_app).parameters) == ["lm", "config", "keys"]
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(max_active=0), "--max-active must be a whole number >= 1, got 0"),
+    (dict(key_active=9), r"--max-active-per-key \(9\) is more than --max-active \(8\)"),
+    (dict(key_bytes=2 << 30), r"--max-cache-mib-per-key \(2147483648\) is more than --max-cache-mib"),
+    (dict(queue_timeout=0), "--queue-timeout must be positive, got 0"),
+    (dict(max_sessions=True), "--max-sessions must be a whole number"),
+    (dict(http=None), "http must be a Limits"),
+])
+def test_bad_limits_are_one_line_errors_naming_the_flag(fields, message):
+    with pytest.raises(AttnlabError, match=message) as e:
+        ServeConfig("m", **fields)
+    assert "\n" not in str(e.value)
+
+
+def test_http_limits_and_quotas_and_replicas():
+    with pytest.raises(AttnlabError, match="--send-timeout must be positive"):
+        Limits(send_timeout=0)
+    c = ServeConfig("m", max_sessions=16, max_bytes=1 << 30, max_tokens=5000)
+    assert c.max_tokens_cap == 5000  # the default reply is always allowed
+    assert c.quotas(Keys(["a" * 8, "b" * 8], ["c" * 8])) == (5, (1 << 30) // 3)
+    assert c.quotas(Keys()) == (16, 1 << 30)
+    each = ServeConfig("m", max_sessions=16, max_bytes=1 << 30, key_sessions=8, replicas=4).per_replica()
+    assert (each.max_sessions, each.max_bytes, each.key_sessions, each.replicas) == (4, 1 << 28, 2, 1)
+    assert ServeConfig("m", guard=None).guard is None  # room for issue 60's --guard
+
+
+def test_the_command_line_builds_the_config_once(monkeypatch):
+    from attnlab.cli import build_parser
+    import attnlab.cli.serve as cli
+    args = build_parser().parse_args(["serve", "m.gguf", "--max-active", "4", "--max-active-per-key", "2",
+                                      "--max-cache-mib", "64", "--send-timeout", "5", "--replicas", "2"])
+    c = cli.serve_settings(args, "m", ServeConfig("x").spec, ["127.0.0.1"])
+    assert (c.max_active, c.key_active, c.max_bytes, c.http.send_timeout, c.replicas) == (4, 2, 64 << 20, 5.0, 2)
+    assert c.per_replica().max_bytes == 32 << 20
