@@ -49,6 +49,17 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def guard_spec(text: str):
+    import argparse
+
+    from attnlab.errors import AttnlabError
+    from attnlab.robust.defenses import Guard
+    try:
+        return Guard.parse(text)
+    except AttnlabError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def serve_settings(args, name, spec, hosts):
     """Every serving limit from the command line, validated once (`ServeConfig`)."""
     from attnlab.errors import AttnlabError
@@ -66,7 +77,7 @@ def serve_settings(args, name, spec, hosts):
             max_body=args.max_body_kib << 10, max_active=args.max_active, key_active=args.max_active_per_key,
             key_queued=args.max_queued_per_key, queue_timeout=args.queue_timeout, max_batch=args.max_batch,
             chunk=args.chunk, http=http, hosts=tuple(hosts), openapi=args.openapi,
-            cors_origins=tuple(args.cors_origin or ()), replicas=args.replicas or 1)
+            cors_origins=tuple(args.cors_origin or ()), replicas=args.replicas or 1, guard=args.guard)
     except AttnlabError as e:
         raise UserError(str(e)) from None
 
@@ -143,6 +154,9 @@ def add_parser(sub) -> None:
                         "keys want slots)")
     p.add_argument("--max-queued-per-key", type=positive_int, default=None,
                    help="requests one key may have waiting for a slot (default: 4 x --max-active); beyond: 429")
+    p.add_argument("--guard", type=guard_spec, default=None, metavar="ppl[:THRESHOLD]",
+                   help="reject prompts the perplexity filter flags (adversarial suffixes) with a 400 naming why; "
+                        "ppl: the model's calibrated threshold (docs/robust.md), or THRESHOLD nats/token")
     p.add_argument("--max-batch", type=positive_int, default=8,
                    help="conversations prefilling or decoding together (one batched decode step); the rest wait")
     p.add_argument("--queue-timeout", type=float, default=60.0, help="seconds a request waits for a slot, then 503")

@@ -77,6 +77,7 @@ class Server:
         self.admission = Admission(config.max_active, keys.owners, config.key_active, config.key_queued,
                                    config.queue_timeout)
         self.created_at = int(time.time())
+        self.guard = config.guard.build(lm) if config.guard is not None else None  # --guard (attnlab.robust)
 
     async def on_worker(self, fn, *args):
         """Run on the model thread (the only one that touches a cache), between scheduler steps."""
@@ -271,7 +272,16 @@ class Server:
         text = await self.on_text(self.render, messages)
         ids = await self.on_text(self.text.encode, text)
         self.check_prompt(tokens=len(ids))
+        await self.screen("messages", [{"role": m.role, "content": m.text()} for m in req.messages])
         return await self.respond(req, request, plan, text, ids)
+
+    async def screen(self, param: str, messages: list[dict]) -> None:
+        """--guard: the user's text checked on the model thread (one prefill), after the size checks; a flagged
+        prompt is a 400 naming why."""
+        if self.guard is not None:
+            verdict = await self.on_worker(self.guard.check_messages, messages)
+            if verdict.flagged:
+                raise APIError(400, verdict.reason, param=param, code="prompt_flagged")
 
     def render(self, messages: list[dict]) -> str:
         try:
@@ -290,6 +300,7 @@ class Server:
         if not ids:
             raise APIError(400, "the prompt is empty", param="prompt", code="empty_prompt")
         self.check_prompt(tokens=len(ids), param="prompt")
+        await self.screen("prompt", [{"role": "user", "content": prompts[0]}])
         return await self.respond(req, request, plan, None, ids)
 
     async def models(self):
