@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from attnlab.cli import main
 
 
@@ -34,3 +36,9 @@ def test_guard_cli_user_errors(tmp_path, capsys):
     assert main(["guard", "--prompts", str(ok), "--guard", "perplexity"]) == 2
     assert "unknown guard" in capsys.readouterr().err
     assert main(["guard"]) == 2
+
+
+def test_serve_guard_option_is_checked_before_loading(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--guard", "perplexity"])
+    assert e.value.code == 2 and "unknown guard" in capsys.readouterr().err
