@@ -157,7 +157,12 @@ def _calibrate(args) -> int:
     if attacked:
         result["detection"] = {v: ev.detection(filt, [p for p in attacked if p["variant"] == v])
                                for v in sorted({p["variant"] for p in attacked})}
-        for v, d in result["detection"].items():
+        steps = [p for path in args.attacks for p in ev.step_prompts(path, lm.tokenizer.decode)]
+        result["detection_by_step"] = {f"{v}@{n}": ev.detection(filt, [p for p in steps if p["variant"] == v
+                                                                       and p["step"] == n])
+                                       for v in sorted({p["variant"] for p in steps})
+                                       for n in sorted({p["step"] for p in steps})}
+        for v, d in {**result["detection"], **result["detection_by_step"]}.items():
             print(f"{v} suffixes: {d['flagged']} of {d['prompts']} flagged ({d['rate']:.0%}); of the successful "
                   f"ones {d['successful_flagged']} of {d['successful']}")
         texts = [p["text"] for p in attacked][:args.cost_prompts]
@@ -166,11 +171,10 @@ def _calibrate(args) -> int:
               f"64-token reply ({result['cost']['reply_seconds']:.2f} s)")
         if args.smoothllm:
             copies, _, rate = args.smoothllm.partition(":")
-            result["smoothllm"] = ev.smooth_eval(lm, [p for p in attacked if p["success"]], int(copies),
-                                                 float(rate or 0.1), args.seed)
+            result["smoothllm"] = ev.smooth_eval(lm, attacked, int(copies), float(rate or 0.1), args.seed)
             s = result["smoothllm"]
             print(f"SmoothLLM N={s['copies']} q={s['rate']:g}: attack success {s['success_without']:.0%} -> "
-                  f"{s['success_after']:.0%} over {s['prompts']} successful suffixes, "
+                  f"{s['success_after']:.0%} over {s['prompts']} found suffixes, "
                   f"{s['model_calls_per_prompt']:.0f} model calls a prompt")
     if args.out:
         write_json(args.out, result)

@@ -44,6 +44,18 @@ def attacked_prompts(results: list[dict]) -> list[dict]:
              "variant": r.get("tokens", "all")} for r in results]
 
 
+def step_prompts(attack_json, decode, every: int = 5) -> list[dict]:
+    """The suffix of every `every`-th step of each pair (from the run's state files beside its attack.json)."""
+    import json
+    from pathlib import Path
+    folder, rows = Path(attack_json).parent, []
+    for r in json.loads(Path(attack_json).read_text())["results"]:
+        for h in json.loads((folder / f"pair-{r['pair']:02d}.state.json").read_text())["history"][every - 1::every]:
+            rows.append({"pair": r["pair"], "step": h["step"], "text": r["prompt"] + decode(h["suffix"]),
+                         "target": r["target"], "success": h["success"], "variant": r.get("tokens", "all")})
+    return rows
+
+
 def detection(filt: PerplexityFilter, prompts: list[dict]) -> dict:
     """Share of attacked prompts flagged: all of them, and those whose attack succeeded."""
     for p in prompts:
