@@ -46,6 +46,7 @@ class GCGConfig:
     fluent_top: int = 100
     seed: int = 0
     chunk: int = 32
+    check: bool = True  # greedy-decode after every step (success by step); False: only at the end
 
     def __post_init__(self):
         for name in ("length", "steps", "batch", "topk", "fluent_top", "chunk"):
@@ -184,7 +185,7 @@ class GCG:
         self.engine, self.grad_model, self.case, self.cfg, self.allowed = engine, grad_model, case, cfg, allowed
         self.scorer = Scorer(scorer_engine or engine, case, cfg.chunk)
         self.gen = torch.Generator().manual_seed(cfg.seed)
-        settings = {k: v for k, v in asdict(cfg).items() if k != "steps"}  # a rerun may ask for more steps
+        settings = {k: v for k, v in asdict(cfg).items() if k not in ("steps", "check")}  # a rerun may ask more
         self.ident = {"config": settings, "before": case.before, "after": case.after, "target": case.target,
                       "init": init, **(ident or {})}
         self.suffix = torch.tensor(init)
@@ -233,8 +234,9 @@ class GCG:
         seconds = time.perf_counter() - start
         if loss < self.best[0]:
             self.best = (loss, self.suffix.tolist())
-        reply = greedy_reply(self.engine, self.case, self.suffix)
-        row = {"step": len(self.history) + 1, "loss": loss, "success": succeeded(reply, self.case.target_text),
+        ok = succeeded(greedy_reply(self.engine, self.case, self.suffix), self.case.target_text) if self.cfg.check \
+            else None
+        row = {"step": len(self.history) + 1, "loss": loss, "success": ok,
                "seconds": seconds, "candidates": len(cands), "suffix": self.suffix.tolist()}
         self.history.append(row)
         return row
