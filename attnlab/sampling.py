@@ -39,6 +39,11 @@ class Sampler:
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         if self.temperature == 0:
             return logits.argmax(-1)
+        return torch.multinomial(self.probs(logits), 1, generator=self.generator).squeeze(-1)
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The distribution [..., V] this sampler draws from (temperature > 0): what speculative sampling's
+        acceptance test compares the target's and the draft's choices by."""
         logits = logits.float() / self.temperature
         if self.top_k:
             kth = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
@@ -54,4 +59,4 @@ class Sampler:
         if bool(bad.any()):  # e.g. logits that are themselves inf or NaN: the top token, never a crash
             probs[bad] = torch.nn.functional.one_hot(logits[bad].nan_to_num(-float("inf")).argmax(-1),
                                                      probs.shape[-1]).to(probs.dtype)
-        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+        return probs
