@@ -1,0 +1,277 @@
+"""Speculative decoding: a cheap drafter proposes k tokens, the target scores all k + 1 positions in one step.
+
+Why it is lossless: the verification row (the last sampled token and the k drafts) goes through the engine's one
+step (`LM.step`, logits "all") against the target's own cache; the longest prefix the target agrees with is kept,
+plus one token of the target's own, and the cache is cut back to what it then holds (`KVCache.truncate`). At
+temperature 0 "agrees" is "is the target's argmax", so the tokens are plain greedy decoding's (to the rounding of a
+chunk's kernel against a decode step's: a near tie can flip); at temperature > 0 a draft is kept with probability
+min(1, p/q) and a rejection resamples from the normalised residual max(0, p - q) (Leviathan et al. 2023), so every
+token is distributed as the target's sampler would draw it. A deterministic drafter (ngram) has a one-hot q.
+
+Drafters, one interface (`propose(context, k, sampler)` -> draft ids and their q, or None when one-hot;
+`accepted(n)` after each verification):
+  ngram[:N[:K]]          the latest earlier occurrence of the longest suffix (up to N tokens) proposes what followed
+  self:sink:W[:K]        the same weights over their own StreamingLLM-window cache of W tokens
+  self:quest:BUDGET[:K]  the same weights under Quest attention over their own paged cache
+  draft:PATH[:K]         a second model file with the same vocabulary
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from attnlab.batch import Batch
+from attnlab.errors import AttnlabError
+from attnlab.stop import Stop
+
+KINDS = ("ngram", "self", "draft")
+SINK_SLACK = 32  # a self:sink draft cache evicts in blocks of this many tokens, so drafts fit between evictions
+
+
+@dataclass(frozen=True)
+class SpeculativeSpec:
+    """A parsed --speculative SPEC: the drafter's kind, K drafts per step, ngram's N, self's cheaper KV
+    ('sink:W' or 'quest:BUDGET'), draft's model file."""
+    kind: str
+    k: int = 4
+    n: int = 3
+    cheap: str | None = None
+    path: str | None = None
+
+    @classmethod
+    def parse(cls, text: "str | SpeculativeSpec | None") -> "SpeculativeSpec | None":
+        if text is None or isinstance(text, SpeculativeSpec):
+            return text
+        parts = str(text).strip().split(":")
+        kind, rest = parts[0], parts[1:]
+        usage = "use ngram[:N[:K]], self:sink:W[:K], self:quest:BUDGET[:K] or draft:PATH[:K]"
+        if kind not in KINDS:
+            raise AttnlabError(f"unknown speculative spec {text!r}; {usage}")
+        try:
+            if kind == "ngram":
+                if len(rest) > 2:
+                    raise ValueError
+                n, k = ([int(x) for x in rest] + [3, 4][len(rest):])[:2] if rest else (3, 4)
+                return cls._checked("ngram", k, n=n)
+            if kind == "self":
+                if len(rest) not in (2, 3) or rest[0] not in ("sink", "quest"):
+                    raise ValueError
+                size = int(rest[1])
+                return cls._checked("self", int(rest[2]) if len(rest) == 3 else 4, cheap=f"{rest[0]}:{size}")
+            k = 4
+            if len(rest) > 1 and rest[-1].isdigit():
+                k = int(rest.pop())
+            if not rest or not rest[0]:
+                raise ValueError
+            return cls._checked("draft", k, path=":".join(rest))
+        except ValueError:
+            raise AttnlabError(f"bad speculative spec {text!r}; {usage} (N, K, W, BUDGET integers)") from None
+
+    @classmethod
+    def _checked(cls, kind, k, **fields) -> "SpeculativeSpec":
+        spec = cls(kind, k, **fields)
+        if spec.k < 1 or spec.n < 1 or (spec.cheap and int(spec.cheap.split(":")[1]) < 1):
+            raise AttnlabError(f"speculative {kind}: K, N, W and BUDGET must be >= 1")
+        return spec
+
+    def __str__(self) -> str:
+        return {"ngram": f"ngram:{self.n}:{self.k}", "self": f"self:{self.cheap}:{self.k}",
+                "draft": f"draft:{self.path}:{self.k}"}[self.kind]
+
+
+@dataclass
+class SpecStats:
+    """What a speculative generation did: drafts proposed and kept, verification steps, tokens produced."""
+    drafted: int = 0
+    accepted: int = 0
+    steps: int = 0
+    tokens: int = 0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.tokens / self.steps if self.steps else 0.0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def as_dict(self) -> dict:
+        return {"drafted": self.drafted, "accepted": self.accepted, "steps": self.steps, "tokens": self.tokens,
+                "acceptance": round(self.acceptance, 4), "tokens_per_step": round(self.tokens_per_step, 4)}
+
+
+# ---------------------------------------------------------------- drafters
+
+class NgramDrafter:
+    """Prompt/history lookup: the latest earlier occurrence of the context's last m tokens (m = N down to 1)
+    proposes the tokens that followed it. An index of every m-gram's latest end, grown as the context grows."""
+
+    def __init__(self, n: int):
+        self.n, self.index, self.ctx = n, [dict() for _ in range(n + 1)], []
+
+    def _grow(self, context: list[int]) -> None:
+        if context[:len(self.ctx)] != self.ctx:  # another conversation: start over
+            self.index, self.ctx = [dict() for _ in range(self.n + 1)], []
+        start = len(self.ctx)
+        self.ctx = list(context)
+        for end in range(max(start - 1, 1), len(context)):  # an m-gram ending before `end` is followed by ctx[end]
+            for m in range(1, min(self.n, end) + 1):
+                self.index[m][tuple(context[end - m:end])] = end
+
+    def propose(self, context: list[int], k: int, sampler) -> tuple[list[int], None]:
+        self._grow(context)
+        for m in range(min(self.n, len(context) - 1), 0, -1):
+            end = self.index[m].get(tuple(context[-m:]))
+            if end is not None:
+                return context[end:end + k], None
+        return [], None
+
+    def accepted(self, n: int) -> None:
+        pass
+
+
+class ModelDrafter:
+    """A model (the target's weights under a cheaper KV configuration, or another file) drafting over a cache of its
+    own. Its cache holds the context's tokens it was fed; each proposal first cuts it back to the part the context
+    still agrees with, so rejected drafts never linger. A bounded (sink) cache drafts only as far as it can without
+    evicting, so the cut is always allowed."""
+
+    def __init__(self, lm, policy_factory=lambda: None):
+        self.lm, self.policy_factory = lm, policy_factory
+        self.cache, self.fed = None, []
+
+    def propose(self, context: list[int], k: int, sampler) -> tuple[list[int], torch.Tensor | None]:
+        same = 0
+        for a, b in zip(self.fed, context[:-1]):
+            if a != b:
+                break
+            same += 1
+        if self.cache is None or same < self.cache.kept_from:
+            self.cache, self.fed, same = self.lm.new_cache(capacity=len(context) + 64, policy=self.policy_factory()), [], 0
+        self.cache.truncate(same)
+        logits = self.lm.prefill(torch.tensor([context[same:]]), self.cache)
+        self.fed = list(context)
+        drafts, qs = [], []
+        for i in range(k):
+            if sampler.temperature == 0:
+                t = int(logits[0].argmax())
+            else:
+                q = sampler.probs(logits[0])
+                t = int(torch.multinomial(q, 1, generator=sampler.generator))
+                qs.append(q)
+            drafts.append(t)
+            left = room(self.cache)
+            if i == k - 1 or (left is not None and left < 1):
+                break
+            logits = self.lm.step(Batch.one([[t]], self.cache))[0][:, -1]
+            self.fed.append(t)
+        return drafts, torch.stack(qs) if qs else None
+
+    def accepted(self, n: int) -> None:
+        pass
+
+
+def make_drafter(lm, spec: SpeculativeSpec):
+    """The drafter of spec for target lm (a draft model file is loaded once per target and kept on it)."""
+    if spec.kind == "ngram":
+        return NgramDrafter(spec.n)
+    if spec.kind == "self":
+        name, size = spec.cheap.split(":")
+        if name == "quest":
+            return ModelDrafter(lm.with_attention(f"quest:{size}"))
+        from attnlab.kv.policies import make_policy
+        base = lm.with_attention(None)
+        return ModelDrafter(base, lambda: make_policy("sink", int(size), block=SINK_SLACK))
+    drafts = lm.__dict__.setdefault("_draft_models", {})
+    if spec.path not in drafts:
+        draft = type(lm).load(spec.path, lm.options.but(speculative=None, policy=None, attention=None, sparsity=None),
+                        tokenizer=False)
+        if draft.cfg.vocab_size != lm.cfg.vocab_size:
+            raise AttnlabError(f"draft model {spec.path} has a vocabulary of {draft.cfg.vocab_size} tokens, the target "
+                               f"{lm.cfg.vocab_size}: a draft must share the target's vocabulary")
+        drafts[spec.path] = draft
+    return ModelDrafter(drafts[spec.path])
+
+
+# ---------------------------------------------------------------- verification
+
+def room(cache) -> int | None:
+    """Tokens the cache takes before its policy evicts (None: it never does). A row that fits is cut back freely."""
+    policy = cache.policy
+    if policy is None or policy.capacity is None:
+        return None
+    layer = cache.layers[0]
+    return policy.tokens + policy.block - 1 - (layer.n - layer.first)
+
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Where a rejected draft's token comes from: max(0, p - q), normalised (p itself where nothing is left)."""
+    r = (p - q).clamp_min(0)
+    total = r.sum()
+    return r / total if total > 0 else p
+
+
+def accept(p: torch.Tensor, drafts: list[int], q: torch.Tensor | None, generator) -> tuple[int, int]:
+    """Speculative sampling over target probabilities p [k + 1, V] and draft probabilities q [k, V] (None: one-hot
+    on the drafts) -> (drafts kept, the token after them), distributed exactly as sampling from p token by token."""
+    for i, d in enumerate(drafts):
+        qi = torch.nn.functional.one_hot(torch.tensor(d), p.shape[-1]).to(p.dtype) if q is None else q[i]
+        if float(torch.rand((), generator=generator)) * float(qi[d]) < float(p[i, d]):  # u < p/q
+            continue
+        return i, int(torch.multinomial(residual(p[i], qi), 1, generator=generator))
+    return len(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=generator))
+
+
+def verify(logits: torch.Tensor, drafts: list[int], q, sampler) -> tuple[int, int]:
+    """Target logits [k + 1, V] of a verification row -> (drafts kept, the target's next token)."""
+    if sampler.temperature == 0:
+        best = logits.argmax(-1).tolist()
+        n = 0
+        while n < len(drafts) and drafts[n] == best[n]:
+            n += 1
+        return n, best[n]
+    return accept(sampler.probs(logits), drafts, q, sampler.generator)
+
+
+def check_cache(cache) -> None:
+    if cache.batch != 1:
+        raise AttnlabError("speculative decoding takes one conversation (a cache of batch 1)")
+    if cache.needs_probs:
+        raise AttnlabError(f"speculative decoding cuts its cache back, which a policy scoring by attention "
+                           f"({type(cache.policy).__name__}) refuses; use full or sink")
+
+
+def decode(lm, cache, context: list[int], logits: torch.Tensor, sampler, max_new_tokens: int, stop_ids=(),
+           spec: SpeculativeSpec | None = None, drafter=None, stats: SpecStats | None = None) -> Iterator[int]:
+    """`LM.decode`'s contract for one conversation, speculatively: context = the ids the cache holds, logits [1, V]
+    after them; yields token ids until the one stop check ends the reply; the last one yielded is not fed."""
+    check_cache(cache)
+    if cache.seen != len(context):
+        raise AttnlabError(f"the cache holds {cache.seen} tokens, the context {len(context)}")
+    drafter = drafter or make_drafter(lm, spec)
+    stats = stats if stats is not None else SpecStats()
+    stop, context = Stop(max_new_tokens, stop_ids), list(context)
+    new = [int(sampler(logits)[0])] if max_new_tokens else []
+    while new:
+        for j, t in enumerate(new):
+            yield t
+            stats.tokens += 1
+            stop.push(t)
+            context.append(t)
+            if stop.reason:
+                cache.truncate(len(context) - 1)  # accepted drafts past the end are not fed
+                return
+        k = min(spec.k if spec else 4, stop.max_tokens - stop.count - 1)  # drafts past max_tokens are wasted
+        left = room(cache)
+        if left is not None:  # the row must not make the policy evict: it could not be cut back
+            k = min(k, left - 1)
+        drafts, q = drafter.propose(context, k, sampler) if k > 0 else ([], None)
+        drafts = drafts[:max(k, 0)]
+        out = lm.step(Batch.one([[context[-1], *drafts]], cache, "all"))[0][0]
+        n, nxt = verify(out, drafts, q[:len(drafts)] if q is not None else None, sampler)
+        cache.truncate(len(context) + n)
+        drafter.accepted(n)
+        stats.drafted, stats.accepted, stats.steps = stats.drafted + len(drafts), stats.accepted + n, stats.steps + 1
+        new = [*drafts[:n], nxt]
