@@ -75,7 +75,9 @@ class Options:
     or TEAL 'teal:0.3' (`attnlab.sparsity.plan.parse`). kv_dtype: KV-cache storage float32 | float16 | int8
     (default: float16 under float32 activations, half the memory and bytes read per token; else dtype).
     policy: the default KV-cache policy of generation and serving ('sink:1024' or a PolicySpec; None = full).
-    attention: query-aware sparse decode attention, 'quest:BUDGET[:PAGE[:DENSE[:CHANNELS]]]' (`attnlab.kv.pages.QuestSpec`; None = full)."""
+    attention: query-aware sparse decode attention, 'quest:BUDGET[:PAGE[:DENSE[:CHANNELS]]]' (`attnlab.kv.pages.QuestSpec`; None = full).
+    speculative: decode speculatively, 'ngram[:N[:K]]', 'self:sink:W[:K]', 'self:quest:BUDGET[:K]', 'draft:PATH[:K]'
+    (`attnlab.speculative.SpeculativeSpec`; None = plain decoding)."""
     dtype: str | None = None
     threads: int | None = None
     quant: object = None
@@ -85,6 +87,7 @@ class Options:
     kv_dtype: str | None = None
     policy: PolicySpec | None = field(default=None)
     attention: object = None  # a --attention string, parsed once into a QuestSpec
+    speculative: object = None  # a --speculative string, parsed once into a SpeculativeSpec
 
     def __post_init__(self):
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -108,6 +111,8 @@ class Options:
         object.__setattr__(self, "policy", PolicySpec.parse(self.policy))
         from attnlab.kv.pages import QuestSpec
         object.__setattr__(self, "attention", QuestSpec.parse(self.attention))
+        from attnlab.speculative import SpeculativeSpec
+        object.__setattr__(self, "speculative", SpeculativeSpec.parse(self.speculative))
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -142,4 +147,5 @@ class Options:
             policy = PolicySpec(args.policy, args.budget, args.n_sink, args.positions, args.block)
         return cls(dtype=args.dtype, threads=args.threads, quant=getattr(args, "quant", None),
                    compile=getattr(args, "compile", None), rope=args.rope, sparsity=getattr(args, "sparsity", None),
-                   kv_dtype=getattr(args, "kv_dtype", None), policy=policy, attention=getattr(args, "attention", None))
+                   kv_dtype=getattr(args, "kv_dtype", None), policy=policy, attention=getattr(args, "attention", None),
+                   speculative=getattr(args, "speculative", None))
