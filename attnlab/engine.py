@@ -304,22 +304,31 @@ class LM:
             raise AttnlabError(f"no tokenizer for {self.source}: {self.tokenizer_error}; pass token ids instead of text")
 
     def stream(self, ids: list[int] | torch.Tensor, cache: KVCache, sampler: Sampler, max_new_tokens: int,
-               chunk: int = 512, stop_at_eos: bool = True) -> Iterator[int]:
-        """Yield sampled token ids one by one (batch 1) after prefilling ids into cache (see `decode`)."""
+               chunk: int = 512, stop_at_eos: bool = True, speculative=None, stats=None) -> Iterator[int]:
+        """Yield sampled token ids one by one (batch 1) after prefilling ids into cache (see `decode`).
+        speculative: a drafter's spec (default: the options'; `attnlab.speculative`), the same tokens faster;
+        stats: a `SpecStats` it fills (drafted, accepted, verification steps)."""
         if max_new_tokens < 0:
             raise AttnlabError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         ids = as_ids(ids)
         if ids.shape[0] != 1:
             raise AttnlabError(f"stream takes one row of token ids, got shape {tuple(ids.shape)}")
         logits = self.prefill(ids, cache, chunk)
-        for token in self.decode(cache, logits, sampler, max_new_tokens, self.eos_ids if stop_at_eos else ()):
+        stop_ids = self.eos_ids if stop_at_eos else ()
+        from attnlab.speculative import SpeculativeSpec, decode
+        spec = SpeculativeSpec.parse(speculative) or self.options.speculative
+        if spec is not None:
+            yield from decode(self, cache, ids[0].tolist(), logits, sampler, max_new_tokens, stop_ids, spec, stats=stats)
+            return
+        for token in self.decode(cache, logits, sampler, max_new_tokens, stop_ids):
             yield int(token[0])
 
     def generate(self, prompt: str | list[str], max_new_tokens: int = 64, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None, chat: bool = False,
-                 policy=None) -> str | list[str]:
+                 policy=None, speculative=None, stats=None) -> str | list[str]:
         """Complete one prompt (returns str) or a batch (returns list[str], left-padded together).
-        policy: a KV-cache policy (default: the options' policy, full if none)."""
+        policy: a KV-cache policy (default: the options' policy, full if none). speculative, stats: see `stream`
+        (one prompt at a time)."""
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         if not prompts:
             raise AttnlabError("no prompt given")
@@ -328,7 +337,14 @@ class LM:
             raise AttnlabError("empty prompt: give at least one token of text")
         if policy is None:
             policy = self.default_policy(max(map(len, enc)) + max_new_tokens)
-        out = self.generate_ids(enc, max_new_tokens, Sampler(temperature, top_k, top_p, seed), policy)
+        sampler = Sampler(temperature, top_k, top_p, seed)
+        if speculative is not None or self.options.speculative is not None:
+            if len(enc) != 1:
+                raise AttnlabError("speculative decoding takes one prompt at a time")
+            cache = self.new_cache(capacity=len(enc[0]) + max_new_tokens + 64, policy=policy)
+            out = [list(self.stream(enc[0], cache, sampler, max_new_tokens, speculative=speculative, stats=stats))]
+        else:
+            out = self.generate_ids(enc, max_new_tokens, sampler, policy)
         texts = [self.tokenizer.decode(o, skip_special_tokens=True) for o in out]
         return texts[0] if isinstance(prompt, str) else texts
 
