@@ -13,6 +13,7 @@ import json
 import math
 import os
 import sys
+import time
 
 from attnlab.cli.common import (UserError, add_model_args, add_sparsity_arg, load_lm, model_options, nonneg_int,
                                 positive_int)
@@ -137,9 +138,16 @@ def cmd_generate(args) -> int:
     stream = TextStream(lm.tokenizer, sys.stdout)
     if not args.chat:
         sys.stdout.write(args.prompt)
-    for token in lm.stream(ids, cache, sampler, args.max_new_tokens):
+    from attnlab.speculative import SpecStats
+    stats, count, start = SpecStats(), 0, time.perf_counter()
+    for token in lm.stream(ids, cache, sampler, args.max_new_tokens, stats=stats):
         stream.push(token)
+        count += 1
     sys.stdout.write("\n")
+    if args.stats:  # stderr: stdout stays the text
+        took = time.perf_counter() - start
+        spec = f" speculative {opts.speculative}: {stats.as_dict()}" if opts.speculative else ""
+        print(f"{count} tokens in {took:.2f} s ({count / took:.1f} tokens/s, prefill included);{spec}", file=sys.stderr)
     return 0
 
 
@@ -247,6 +255,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(p)
     _add_policy(p)
     add_sparsity_arg(p)
+    p.add_argument("--speculative", default=None, metavar="SPEC",
+                   help="decode speculatively, the same tokens faster: ngram[:N[:K]], self:sink:W[:K], "
+                        "self:quest:BUDGET[:K], draft:PATH[:K] (docs/speculative.md)")
+    p.add_argument("--stats", action="store_true", help="print tokens/s (and drafted, accepted, tokens per "
+                   "verification step) to stderr")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("chat", help="interactive multi-turn chat keeping the KV cache between turns")
