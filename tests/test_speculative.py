@@ -209,3 +209,15 @@ def test_sampled_speculative_decoding_keeps_top_k(smollm2):
     full = smollm2.logits(torch.tensor([ids + out]))[0, len(ids) - 1:-1]
     top2 = full.topk(2).indices
     assert all(t in top2[i].tolist() for i, t in enumerate(out))
+
+
+def test_cli_generate_speculative_prints_the_same_text_and_its_stats(capsys):
+    from attnlab.cli import main
+    args = ["generate", "--prompt", PROMPTS[1], "--max-new-tokens", "12", "--threads", "1", "--dtype", "float32"]
+    assert main(args) == 0
+    plain = capsys.readouterr().out
+    assert main([*args, "--speculative", "ngram:2:3", "--stats"]) == 0
+    out, err = capsys.readouterr()
+    assert out == plain and "drafted" in err and "tokens_per_step" in err
+    assert main([*args, "--speculative", "ngram:x"]) != 0
+    assert "bad speculative spec" in capsys.readouterr().err
