@@ -130,7 +130,7 @@ BACKFILL_NOTE = ("written before runs recorded their own provenance: the commit 
 
 def backfill_record(path: Path, command: str, how: str, root: Path = ROOT, extra: str = "") -> dict:
     note = BACKFILL_NOTE.format(how=how) + (f"; {extra}" if extra else "")
-    return {"command": command, "commit": introducing_commit(path, root), "note": note}
+    return {"command": command, "commit": introducing_commit(path, root), "dirty": None, "seed": None, "note": note}
 
 
 def with_provenance(text: str, rec: dict, back: dict) -> str:
