@@ -45,9 +45,21 @@ def peer(args) -> None:
                      "loss": res.best_loss, "seconds_per_step": seconds / args.steps})
         print(f"nanogcg pair {pair['pair']}: loss {res.best_loss:.3f}, {seconds / args.steps:.2f} s a step",
               file=sys.stderr)
-    Path(args.out).write_text(json.dumps({"nanogcg": nanogcg.__version__ if hasattr(nanogcg, "__version__") else
-                                          "0.3.0", "transformers": transformers.__version__, "torch": torch.__version__,
+    Path(args.out).write_text(json.dumps({**_record(), "seed": args.seed, "nanogcg": "0.3.0",
+                                          "transformers": transformers.__version__, "torch": torch.__version__,
                                           "results": rows}, indent=2) + "\n")
+
+
+def _record() -> dict:
+    """The command, attnlab commit and dirty flag (this environment imports nothing of attnlab: git directly)."""
+    def git(*cmd):
+        return subprocess.run(["git", *cmd], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).resolve().parent.parent).stdout.strip()
+    try:
+        commit, dirty = git("rev-parse", "HEAD"), bool(git("status", "--porcelain", "--untracked-files=no", "attnlab"))
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = "unknown", None
+    return {"command": " ".join(["benchmarks/nanogcg_anchor.py", *sys.argv[1:]]), "commit": commit, "dirty": dirty}
 
 
 def _tokenizer(folder: str):
