@@ -145,10 +145,11 @@ def _calibrate(args) -> int:
     record = provenance(args.argv)
     lm = load_lm(args)
     rows = ordinary_prompts(lm.encode, seed=args.seed)
-    filt = PerplexityFilter(lm, 0.0, WINDOW)
+    filt = PerplexityFilter(lm, 0.0, WINDOW, args.layers)
     with progress(len(rows), "ordinary prompts", unit="prompt") as bar:
         cal = ev.calibrate(filt, rows, args.quantile, args.seed, bar)
-    result = {**record, "seed": args.seed, "model": str(args.model), "window": WINDOW, "calibration": cal}
+    result = {**record, "seed": args.seed, "model": str(args.model), "window": WINDOW, "layers": args.layers,
+              "calibration": cal}
     print(f"threshold {cal['threshold']:g} nats/token ({WINDOW}-token windows, quantile {args.quantile} of "
           f"{cal['fit_prompts']} prompts); false positives {cal['false_positive_rate']:.2%} of {cal['held_out']} held out")
     attacked = []
@@ -214,6 +215,8 @@ def add_parser(sub) -> None:
                    help="measure instead: the threshold on ordinary prompts (plays, chat, RULER) and its "
                         "false positives; with --attacks, detection, cost and SmoothLLM")
     g.add_argument("--attacks", nargs="*", metavar="ATTACK_JSON", help="`attnlab attack` results to detect")
+    g.add_argument("--layers", type=positive_int, default=None, help="calibration: the early-exit filter of the "
+                                                                      "first LAYERS blocks (default: all)")
     g.add_argument("--quantile", type=float, default=0.995, help="calibration: the threshold's quantile")
     g.add_argument("--cost-prompts", type=positive_int, default=5, help="calibration: prompts timed for the cost")
     g.add_argument("--smoothllm", default=None, metavar="N[:Q]", help="calibration: SmoothLLM with N copies, Q "

@@ -24,7 +24,7 @@ from attnlab.errors import AttnlabError
 from attnlab.sampling import Sampler
 
 # Windowed NLL thresholds (nats/token) calibrated on ordinary prompts (docs/robust.md: `attnlab guard --calibrate`)
-CALIBRATED = {"SmolLM2-135M-Instruct.Q4_1.gguf": 10.3}
+CALIBRATED = {("SmolLM2-135M-Instruct.Q4_1.gguf", None): 10.3}  # (model file, layers): threshold
 WINDOW = 10
 
 
@@ -40,20 +40,35 @@ class Verdict:
 
 class PerplexityFilter:
     """Flags a prompt whose NLL (nats/token, on `lm`) passes `threshold`: over the whole prompt (window None) or
-    in its worst window of `window` tokens (prompts shorter than a window are scored whole)."""
+    in its worst window of `window` tokens (prompts shorter than a window are scored whole).
 
-    def __init__(self, lm, threshold: float, window: int | None = WINDOW):
+    layers: score with the first `layers` blocks only, then the final norm and head (an early exit: a proxy of the
+    perplexity at a fraction of the prefill; its own threshold); None: the whole network."""
+
+    def __init__(self, lm, threshold: float, window: int | None = WINDOW, layers: int | None = None):
         if window is not None and window < 2:
             raise AttnlabError(f"the perplexity window must be >= 2 tokens, got {window}")
-        self.lm, self.threshold, self.window = lm, float(threshold), window
+        if layers is not None and not 1 <= layers <= lm.cfg.n_layers:
+            raise AttnlabError(f"the filter's layers must be in 1..{lm.cfg.n_layers}, got {layers}")
+        self.lm, self.threshold, self.window, self.layers = lm, float(threshold), window, layers
 
     def nll(self, ids: list[int]) -> torch.Tensor:
         """Per-token NLL [T - 1] of ids (each token given those before it)."""
         if len(ids) < 2:
             return torch.zeros(0)
         x = torch.tensor(ids)[None]
-        logits = self.lm.logits(x)[0, :-1]
-        return F.cross_entropy(logits, x[0, 1:], reduction="none")
+        logits = self.lm.logits(x) if self.layers is None else self._early(x)
+        return F.cross_entropy(logits[0, :-1], x[0, 1:], reduction="none")
+
+    @torch.inference_mode()
+    def _early(self, x: torch.Tensor) -> torch.Tensor:
+        """logits [1, T, vocab] from the first `layers` blocks (the network's own modules, eager)."""
+        from attnlab.model.llama import Pass
+        m = self.lm.model
+        h, ctx = m.embed(x), Pass.full(m.rope, x)
+        for i, layer in enumerate(m.layers[:self.layers]):
+            h = layer(h, ctx, i)
+        return m.lm_head(m.norm(h)).float()
 
     def score(self, prompt: str | list[int]) -> float:
         ids = self.lm.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -131,10 +146,16 @@ class Guard:
     'ppl:THRESHOLD' (windowed NLL, nats/token). `build(lm)` gives the filter whose `check` the server calls."""
     kind: str = "ppl"
     threshold: float | None = None
+    layers: int | None = None  # 'ppl:THRESHOLD:LAYERS': the early-exit filter of the first LAYERS blocks
 
     @classmethod
     def parse(cls, text: str) -> "Guard":
         kind, _, value = text.strip().partition(":")
+        value, _, depth = value.partition(":")
+        try:
+            layers = int(depth) if depth else None
+        except ValueError:
+            raise AttnlabError(f"the ppl guard's layers must be an integer, got {depth!r}") from None
         if kind != "ppl":
             raise AttnlabError(f"unknown guard {kind!r}; the guard is ppl or ppl:THRESHOLD (nats/token)")
         try:
@@ -143,14 +164,14 @@ class Guard:
             raise AttnlabError(f"the ppl guard's threshold must be a number, got {value!r}") from None
         if threshold is not None and not threshold > 0:
             raise AttnlabError(f"the ppl guard's threshold must be > 0, got {value}")
-        return cls(kind, threshold)
+        return cls(kind, threshold, layers)
 
     def build(self, lm) -> PerplexityFilter:
         threshold = self.threshold
         if threshold is None:
             name = getattr(lm.source, "name", str(lm.source))
-            if name not in CALIBRATED:
-                raise AttnlabError(f"no calibrated perplexity threshold for {name}; give one (ppl:THRESHOLD) or "
-                                   "calibrate it with `attnlab guard MODEL --calibrate`")
-            threshold = CALIBRATED[name]
-        return PerplexityFilter(lm, threshold, WINDOW)
+            if (name, self.layers) not in CALIBRATED:
+                raise AttnlabError(f"no calibrated perplexity threshold for {name} ({self.layers or 'all'} layers); "
+                                   "give one (ppl:THRESHOLD) or calibrate it with `attnlab guard MODEL --calibrate`")
+            threshold = CALIBRATED[name, self.layers]
+        return PerplexityFilter(lm, threshold, WINDOW, self.layers)

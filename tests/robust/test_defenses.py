@@ -12,7 +12,7 @@ from attnlab.robust.attention_share import random_suffix, suffix_share
 from attnlab.robust.defenses import CALIBRATED, Guard, PerplexityFilter, SmoothLLM, perturb
 from attnlab.robust.gcg import allowed_tokens, make_case
 
-THRESHOLD = CALIBRATED["SmolLM2-135M-Instruct.Q4_1.gguf"]
+THRESHOLD = CALIBRATED["SmolLM2-135M-Instruct.Q4_1.gguf", None]
 LINES = ["To be, or not to be, that is the question.", "Tell me about the sea.",
          "Can you summarize what you know about glaciers?", "What is the capital of France?"]
 
@@ -68,7 +68,8 @@ def test_smoothllm_vote_and_calls(smollm2):
 def test_guard_spec():
     assert Guard.parse("ppl") == Guard("ppl", None)
     assert Guard.parse("ppl:7.5").threshold == 7.5
-    for bad in ("ppl:x", "ppl:-1", "smooth"):
+    assert Guard.parse("ppl:30:6") == Guard("ppl", 30.0, 6) and Guard.parse("ppl::6") == Guard("ppl", None, 6)
+    for bad in ("ppl:x", "ppl:-1", "smooth", "ppl:9:x"):
         with pytest.raises(AttnlabError):
             Guard.parse(bad)
 
@@ -78,3 +79,12 @@ def test_suffix_share_is_a_share_per_layer(smollm2):
     shares = suffix_share(smollm2, case, smollm2.tokenizer.encode(" ! ! ! !", add_special_tokens=False))
     assert len(shares) == smollm2.cfg.n_layers and all(0 <= s <= 1 for s in shares)
     assert smollm2.tokenizer.decode(case.before[case.prompt_start:]) == "What is the capital of France?"
+
+
+def test_early_exit_filter_is_the_full_one_at_every_layer(smollm2):
+    text = "Tell me about the sea, and about the mountains too."
+    full, early = PerplexityFilter(smollm2, 1.0), PerplexityFilter(smollm2, 1.0, layers=smollm2.cfg.n_layers)
+    assert early.score(text) == pytest.approx(full.score(text), rel=1e-4)
+    assert PerplexityFilter(smollm2, 1.0, layers=6).score(text) != pytest.approx(full.score(text), rel=1e-2)
+    with pytest.raises(AttnlabError):
+        PerplexityFilter(smollm2, 1.0, layers=0)
