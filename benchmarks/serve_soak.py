@@ -137,9 +137,10 @@ async def run(url: str, pid: int, args, base_mib: float) -> dict:
         async with httpx.AsyncClient(base_url=url, timeout=30, headers={"authorization": f"Bearer {ADMIN}"}) as c:
             while time.monotonic() < deadline:
                 counted = (await c.get("/v1/sessions")).json()["total_bytes"] / 2**20
-                rss = rss_mib(pid)
+                rss, heap = rss_mib(pid), (await c.get("/health")).json().get("memory", {})
                 samples.append({"t": round(args.minutes * 60 - (deadline - time.monotonic()), 1), "rss_mib": rss,
-                                "counted_mib": counted, "over_mib": rss - counted - base_mib})
+                                "counted_mib": counted, "over_mib": rss - counted - base_mib,
+                                "heap_used_mib": heap.get("used_mib"), "heap_free_mib": heap.get("free_mib")})
                 print(f"\r{samples[-1]['t']:.0f} s: RSS {rss:.0f} MiB, counted {counted:.0f} MiB, "
                       f"{sum(tally.status.values())} requests, {len(tally.errors)} errors   ",
                       end="", file=sys.stderr, flush=True)

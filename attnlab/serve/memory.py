@@ -2,10 +2,11 @@
 
 Why: measured under load (issue 61; SmolLM2, Quest, 8 concurrent conversations), RSS stood 389 MiB above
 the model plus the cache bytes the sessions counted, and `malloc_trim(0)` brought it to 37 MiB above:
-the memory was not leaked nor uncounted but freed and kept by glibc (caches of evicted conversations,
-prefill activations), whose threshold for serving large blocks from mmap rises to 32 MiB after the first
-such block is freed, after which big buffers come from the heaps and their pages stay. So the server
-fixes the mmap threshold (blocks of `MMAP_BYTES` and more are always mapped, and unmapped when freed),
+part of it freed and kept by glibc (caches of evicted conversations, prefill activations), whose threshold
+for serving large blocks from mmap rises to 32 MiB after the first such block is freed, after which big
+buffers come from the heaps and their pages stay (the rest was live: `SessionStore.free`). So the server
+fixes the mmap threshold (blocks of `MMAP_BYTES` and more, a layer's key or value buffer among them, are
+always mapped, and unmapped when freed),
 keeps two arenas (each thread otherwise may get its own heap), and trims the heaps after requests end (at
 most once per `every` seconds, on a worker thread, never the event loop's). Elsewhere than glibc this is
 a no-op.
@@ -20,7 +21,7 @@ import time
 
 log = logging.getLogger("attnlab.serve")
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8  # mallopt parameters (malloc.h)
-MMAP_BYTES = 1 << 20
+MMAP_BYTES = 256 << 10
 _libc, _configured = None, False
 
 
@@ -72,3 +73,19 @@ class Trimmer:
             self.dirty.clear()
             self.lib.malloc_trim(0)
             self.trims += 1
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                                               "uordblks", "fordblks", "keepcost")]
+
+
+def heap() -> dict:
+    """The allocator's view (glibc >= 2.33, else {}): MiB in use (heaps and mapped blocks) and free in the heaps
+    (free pages given back by a trim still count as free here, not in RSS)."""
+    lib = libc()
+    if lib is None or not hasattr(lib, "mallinfo2"):
+        return {}
+    lib.mallinfo2.restype = _MallInfo2
+    m, mib = lib.mallinfo2(), 1 << 20
+    return {"used_mib": round((m.uordblks + m.hblkhd) / mib, 1), "free_mib": round(m.fordblks / mib, 1)}
