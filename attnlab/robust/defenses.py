@@ -24,7 +24,8 @@ from attnlab.errors import AttnlabError
 from attnlab.sampling import Sampler
 
 # Windowed NLL thresholds (nats/token) calibrated on ordinary prompts (docs/robust.md: `attnlab guard --calibrate`)
-CALIBRATED = {("SmolLM2-135M-Instruct.Q4_1.gguf", None): 10.3}  # (model file, layers): threshold
+CALIBRATED = {("SmolLM2-135M-Instruct.Q4_1.gguf", None): 10.3,  # (model file, layers): threshold
+              ("SmolLM2-135M-Instruct.Q4_1.gguf", 6): 30.0}
 WINDOW = 10
 
 
