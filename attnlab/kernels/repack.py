@@ -103,12 +103,6 @@ def kscales_q6k(w: torch.Tensor, N: int, K: int) -> KScales:
     return KScales(_unbytes(b[:, :, :256], N).view(torch.int8), _unfloats(b[:, :, 256:288], N, True).half())
 
 
-def kscales(w: torch.Tensor, N: int, K: int, kind: str) -> KScales:
-    """The K-quant factors (`KScales`) a KQ-packed weight of format `kind` holds (`attnlab.quant.kinds`)."""
-    from attnlab.quant.kinds import kind as table
-    return table(kind).kscales(w, N, K)
-
-
 def _q4_codes(qs: torch.Tensor, nb: int, G: int, per: int) -> torch.Tensor:
     """pack4's codes [N, K/2] -> the q4 chunks [nb, G, per * 256] (layout: repacked_layout.h)."""
     c = _blocks(unpack4(qs), nb).view(nb, ROWS, G, per, 2, 4, 4).permute(0, 2, 3, 4, 5, 1, 6)  # nb G per half j r t

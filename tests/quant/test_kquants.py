@@ -11,6 +11,7 @@ from attnlab.engine import LM
 from attnlab.kernels import ops
 from attnlab.model.loaders import build, read_gguf
 from attnlab.quant import QuantLinear
+from attnlab.quant.kinds import kind as format_entry
 from attnlab.quant.formats import _BLOCK_BYTES, GGUF_PACKED, cat_rows, from_gguf, promote, quantize_int4, quantize_int8
 
 # where each block type keeps its fp16 numbers (d, and dmin or m); the other bytes are codes and scales
@@ -195,7 +196,7 @@ def test_q4_k_superblocks_give_the_float32_layouts_bits(N, K):
     wp, fmt = repack.pack_q4(p.qs, p.scale, p.min, 32, kscale=p.kscale, reference=True)
     assert fmt == repack.KQ and wp.shape == (-(-N // 16), K // 256, 2368)
     assert all(torch.equal(a, b) for a, b in zip(repack.unpack_q4(wp, N, K, 32, fmt), (p.qs, p.scale, p.min)))
-    ks = repack.kscales(wp, N, K, "int4")
+    ks = format_entry("int4").kscales(wp, N, K)
     assert all(torch.equal(getattr(ks, n), getattr(p.kscale, n)) for n in ("sc", "d", "m", "dmin"))
     with pytest.raises(ValueError, match="products"):  # factors that do not make these scales are refused
         repack.pack_q4(p.qs, p.scale * 1.5, p.min, 32, kscale=p.kscale)
@@ -247,7 +248,7 @@ def test_q6_k_superblocks_give_the_int8_layouts_bits(N, K):
     assert fmt == repack.KQ and wp.shape == (-(-N // 16), K // 256, 3360)
     q, scale, mn = repack.unpack_q8(wp, N, K, 16, False, fmt)
     assert torch.equal(q, p.q) and torch.equal(scale, p.scale) and mn is None
-    ks = repack.kscales(wp, N, K, "int8")
+    ks = format_entry("int8").kscales(wp, N, K)
     assert torch.equal(ks.sc, p.kscale.sc) and torch.equal(ks.d, p.kscale.d)
     c = p.q[0, :32].to(torch.int16) + 32  # the high bits' byte layout, spelled out for row 0, pair 1, byte 2
     assert wp[0, 0, 256 + 64 + 2].item() == sum(int(c[i] >> 4) << s for i, s in ((10, 0), (26, 2), (14, 4), (30, 6)))
