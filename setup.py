@@ -27,6 +27,12 @@ class BuildKernels(BuildExtension):
         super().finalize_options()
         self.build_temp = str(HERE / "build" / "kernels")  # not pip's temporary folder: ninja's record survives
 
+    def build_extension(self, ext):
+        """Each variant's objects in a folder of its own (build/kernels/_ops_<variant>): the variants compile
+        the same file names, and in one folder each overwrote the other's, so every build compiled them all."""
+        self.build_temp = str(HERE / "build" / "kernels" / ext.name.rsplit(".", 1)[1].rsplit("_", 1)[0])
+        super().build_extension(ext)
+
     def run(self):
         super().run()
         if self.inplace or getattr(self, "editable_mode", False):
