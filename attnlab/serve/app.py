@@ -1,9 +1,9 @@
 """The FastAPI app: OpenAI's chat/completions endpoints over bounded-cache sessions, plus the cache view.
 
 Concurrency: all model work runs on one model thread (`worker.py`) that steps the scheduler
-(`scheduler.py`): each step feeds at most one prefill chunk of one newcomer, then decodes one token
-of every conversation in one batched step (`LM.step_batch`, each row over its own cache), so
-concurrent requests share each weight read. Requests become `submit`s, the scheduler's events
+(`scheduler.py`): `schedule()` plans a step (prompt chunks of newcomers, one token of every decoding
+conversation) and the runner executes it as one `Batch` through `LM.step` (each row over its own
+cache), so concurrent requests share each weight read. Requests become `submit`s, the scheduler's events
 become the streamed or whole answers, a client that leaves is `cancel`led. At most `max_active`
 requests are in the scheduler at once, shared fairly between API keys (`admission.py`: round robin,
 a busy key leaves a slot for a key that holds none); the others wait up to `queue_timeout` seconds,
