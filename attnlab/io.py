@@ -7,6 +7,7 @@ never leaves half a file where a finished result is expected; they are created 0
 from __future__ import annotations
 
 import json
+import math
 import os
 import shlex
 import subprocess
@@ -72,7 +73,7 @@ def run_record(argv: list[str] | None, seed, command: str | None = None) -> dict
     if command is not None:
         record["command"] = command
     return {**record, "seed": seed, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "started_unix": round(time.time(), 3)}
+            "started_unix": math.floor(time.time() * 1000) / 1000}  # floored: never after the moment it was taken
 
 
 def finish_record(record: dict) -> dict:
