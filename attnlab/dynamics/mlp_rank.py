@@ -21,7 +21,7 @@ from .common import make_generator
 from .experiments import finish
 from .spec import Experiment
 
-DEFAULT_MODELS = "smollm2-135m,qwen2.5-0.5b"
+DEFAULT_MODELS = "smollm2-135m,qwen2.5-coder-0.5b"
 
 
 def stable_rank(w: torch.Tensor) -> float:
