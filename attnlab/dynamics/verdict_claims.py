@@ -260,7 +260,7 @@ def _rank(m, file):
                    f"of random weights of its shape in every layer (lowest third of layers {x['lower']:.1f}, highest "
                    f"{x['upper']:.1f}, random {x['random']:.1f})" for k, x in models.items())
     skipped = f"; not on this machine: {', '.join(m['skipped'])}" if m.get("skipped") else ""
-    return [Claim("", f"{ev}; {len(ok)} model{skipped} (`{file}`)", sum(ok), len(ok))]
+    return [Claim("", f"{ev}; {len(ok)} model{'s' if len(ok) > 1 else ''}{skipped} (`{file}`)", sum(ok), len(ok))]
 
 
 ROWS = [
@@ -290,7 +290,7 @@ ROWS = [
            _new("j4_superposition.json", "attnlab dynamics superposition --threads 1", _superposition)),
     ("rank", "JoMA, pretrained models: the lower layer of the MLP (input projection) has low stable rank",
            "pretrained checkpoints (OPT / Pythia)",
-           "SmolLM2-135M vs random weights of the same shapes",
+           "SmolLM2-135M and Qwen2.5-Coder-0.5B (their GGUF files) vs random weights of the same shapes",
            _new("mlp_rank.json", "attnlab dynamics mlp-rank --threads 1", _rank)),
     ("orth.", "talk: embeddings stay near-orthogonal (cos ~ 0.03) during training", "(talk)",
            "co-occurring vs random word pairs while J3 trains", orth),
