@@ -138,35 +138,67 @@ J3_DEEP_CMD = ("attnlab dynamics attention-entropy --arch postln --layers 5 --st
                "--out runs/j3_deep")
 
 
-def j3(figs):
-    runs = {}
-    for f in J3_600 + ("j3_postln_2layers_long.json",):
+J3_LONG = ("j3_postln_2layers_long.json", "j3_postln_2layers_15000_seeds12.json")  # 2 layers to 15,000: seed 0; 1-2
+J3_L1 = "j3_postln_1layer_10000.json"  # 1 layer to 10,000, 3 seeds
+J3_L1_CMD = "attnlab dynamics attention-entropy --arch postln --layers 1 --steps 10000 --seeds 3 --threads 1"
+
+
+def _summaries(files, figs) -> dict:
+    out = {}
+    for f in files:
         r = load(f, figs)
         if r:
-            runs.update({(f, label): v for label, v in r["metrics"]["summary"].items()})
+            out.update({(f, label): v for label, v in r["metrics"]["summary"].items()})
+    return out
+
+
+def j3(figs):
+    runs = _summaries(J3_600 + J3_LONG + (J3_L1,), figs)
     drops = [c["drop"] for s in runs.values() for c in s["entropy_val"]]
-    drop = Claim("drop", f"every layer of {len(runs)} runs (1-5 layers, seeds 0-2, 600 minibatches and the 15,000 run) "
+    drop = Claim("drop", f"every layer of {len(runs)} runs (1-5 layers, seeds 0-2, 600 minibatches and the long runs) "
                          f"falls by {min(drops):.2f}-{max(drops):.2f} nats", sum(all(c["drop"] >= EFFECT for c in s["entropy_val"]) for s in runs.values()), len(runs))
-    long = load("j3_postln_2layers_long.json", figs)["metrics"]["summary"]["postln 2 layers, lr 0.0001, seed 0"]["entropy_val"]
+    longs = [s["entropy_val"] for s in _summaries(J3_LONG, figs).values()]
+    n = len(longs)
     auth = _authors_j3(figs, 2, 15000)
     by = {layer: [x for x in auth if x["layer"] == layer] for layer in (0, 1)}
     rng = lambda xs, k: [x[k] for x in xs]  # noqa: E731
-    mins = Claim("minimum step", f"layer 0 @{long[0]['argmin_step']:,}, layer 1 @{long[1]['argmin_step']:,}; authors "
-                 f"@{min(rng(auth, 'argmin')):,}-{max(rng(auth, 'argmin')):,}; 2 layers, 1 seed, 15,000 minibatches",
-                 sum(0 < c["argmin_step"] < 15000 for c in long), 2,
-                 [band_agrees([c["argmin_step"]], rng(by[i], "argmin")) for i, c in enumerate(long)], seeds=1)
-    top = Claim("top-layer rebound", f"+{long[1]['rebound']:.2f} by 15,000 vs the authors' "
-                f"+{min(rng(by[1], 'rebound')):.2f}-{max(rng(by[1], 'rebound')):.2f}; 1 seed",
-                int(long[1]["rebound"] >= EFFECT), 1, [band_agrees([long[1]["rebound"]], rng(by[1], "rebound"))])
-    low = Claim("lowest-layer rebound", f"+{long[0]['rebound']:.2f} by 15,000 vs the authors' "
-                f"+{min(rng(by[0], 'rebound')):.2f}-{max(rng(by[0], 'rebound')):.2f}; 1 seed",
-                int(long[0]["rebound"] >= EFFECT), 1, [band_agrees([long[0]["rebound"]], rng(by[0], "rebound"))])
-    ends = [s["entropy_val"] for s in runs.values() if len(s["entropy_val"]) >= 2]
-    highest = [c[-1]["end"] > max(x["end"] for x in c[:-1]) for c in ends]
-    top_end = Claim("top layer highest at the end", f"layer 1 {long[1]['end']:.3f} vs layer 0 {long[0]['end']:.3f} at "
-                    f"15,000 (1 seed; judged on runs of 15,000+ only: at 600 minibatches the top layer is highest in "
-                    f"{sum(highest) - 1} of {len(ends) - 1} runs); the authors: all runs", int(long[1]["end"] > long[0]["end"]), 1)
-    return [drop, mins, top, low, top_end]
+    seeds = f"{n} seed{'s' if n > 1 else ''}"
+    at = lambda layer, k, f: ", ".join(f(c[layer][k]) for c in longs)  # noqa: E731
+    mins = Claim("minimum step", f"layer 0 @{at(0, 'argmin_step', '{:,}'.format)}, layer 1 "
+                 f"@{at(1, 'argmin_step', '{:,}'.format)}; authors @{min(rng(auth, 'argmin')):,}-"
+                 f"{max(rng(auth, 'argmin')):,}; 2 layers, {seeds}, 15,000 minibatches",
+                 sum(all(0 < c["argmin_step"] < 15000 for c in run) for run in longs), n,
+                 [band_agrees(rng([run[i] for run in longs], "argmin_step"), rng(by[i], "argmin")) for i in (0, 1)])
+    plus = lambda v: f"{v:+.2f}"  # noqa: E731
+    top = Claim("top-layer rebound", f"{at(1, 'rebound', plus)} by 15,000 vs the authors' "
+                f"+{min(rng(by[1], 'rebound')):.2f}-{max(rng(by[1], 'rebound')):.2f}; {seeds}",
+                sum(run[1]["rebound"] >= EFFECT for run in longs), n,
+                [band_agrees(rng([run[1] for run in longs], "rebound"), rng(by[1], "rebound"))])
+    low = Claim("lowest-layer rebound", f"{at(0, 'rebound', plus)} by 15,000 vs the authors' "
+                f"+{min(rng(by[0], 'rebound')):.2f}-{max(rng(by[0], 'rebound')):.2f}; {seeds}",
+                sum(run[0]["rebound"] >= EFFECT for run in longs), n,
+                [band_agrees(rng([run[0] for run in longs], "rebound"), rng(by[0], "rebound"))])
+    short = [s["entropy_val"] for k, s in runs.items() if k[0] in J3_600 and len(s["entropy_val"]) >= 2]
+    highest = [c[-1]["end"] > max(x["end"] for x in c[:-1]) for c in short]
+    top_end = Claim("top layer highest at the end", "layer 1 vs layer 0 at 15,000: " + ", ".join(
+                    f"{run[1]['end']:.3f} vs {run[0]['end']:.3f}" for run in longs) + f" ({seeds}; judged on runs of "
+                    f"15,000+ only: at 600 minibatches the top layer is highest in {sum(highest)} of {len(short)} runs); "
+                    "the authors: all runs", sum(run[1]["end"] > run[0]["end"] for run in longs), n)
+    return [drop, mins, top, low, top_end, _j3_one_layer(figs)]
+
+
+def _j3_one_layer(figs) -> Claim:
+    ones = [s["entropy_val"][0] for s in _summaries((J3_L1,), figs).values()]
+    if not ones:
+        return _pending("1 layer", J3_L1_CMD)
+    auth = _authors_j3(figs, 1, 10000)
+    mins = ", ".join(f"{c['min']:.2f} @{c['argmin_step']:,}" for c in ones)
+    ev = (f"minimum {mins}, rebound by 10,000 {', '.join(format(c['rebound'], '+.2f') for c in ones)}; the authors' "
+          f"{min(x['min'] for x in auth):.2f}-{max(x['min'] for x in auth):.2f} @{min(x['argmin'] for x in auth):,}-"
+          f"{max(x['argmin'] for x in auth):,}, rebound +{min(x['rebound'] for x in auth):.2f}-"
+          f"{max(x['rebound'] for x in auth):.2f}; {len(ones)} seeds (`{J3_L1}`)")
+    return Claim("1-layer rebound", ev, sum(c["rebound"] >= EFFECT for c in ones), len(ones),
+                 [band_agrees([c["rebound"] for c in ones], [x["rebound"] for x in auth])])
 
 
 def j3_deep(figs):
@@ -185,8 +217,7 @@ def j3_deep(figs):
 
 def orth(figs):
     claims_runs, lines = [], []
-    r = load("j3_postln_2layers_long.json", figs)
-    if r:
+    for r in filter(None, (load(f, figs) for f in J3_LONG + (J3_L1,))):
         m = r["metrics"]
         base = m["cos_baseline"]
         for label, log in m["runs"].items():
@@ -198,8 +229,10 @@ def orth(figs):
                 continue  # the embeddings did not move: the run does not test the claim
             over = next((x["step"] for x in log if x["emb_cooc_abs_cos"] > ORTH * base), None)
             claims_runs.append(max(cooc) <= ORTH * base)
-            lines.append(f"co-occurring |cos| {cooc[0]:.3f} -> {cooc[-1]:.3f} over {log[-1]['step']:,} minibatches "
-                         f"({cooc[-1] / base:.2f}x sqrt(2/(pi d)) = {base:.3f}; above {ORTH}x from minibatch {over:,}), "
+            when = f"above {ORTH}x from minibatch {over:,}" if over is not None else f"never above {ORTH}x"
+            run = label.replace("postln ", "").replace(", lr 0.0001", "")
+            lines.append(f"{run}: co-occurring |cos| {cooc[0]:.3f} -> {cooc[-1]:.3f} over {log[-1]['step']:,} minibatches "
+                         f"({cooc[-1] / base:.2f}x sqrt(2/(pi d)) = {base:.3f}; {when}), "
                          f"random pairs {rnd[0]:.3f} -> {rnd[-1]:.3f}")
     o = load("orthogonality.json", figs)
     if o:
@@ -208,7 +241,8 @@ def orth(figs):
                      "the embeddings do not move)")
     if not claims_runs:
         return [Claim("", "; ".join(lines) or "no run moves the embeddings", status="not tested")]
-    return [Claim("", "; ".join(lines) + f"; {len(claims_runs)} seed (`j3_postln_2layers_long.json`)",
+    files = ", ".join(f"`{f}`" for f in J3_LONG + (J3_L1,) if load(f, figs))
+    return [Claim("", "; ".join(lines) + f"; {len(claims_runs)} run{'s' if len(claims_runs) > 1 else ''} ({files})",
                   sum(claims_runs), len(claims_runs))]
 
 
