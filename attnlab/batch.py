@@ -26,6 +26,7 @@ class Row:
     logits: str = "last"    # which logits come back: "last" [b, 1, vocab], "all" [b, T, vocab], "none"
     observers: tuple = ()   # recorders of this row's pass (beside the cache's own)
     prompt: bool = False    # a prompt's chunk (not sampled tokens): attended as a chunk even when one token long
+    verify: bool = False    # sampled tokens scored one by one as decode steps (speculative verification), in one step
 
     def __post_init__(self):
         self.ids = as_ids(self.ids)
@@ -36,6 +37,8 @@ class Row:
             raise AttnlabError("a row needs at least one token")
         if self.ids.shape[0] != self.cache.batch:
             raise AttnlabError(f"{self.ids.shape[0]} rows of ids for a cache of batch {self.cache.batch}")
+        if self.verify and (self.prompt or self.cache.batch != 1):
+            raise AttnlabError("a verification row holds sampled tokens of one conversation (batch 1, not a prompt)")
 
     @property
     def tokens(self) -> int:
@@ -57,8 +60,8 @@ class Batch:
             raise AttnlabError("a batch's rows go into distinct caches (one row per cache)")
 
     @classmethod
-    def one(cls, ids, cache, logits: str = "last", observers=(), prompt: bool = False) -> "Batch":
-        return cls([Row(ids, cache, logits, observers, prompt)])
+    def one(cls, ids, cache, logits: str = "last", observers=(), prompt: bool = False, verify: bool = False) -> "Batch":
+        return cls([Row(ids, cache, logits, observers, prompt, verify)])
 
     @classmethod
     def decode(cls, tokens, caches: list) -> "Batch":

@@ -10,6 +10,7 @@ steps and a row of draft tokens all go through it.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -166,35 +167,41 @@ class LM:
         Positions and room first (`cache.begin`), then the network, then counting and eviction (`cache.advance`).
         The native step (`compile_decode`) runs the single-token rows it covers in one call, each weight read once
         for all of them (Quest included: each row its own pages); eager runs the rest: several single-token rows in
-        one pass (`Pass.rows`: attention per row over its own cache), any other row (a prompt's chunk, draft
-        tokens, a padded batch, a sparsity plan's rows) in a pass of its own. The kernels compute an activation
-        row alike whatever rows it shares a call with, so a row's logits do not depend on its neighbours."""
+        one pass (`Pass.rows`: attention per row over its own cache), any other row (a prompt's chunk, a padded
+        batch, a sparsity plan's rows) in a pass of its own. A verification row (`Row.verify`) is its tokens as
+        single-token rows of one cache, in order (`units`): each token's arithmetic is a decode step's, bit for bit,
+        with each weight still read once for all of them. The kernels compute an activation row alike whatever rows
+        it shares a call with, so a row's logits do not depend on its neighbours."""
         quest, rope = self.options.attention, self.model.rope
         fitted = [self._fit(r) for r in batch.rows]
         rows = [r for r, _ in fitted]
-        plain = [self.compiled is not None and r.tokens == 1 and not r.prompt and not r.observers
+        plain = [self.compiled is not None and (r.tokens == 1 or r.verify) and not r.prompt and not r.observers
                  and not r.cache.observers and self.sparsity is None for r in rows]  # what the native step may cover
-        fast = [p and r.single for p, r in zip(plain, rows)]
+        fast = [p and (r.single or r.verify) for p, r in zip(plain, rows)]
         steps = [r.cache.begin(r.tokens, rope, real=f) for r, f in zip(rows, fast)]
-        out: list[torch.Tensor | None] = [None] * len(rows)
-        native = self._native(rows, steps, fast, quest, out)
-        if any(p and i not in native for i, p in enumerate(plain)):
+        units = [u for i, r in enumerate(rows) for u in units_of(i, r, steps[i], self.sparsity is None)]
+        out: list[torch.Tensor | None] = [None] * len(units)
+        native = self._native(rows, units, fast, quest, out)
+        if any(plain[i] and u not in native for u, (i, *_) in enumerate(units)):
             self.compiled.calls["eager"] += 1  # a step it does not cover (a padded batch, a window that slid)
-        single = [i for i, r in enumerate(rows) if i not in native and r.single and self.sparsity is None]
-        if len(single) > 1:  # several conversations' next tokens: one read of each weight
-            passes = [Pass(steps[i].rot, steps[i], rows[i].cache.layers, quest=quest,
-                           observers=(*rows[i].observers, *rows[i].cache.observers)) for i in single]
-            logits = self.model(torch.cat([rows[i].ids for i in single]), Pass(None, rows=passes), last_only=True)
-            for j, i in enumerate(single):
-                out[i] = logits[j:j + 1]
-        for i, r in enumerate(rows):
-            if i not in native and (i not in single or len(single) == 1):
-                ctx = Pass(steps[i].rot, steps[i], r.cache.layers, observers=(*r.observers, *r.cache.observers),
+        single = [u for u, (i, ids, _) in enumerate(units) if u not in native and ids.shape == (1, 1)
+                  and not rows[i].prompt and self.sparsity is None]
+        if len(single) > 1:  # several single tokens (conversations', a verification row's): one read of each weight
+            passes = [Pass(units[u][2].rot, units[u][2], rows[units[u][0]].cache.layers, quest=quest,
+                           observers=(*rows[units[u][0]].observers, *rows[units[u][0]].cache.observers)) for u in single]
+            logits = self.model(torch.cat([units[u][1] for u in single]), Pass(None, rows=passes), last_only=True)
+            for j, u in enumerate(single):
+                out[u] = logits[j:j + 1]
+        for u, (i, ids, st) in enumerate(units):
+            if u not in native and (u not in single or len(single) == 1):
+                r = rows[i]
+                ctx = Pass(st.rot, st, r.cache.layers, observers=(*r.observers, *r.cache.observers),
                            sparsity=self.sparsity, quest=quest, prompt=r.prompt)
-                out[i] = self.model(r.ids, ctx, last_only=r.logits != "all")
+                out[u] = self.model(ids, ctx, last_only=r.logits != "all")
         for r in rows:
             r.cache.advance(r.tokens)
-        out = [torch.cat([*head, o], 1) if head else o for o, (_, head) in zip(out, fitted)]
+        out = [torch.cat([o for (j, *_), o in zip(units, out) if j == i], 1) for i in range(len(rows))]
+        out = [torch.cat([*head, o if r.logits == "all" else o[:, -1:]], 1) for r, o, (_, head) in zip(rows, out, fitted)]
         return [None if r.logits == "none" else o for r, o in zip(rows, out)]
 
     def _fit(self, row: Row) -> tuple[Row, list]:
@@ -206,22 +213,27 @@ class LM:
             return row, []
         cut = (row.tokens - 1) // room * room
         wants = "all" if row.logits == "all" else "none"
-        head = [self.step(Batch.one(row.ids[:, a:a + room], row.cache, wants, row.observers, row.prompt))[0]
+        head = [self.step(Batch.one(row.ids[:, a:a + room], row.cache, wants, row.observers, row.prompt, row.verify))[0]
                 for a in range(0, cut, room)]
-        return Row(row.ids[:, cut:], row.cache, row.logits, row.observers, row.prompt), head if wants == "all" else []
+        return dataclasses.replace(row, ids=row.ids[:, cut:]), head if wants == "all" else []
 
-    def _native(self, rows, steps, fast, quest, out) -> set[int]:
-        """Run the rows the native step covers (their logits into out); returns their indices."""
-        if not any(fast):
+    def _native(self, rows, units, fast, quest, out) -> set[int]:
+        """Run the units the native step covers (their logits into out); returns their indices. A verification
+        row's tokens go in together or not at all (where the step's team cannot chain them, eager)."""
+        cand = [u for u, (i, ids, _) in enumerate(units) if fast[i] and ids.shape == (1, 1)]
+        if not cand:
             return set()
-        firsts = {i: self.compiled.first(steps[i], rows[i].cache.layers, quest) for i, f in enumerate(fast) if f}
-        native = [i for i, first in firsts.items() if first is not None and not steps[i].padded]
+        firsts = {u: self.compiled.first(units[u][2], rows[units[u][0]].cache.layers, quest) for u in cand}
+        bad = {units[u][0] for u, first in firsts.items() if first is None or units[u][2].padded}
+        if not self.compiled.chains:
+            bad |= {i for i, r in enumerate(rows) if r.verify and r.tokens > 1}
+        native = [u for u in cand if units[u][0] not in bad]
         if not native:
             return set()
-        logits = self.compiled.batch(torch.cat([rows[i].ids for i in native]), [steps[i] for i in native],
-                                     [rows[i].cache.layers for i in native], quest, [firsts[i] for i in native])
-        for j, i in enumerate(native):
-            out[i] = logits[j:j + 1]
+        logits = self.compiled.batch(torch.cat([units[u][1] for u in native]), [units[u][2] for u in native],
+                                     [rows[units[u][0]].cache.layers for u in native], quest, [firsts[u] for u in native])
+        for j, u in enumerate(native):
+            out[u] = logits[j:j + 1]
         return set(native)
 
     @torch.inference_mode()
@@ -366,6 +378,16 @@ class LM:
                     out[b].append(t)
                     stops[b].push(t)
         return out
+
+
+def units_of(i: int, row: Row, step, split: bool) -> list[tuple]:
+    """(row index, ids, step) of what the network runs for row i: the row whole, or a verification row's tokens one
+    by one (split), each at its own slot of the row's step."""
+    if not (row.verify and split and row.tokens > 1):
+        return [(i, row.ids, step)]
+    return [(i, row.ids[:, j:j + 1], dataclasses.replace(step, pos=step.pos[:, j:j + 1], q_pos=step.q_pos[:, j:j + 1],
+                                                         rot=step.rot[:, :, j:j + 1], start=step.start + j))
+            for j in range(row.tokens)]
 
 
 def load(spec: str | Path = DEFAULT_MODEL, options: Options | None = None, **fields) -> LM:
