@@ -17,6 +17,7 @@ Drafters, one interface (`propose(context, k, sampler)` -> draft ids and their q
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -32,13 +33,15 @@ SINK_SLACK = 32  # a self:sink draft cache evicts in blocks of this many tokens,
 
 @dataclass(frozen=True)
 class SpeculativeSpec:
-    """A parsed --speculative SPEC: the drafter's kind, K drafts per step, ngram's N, self's cheaper KV
-    ('sink:W' or 'quest:BUDGET'), draft's model file."""
+    """A parsed --speculative SPEC: the drafter's kind, K drafts per step (adaptive: K is the most, each step's
+    chosen by acceptance and measured costs, `AdaptiveK`), ngram's N, self's cheaper KV ('sink:W' or
+    'quest:BUDGET'), draft's model file. K is written 4 (fixed), a8 (adaptive, at most 8) or left out (a8)."""
     kind: str
-    k: int = 4
+    k: int = 8
     n: int = 3
     cheap: str | None = None
     path: str | None = None
+    adaptive: bool = True
 
     @classmethod
     def parse(cls, text: "str | SpeculativeSpec | None") -> "SpeculativeSpec | None":
@@ -46,39 +49,46 @@ class SpeculativeSpec:
             return text
         parts = str(text).strip().split(":")
         kind, rest = parts[0], parts[1:]
-        usage = "use ngram[:N[:K]], self:sink:W[:K], self:quest:BUDGET[:K] or draft:PATH[:K]"
+        usage = "use ngram[:N[:K]], self:sink:W[:K], self:quest:BUDGET[:K] or draft:PATH[:K] (K: 4 fixed, a8 adaptive)"
         if kind not in KINDS:
             raise AttnlabError(f"unknown speculative spec {text!r}; {usage}")
         try:
             if kind == "ngram":
                 if len(rest) > 2:
                     raise ValueError
-                n, k = ([int(x) for x in rest] + [3, 4][len(rest):])[:2] if rest else (3, 4)
-                return cls._checked("ngram", k, n=n)
+                return cls._checked("ngram", *_k(rest[1:]), n=int(rest[0]) if rest else 3)
             if kind == "self":
                 if len(rest) not in (2, 3) or rest[0] not in ("sink", "quest"):
                     raise ValueError
-                size = int(rest[1])
-                return cls._checked("self", int(rest[2]) if len(rest) == 3 else 4, cheap=f"{rest[0]}:{size}")
-            k = 4
-            if len(rest) > 1 and rest[-1].isdigit():
-                k = int(rest.pop())
+                return cls._checked("self", *_k(rest[2:]), cheap=f"{rest[0]}:{int(rest[1])}")
+            k = _k([])
+            if len(rest) > 1 and (rest[-1].isdigit() or rest[-1][:1] == "a" and rest[-1][1:].isdigit()):
+                k = _k([rest.pop()])
             if not rest or not rest[0]:
                 raise ValueError
-            return cls._checked("draft", k, path=":".join(rest))
+            return cls._checked("draft", *k, path=":".join(rest))
         except ValueError:
             raise AttnlabError(f"bad speculative spec {text!r}; {usage} (N, K, W, BUDGET integers)") from None
 
     @classmethod
-    def _checked(cls, kind, k, **fields) -> "SpeculativeSpec":
-        spec = cls(kind, k, **fields)
+    def _checked(cls, kind, k, adaptive, **fields) -> "SpeculativeSpec":
+        spec = cls(kind, k, adaptive=adaptive, **fields)
         if spec.k < 1 or spec.n < 1 or (spec.cheap and int(spec.cheap.split(":")[1]) < 1):
             raise AttnlabError(f"speculative {kind}: K, N, W and BUDGET must be >= 1")
         return spec
 
     def __str__(self) -> str:
-        return {"ngram": f"ngram:{self.n}:{self.k}", "self": f"self:{self.cheap}:{self.k}",
-                "draft": f"draft:{self.path}:{self.k}"}[self.kind]
+        k = f"a{self.k}" if self.adaptive else str(self.k)
+        return {"ngram": f"ngram:{self.n}:{k}", "self": f"self:{self.cheap}:{k}", "draft": f"draft:{self.path}:{k}"}[
+            self.kind]
+
+
+def _k(rest: list[str]) -> tuple[int, bool]:
+    """(K, adaptive) of a spec's K field: '4' fixed, 'a8' adaptive up to 8, none: a8."""
+    if not rest:
+        return 8, True
+    text = rest[0]
+    return (int(text[1:]), True) if text[:1] == "a" else (int(text), False)
 
 
 @dataclass
@@ -195,6 +205,48 @@ def make_drafter(lm, spec: SpeculativeSpec):
     return ModelDrafter(drafts[spec.path])
 
 
+# ---------------------------------------------------------------- how many drafts
+
+class AdaptiveK:
+    """Each step's K, 0 .. most, where the expected tokens per second of a step is highest: E(k) / cost(k), with
+    E(k) = 1 + a + ... + a^k (a draft kept with probability a given the ones before it: drafts kept over drafts
+    kept and first rejections, recent steps weighing more) and cost(k) = t0 + t1 k (the verification row of k + 1
+    tokens: a line fitted to this generation's own steps, its slope held towards SLOPE t0 where they do not tell)
+    + k d (the drafter's seconds per draft). Where fixed K loses (drafts mostly rejected, or a drafter as slow as
+    the target) it falls back to plain steps (k = 0), drafting one token every PROBE steps to notice a change."""
+    DECAY, SLOPE, PROBE = 0.9, 0.15, 8
+
+    def __init__(self, most: int):
+        self.most, self.kept, self.missed, self.d = most, 1.0, 1.0, 0.0
+        self.fit = [0.0] * 5  # decayed sums of w, x, y, x^2, xy over (x = k, y = seconds)
+        self.steps = 0
+
+    def choose(self, limit: int) -> int:
+        self.steps += 1
+        top = min(self.most, limit)
+        if top <= 0 or not self.fit[0]:
+            return max(0, min(top, 4))
+        a = self.kept / (self.kept + self.missed)
+        t0, t1 = self._line()
+        best = max(range(top + 1), key=lambda k: sum(a ** i for i in range(k + 1)) / (t0 + (t1 + self.d) * k))
+        return 1 if best == 0 and self.steps % self.PROBE == 0 else best
+
+    def update(self, drafted: int, kept: int, draft_s: float, k: int, verify_s: float) -> None:
+        if drafted:
+            self.kept = self.DECAY * self.kept + kept
+            self.missed = self.DECAY * self.missed + (kept < drafted)
+            self.d = draft_s / drafted if not self.d else self.DECAY * self.d + (1 - self.DECAY) * draft_s / drafted
+        self.fit = [self.DECAY * f + g for f, g in zip(self.fit, (1.0, k, verify_s, k * k, k * verify_s))]
+
+    def _line(self) -> tuple[float, float]:
+        """(t0, t1) of seconds ~ t0 + t1 k by least squares, plus rho (t1 - SLOPE t0)^2 (rho = one step's weight)."""
+        w, x, y, xx, xy = self.fit
+        a, b, c = w + self.SLOPE ** 2, x - self.SLOPE, xx + 1.0  # the normal equations' matrix [[a, b], [b, c]]
+        det = a * c - b * b
+        t0, t1 = (c * y - b * xy) / det, (a * xy - b * y) / det
+        return max(t0, 1e-6), max(t1, 0.0)
+
+
 # ---------------------------------------------------------------- verification
 
 def room(cache) -> int | None:
@@ -252,6 +304,8 @@ def decode(lm, cache, context: list[int], logits: torch.Tensor, sampler, max_new
         raise AttnlabError(f"the cache holds {cache.seen} tokens, the context {len(context)}")
     drafter = drafter or make_drafter(lm, spec)
     stats = stats if stats is not None else SpecStats()
+    spec = spec or SpeculativeSpec("ngram", 4, adaptive=False)
+    adaptive = AdaptiveK(spec.k) if spec.adaptive else None
     stop, context = Stop(max_new_tokens, stop_ids), list(context)
     new = [int(sampler(logits)[0])] if max_new_tokens else []
     while new:
@@ -263,15 +317,21 @@ def decode(lm, cache, context: list[int], logits: torch.Tensor, sampler, max_new
             if stop.reason:
                 cache.truncate(len(context) - 1)  # accepted drafts past the end are not fed
                 return
-        k = min(spec.k if spec else 4, stop.max_tokens - stop.count - 1)  # drafts past max_tokens are wasted
+        k = min(spec.k, stop.max_tokens - stop.count - 1)  # drafts past max_tokens are wasted
         left = room(cache)
         if left is not None:  # the row must not make the policy evict: it could not be cut back
             k = min(k, left - 1)
+        k = adaptive.choose(k) if adaptive else k
+        t0 = time.perf_counter()
         drafts, q = drafter.propose(context, k, sampler) if k > 0 else ([], None)
         drafts = drafts[:max(k, 0)]
-        out = lm.step(Batch.one([[context[-1], *drafts]], cache, "all"))[0][0]
+        t1 = time.perf_counter()
+        out = lm.step(Batch.one([[context[-1], *drafts]], cache, "all", verify=True))[0][0]
+        t2 = time.perf_counter()
         n, nxt = verify(out, drafts, q[:len(drafts)] if q is not None else None, sampler)
         cache.truncate(len(context) + n)
         drafter.accepted(n)
+        if adaptive:
+            adaptive.update(len(drafts), n, t1 - t0, len(drafts), t2 - t1)
         stats.drafted, stats.accepted, stats.steps = stats.drafted + len(drafts), stats.accepted + n, stats.steps + 1
         new = [*drafts[:n], nxt]

@@ -1,9 +1,11 @@
 """Speculative decoding (`attnlab.speculative`): the same tokens as plain greedy decoding for every drafter kind, the
 target's distribution at temperature > 0 (chi-square, and a wrong acceptance rule caught), specs and their errors.
 
-Greedy identity is checked where the verification row and the decode step share their arithmetic: float32 weights
-(the quantized file's chunk and single-token kernels differ by ~0.1 in a logit: docs/speculative.md). A mismatch
-where plain decoding's top-2 gap is below NEAR_TIE is a near tie and reported, not failed.
+A verification row computes each token as a decode step does, bit for bit, on the quantized file (native and eager,
+float16 and int8 KV, full / sink / Quest targets); with float32 weights torch's matmul rounds a row of K + 1 tokens
+unlike one token (~1e-3 in a logit), so greedy identity there is up to near ties: a mismatch where plain decoding's
+top-2 gap is below NEAR_TIE is reported, not failed. The full 20 prompts x 128 tokens per drafter kind, path, policy
+and KV dtype: benchmarks/spec_exact.py (docs/speculative.md).
 """
 from __future__ import annotations
 
@@ -16,10 +18,11 @@ from scipy.stats import chisquare
 
 import attnlab.speculative as spec_mod
 from attnlab import AttnlabError
+from attnlab.batch import Batch
 from attnlab.kv import make_policy
 from attnlab.options import Options
 from attnlab.sampling import Sampler
-from attnlab.speculative import ModelDrafter, NgramDrafter, SpecStats, SpeculativeSpec, accept, decode
+from attnlab.speculative import AdaptiveK, ModelDrafter, NgramDrafter, SpecStats, SpeculativeSpec, accept, decode
 
 NEAR_TIE = 1e-3
 NEW = 64
@@ -108,6 +111,50 @@ def test_native_step_and_a_sink_target_keep_plain_greedy_tokens(native, spec):
     assert stats.steps < NEW
 
 
+@pytest.fixture(scope="module")
+def file_lm():
+    """The default load (the file's own quantized weights), the native step on one thread."""
+    import attnlab
+    lm = attnlab.load("smollm2-135m", threads=1)
+    if lm.compiled is None:
+        pytest.skip("no native decode step here (C++ kernels unavailable)")
+    return lm
+
+
+def _view(lm, native: bool, kv: str, attention=None):
+    view = copy.copy(lm.with_attention(attention))
+    view.kv_dtype = {"float16": torch.float16, "int8": torch.int8}[kv]
+    view.compiled = lm.compiled if native else None
+    return view
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "eager"])
+@pytest.mark.parametrize("kv", ["float16", "int8"])
+@pytest.mark.parametrize("target", ["full", "sink", "quest"])
+def test_a_verification_row_computes_each_token_bit_for_bit_as_a_decode_step(file_lm, native, kv, target):
+    """Row.verify: K + 1 tokens in one step, each token's logits the very bits of decoding them one by one (the
+    quantized file, where a prompt chunk's kernels differ by ~0.5 in a logit), the native step covering the row in
+    one call."""
+    lm = _view(file_lm, native, kv, "quest:32" if target == "quest" else None)
+    policy = make_policy("sink", 48, n_sink=4, block=8, chunk=64) if target == "sink" else None
+    cache = lm.new_cache(capacity=128, policy=policy)
+    ids = lm.encode(PROMPTS[0])[:40]
+    logits, seen, singles, toks = lm.prefill(torch.tensor([ids]), cache), cache.seen, [], []
+    for _ in range(6):
+        toks.append(int(logits[0].argmax()))
+        logits = lm.step(Batch.one([[toks[-1]]], cache))[0][:, -1]
+        singles.append(logits[0])
+    cache.truncate(seen)
+    calls = dict(lm.compiled.calls) if native else None
+    rows = lm.step(Batch.one([toks], cache, "all", verify=True))[0][0]
+    assert all(torch.equal(a, b) for a, b in zip(singles, rows))
+    if native:
+        assert lm.compiled.calls["native"] == calls["native"] + 1 and lm.compiled.calls["eager"] == calls["eager"]
+    cache.truncate(seen)
+    chunk = lm.step(Batch.one([toks], cache, "all"))[0][0]  # a chunk of sampled tokens: the prompt kernels
+    assert not torch.equal(chunk, rows)
+
+
 def test_stream_and_generate_take_the_option(smollm2):
     ids = smollm2.encode(PROMPTS[1])
     plain = smollm2.generate(PROMPTS[1], max_new_tokens=16)
@@ -126,21 +173,51 @@ def test_a_draft_model_with_another_vocabulary_is_refused(tiny):
         spec_mod.make_drafter(tiny, SpeculativeSpec.parse("draft:smollm2-135m"))
 
 
-@pytest.mark.parametrize("text,want", [("ngram", ("ngram", 4, 3)), ("ngram:2", ("ngram", 4, 2)),
-                                       ("ngram:2:6", ("ngram", 6, 2)), ("self:sink:64", ("self", 4, 3)),
-                                       ("self:quest:1024:5", ("self", 5, 3)), ("draft:a/b.gguf:2", ("draft", 2, 3)),
-                                       ("draft:C:/m.gguf", ("draft", 4, 3))])
+@pytest.mark.parametrize("text,want", [("ngram", ("ngram", 8, 3, True)), ("ngram:2", ("ngram", 8, 2, True)),
+                                       ("ngram:2:6", ("ngram", 6, 2, False)), ("ngram:2:a5", ("ngram", 5, 2, True)),
+                                       ("self:sink:64", ("self", 8, 3, True)),
+                                       ("self:quest:1024:5", ("self", 5, 3, False)),
+                                       ("draft:a/b.gguf:2", ("draft", 2, 3, False)),
+                                       ("draft:a/b.gguf:a3", ("draft", 3, 3, True)),
+                                       ("draft:C:/m.gguf", ("draft", 8, 3, True))])
 def test_specs_parse(text, want):
     s = Options(speculative=text).speculative
-    assert (s.kind, s.k, s.n) == want and SpeculativeSpec.parse(str(s)) == s
+    assert (s.kind, s.k, s.n, s.adaptive) == want and SpeculativeSpec.parse(str(s)) == s
 
 
 @pytest.mark.parametrize("text", ["medusa", "ngram:x", "ngram:1:2:3", "self:h2o:64", "self:sink", "draft:",
-                                  "ngram:0", "self:sink:16:0"])
+                                  "ngram:0", "self:sink:16:0", "ngram:3:a", "ngram:3:a0", "self:sink:8:ax"])
 def test_bad_specs_are_one_line_errors(text):
     with pytest.raises(AttnlabError) as e:
         Options(speculative=text)
     assert "\n" not in str(e.value)
+
+
+def _simulate(a: AdaptiveK, steps: int, accept_all: bool, t0: float, t1: float, d: float) -> list[int]:
+    """The K a chooses over steps whose drafts are all kept (or all rejected), with costs t0 + t1 k and d per draft."""
+    ks = []
+    for _ in range(steps):
+        k = a.choose(8)
+        a.update(k, k if accept_all else 0, d * k, k, t0 + t1 * k)
+        ks.append(k)
+    return ks
+
+
+def test_adaptive_k_drafts_most_when_drafts_are_kept_and_checking_them_is_cheap():
+    assert _simulate(AdaptiveK(8), 40, True, 0.010, 0.001, 0.0)[-10:] == [8] * 10
+
+
+def test_adaptive_k_falls_back_to_plain_steps_where_fixed_k_loses():
+    """Drafts rejected, or a drafter as slow as the target: plain steps (k = 0), a one-draft probe every PROBE."""
+    for accept_all, d in ((False, 0.0), (True, 0.010)):
+        ks = _simulate(AdaptiveK(8), 64, accept_all, 0.010, 0.003, d)[-32:]
+        assert set(ks) <= {0, 1} and ks.count(1) <= 32 // AdaptiveK.PROBE + 1, (accept_all, ks)
+
+
+def test_adaptive_k_recovers_when_drafts_start_being_kept():
+    a = AdaptiveK(8)
+    _simulate(a, 40, False, 0.010, 0.002, 0.0)
+    assert _simulate(a, 80, True, 0.010, 0.002, 0.0)[-5:] == [8] * 5
 
 
 def test_ngram_proposes_what_followed_the_longest_latest_match():
