@@ -11,16 +11,20 @@ from attnlab.cli.common import UserError, add_model_args, load_lm, positive_int
 from attnlab.io import progress, provenance, write_json
 
 
-def _grad_model(args):
-    """The eager float32 network of the same file: the gradient's path (packed weights have no backward)."""
+def _float_models(args):
+    """The eager float networks of the same file: the gradient's (packed weights have no backward) and the
+    candidates' scorer's (None: the file's engine scores); one load where the two dtypes agree."""
     from attnlab.engine import LM
     from attnlab.io import status
     from attnlab.options import Options
-    with status(f"loading {args.model} as float32 for the gradient"):
-        lm = LM.load(args.model, Options(dtype="float32", compile=False, kv_dtype="float32", threads=args.threads),
-                     tokenizer=False)
-    lm.model.requires_grad_(False)
-    return lm.model
+    loaded = {}
+    for dtype in {args.grad_dtype, args.score_dtype} - {"file"}:
+        with status(f"loading {args.model} as {dtype}"):
+            lm = LM.load(args.model, Options(dtype=dtype, compile=False, threads=args.threads),
+                         tokenizer=False)
+        lm.model.requires_grad_(False)
+        loaded[dtype] = lm.model
+    return loaded[args.grad_dtype], loaded.get(args.score_dtype)
 
 
 def cmd_attack(args) -> int:
@@ -35,13 +39,7 @@ def cmd_attack(args) -> int:
     out = Path(args.out)
     args.resume_hint = f"run the same command again to continue from {out}"
     engine = load_lm(args)
-    model = _grad_model(args)
-    scorer = None
-    if args.score_dtype != "file":
-        from attnlab.engine import LM
-        from attnlab.options import Options
-        scorer = LM.load(args.model, Options(dtype=args.score_dtype, compile=False, threads=args.threads),
-                         tokenizer=False)
+    model, scorer = _float_models(args)
     allowed = allowed_tokens(engine.tokenizer, engine.cfg.vocab_size, "punct" if cfg.tokens == "punct" else "all")
     init = initial_suffix(engine.tokenizer, cfg.length)
     results = []
@@ -51,6 +49,8 @@ def cmd_attack(args) -> int:
             ident = {"model": str(args.model), "quant": engine.quant}
             if scorer is not None:
                 ident["score_dtype"] = args.score_dtype
+            if args.grad_dtype != "float32":
+                ident["grad_dtype"] = args.grad_dtype
             attack = GCG(engine, model, case, cfg, allowed, init, ident, scorer)
             res = attack.run(out / f"pair-{i:02d}.state.json", bar)
             rand = share.random_suffix(allowed, cfg.length, cfg.seed + i)
@@ -63,7 +63,7 @@ def cmd_attack(args) -> int:
                "success_by_step": [sum(r["success_by_step"][s] for r in results) / n for s in range(cfg.steps)],
                "seconds_per_step": sum(r["seconds_per_step"] for r in results) / n}
     write_json(out / "attack.json", {**record, "seed": cfg.seed, "model": str(args.model), "quant": engine.quant,
-                                     "score_dtype": args.score_dtype,
+                                     "score_dtype": args.score_dtype, "grad_dtype": args.grad_dtype,
                                      "threads": args.threads, "config": cfg.__dict__, "summary": summary,
                                      "results": results})
     _plots(results, out, f"GCG on {args.model} ({cfg.tokens} tokens, L={cfg.length}, B={cfg.batch}, k={cfg.topk})")
@@ -195,9 +195,12 @@ def add_parser(sub) -> None:
                         "--fluent-top next tokens at each position (the subtler variants)")
     p.add_argument("--fluent-top", type=positive_int, default=100, help="fluent: next tokens kept per position")
     p.add_argument("--chunk", type=positive_int, default=32, help="candidate rows per engine pass")
-    p.add_argument("--score-dtype", default="file", choices=["file", "bfloat16"],
-                   help="weights that score the candidates: the file's (packed; a [B, T] batch expands them to "
-                        "float32) or bfloat16 (AMX tiles where the CPU has them; the success check stays on the file's)")
+    p.add_argument("--score-dtype", default="bfloat16", choices=["bfloat16", "float32", "file"],
+                   help="weights that score the candidates: bfloat16 (AMX tiles where the CPU has them), float32, or "
+                        "the file's engine (packed; a [B, T] batch expands them to float32); the success check "
+                        "always runs on the file's engine")
+    p.add_argument("--grad-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="weights of the gradient pass (the eager network)")
     p.add_argument("--seed", type=int, default=0, help="seed of the candidate draws")
     p.add_argument("--out", default="runs/attack", help="folder: a state file per pair (resumable), attack.json, "
                                                          "loss.png, attention.png")

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from attnlab.errors import AttnlabError
 from attnlab.io import write_json
 from attnlab.model.llama import Pass
+from attnlab.robust.scoring import FloatScorer
 from attnlab.sampling import Sampler
 
 TOKEN_SETS = ("all", "punct", "fluent")
@@ -97,13 +98,22 @@ def allowed_tokens(tokenizer, vocab: int, which: str) -> torch.Tensor:
     return keep
 
 
-def forward_embeds(model, x: torch.Tensor) -> torch.Tensor:
-    """The network from input embeddings x [B, T, dim] (not ids) -> logits [B, T, vocab]: what takes a gradient
-    with respect to a one-hot token choice. Eager and differentiable (the C++ ops step aside under autograd)."""
+def hidden_states(model, x: torch.Tensor) -> torch.Tensor:
+    """The blocks from input embeddings x [B, T, dim] (not ids) -> the last block's output [B, T, dim]: what takes a
+    gradient with respect to a one-hot token choice. Eager and differentiable (the C++ ops step aside under autograd)."""
     ctx = Pass.full(model.rope, torch.zeros(x.shape[:2], dtype=torch.long))
     for i, layer in enumerate(model.layers):
         x = layer(x, ctx, i)
-    return model.lm_head(model.norm(x)).float()
+    return x
+
+
+def _head(model, h: torch.Tensor) -> torch.Tensor:
+    return model.lm_head(model.norm(h)).float()
+
+
+def forward_embeds(model, x: torch.Tensor) -> torch.Tensor:
+    """hidden_states, then the norm and head at every position -> logits [B, T, vocab] float32."""
+    return _head(model, hidden_states(model, x))
 
 
 def token_gradient(model, case: Case, suffix: torch.Tensor) -> tuple[torch.Tensor, float, torch.Tensor]:
@@ -114,11 +124,13 @@ def token_gradient(model, case: Case, suffix: torch.Tensor) -> tuple[torch.Tenso
     with torch.enable_grad():
         rest = torch.tensor(case.after + case.target)
         x = torch.cat([W[torch.tensor(case.before)], onehot @ W, W[rest]])[None]
-        logits = forward_embeds(model, x)[0]
+        h = hidden_states(model, x)[0]
         n, L, nt = len(case.before), len(suffix), len(case.target)
-        loss = F.cross_entropy(logits[-nt - 1:-1], torch.tensor(case.target))
+        loss = F.cross_entropy(_head(model, h[-nt - 1:-1]), torch.tensor(case.target))  # the head: read rows only
         loss.backward()
-    return onehot.grad.detach(), loss.item(), logits[n - 1:n + L - 1].detach()
+    with torch.no_grad():
+        nxt = _head(model, h[n - 1:n + L - 1].detach())
+    return onehot.grad.detach(), loss.item(), nxt
 
 
 class Scorer:
@@ -128,6 +140,9 @@ class Scorer:
     def __init__(self, engine, case: Case, chunk: int):
         self.engine, self.case, self.chunk = engine, case, chunk
         self.caches: dict[tuple[int, int], object] = {}  # by (rows, suffix length)
+
+    def set_current(self, suffix: torch.Tensor) -> None:
+        """(`scoring.FloatScorer` shares the current suffix's keys; the engine's batch cache does not.)"""
 
     def _cache(self, rows: int, length: int):
         if (rows, length) not in self.caches:
@@ -177,13 +192,15 @@ class GCG:
     """One attack on one case; `run` steps it to cfg.steps, writing `state_path` after every step."""
 
     def __init__(self, engine, grad_model, case: Case, cfg: GCGConfig, allowed: torch.Tensor, init: list[int],
-                 ident: dict | None = None, scorer_engine=None):
-        """engine: the greedy success check (and the candidates' scoring unless scorer_engine, e.g. a bfloat16 load
-        of the same file: AMX tiles score a [B, T] batch faster than packed weights, which expand to float32)."""
+                 ident: dict | None = None, scorer_model=None):
+        """engine: the greedy success check (and the candidates' scoring unless scorer_model, an eager float network
+        of the same file, e.g. bfloat16: AMX tiles score a [B, T] batch faster than packed weights, which expand to
+        float32; see `scoring.FloatScorer`)."""
         if len(init) != cfg.length:
             raise AttnlabError(f"the initial suffix has {len(init)} tokens, the attack asks for {cfg.length}")
         self.engine, self.grad_model, self.case, self.cfg, self.allowed = engine, grad_model, case, cfg, allowed
-        self.scorer = Scorer(scorer_engine or engine, case, cfg.chunk)
+        self.scorer = Scorer(engine, case, cfg.chunk) if scorer_model is None else \
+            FloatScorer(scorer_model, case, cfg.chunk)
         self.gen = torch.Generator().manual_seed(cfg.seed)
         settings = {k: v for k, v in asdict(cfg).items() if k not in ("steps", "check")}  # a rerun may ask more
         self.ident = {"config": settings, "before": case.before, "after": case.after, "target": case.target,
@@ -227,6 +244,7 @@ class GCG:
         cands = self.candidates(grad, next_logits)
         if not len(cands):
             raise AttnlabError("no candidate suffix survived the token filters; raise topk or batch")
+        self.scorer.set_current(self.suffix)
         losses = self.scorer.losses(cands)
         i = int(losses.argmin())
         self.suffix = cands[i].clone()

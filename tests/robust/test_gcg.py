@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from attnlab.errors import AttnlabError
 from attnlab.robust.gcg import (GCG, GCGConfig, Scorer, allowed_tokens, forward_embeds, initial_suffix, make_case,
                                 token_gradient)
+from attnlab.robust.scoring import FloatScorer
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +53,36 @@ def test_scorer_matches_the_full_pass(setup):
     assert torch.allclose(batched, full, atol=1e-3) and torch.allclose(together, full, atol=1e-3)
 
 
-def _attack(setup, steps, seed=0, length=6, batch=16):
+def test_float_scorer_shares_the_prefix_and_the_current_suffix(setup):
+    """Single swaps of a current suffix at every position (and the suffix itself), chunks that start at their
+    first swap: the same losses as each candidate's full pass; without `set_current`, the same again."""
+    lm, case, _ = setup
+    current = torch.tensor(initial_suffix(lm.tokenizer, 5))
+    cands = current.repeat(7, 1)
+    cands[torch.arange(6), torch.tensor([4, 0, 2, 2, 3, 1])] = torch.tensor([1000, 5000, 17, 900, 4000, 12000])
+    full = torch.tensor([token_gradient(lm.model, case, s)[1] for s in cands])
+    for chunk in (1, 3, 7):
+        scorer = FloatScorer(lm.model, case, chunk)
+        assert torch.allclose(scorer.losses(cands), full, atol=1e-4)  # no current suffix yet: fed whole
+        scorer.set_current(current)
+        assert scorer._first_diff(cands).tolist() == [4, 0, 2, 2, 3, 1, 5]
+        assert torch.allclose(scorer.losses(cands), full, atol=1e-4), chunk
+
+
+def _attack(setup, steps, seed=0, length=6, batch=16, scorer_model=None):
     lm, case, allowed = setup
     cfg = GCGConfig(length=length, steps=steps, batch=batch, topk=16, seed=seed, chunk=16, check=False)
-    return GCG(lm, lm.model, case, cfg, allowed, initial_suffix(lm.tokenizer, length))
+    return GCG(lm, lm.model, case, cfg, allowed, initial_suffix(lm.tokenizer, length), scorer_model=scorer_model)
+
+
+def test_the_float_scorer_takes_the_engine_scorers_steps(setup):
+    """The same network scoring through the engine's batch cache or the float scorer (chunks fed from their first
+    swap): the same draws, so the same suffix at every step and the same losses."""
+    engine = _attack(setup, steps=3, seed=5, batch=12, length=5)
+    floated = _attack(setup, steps=3, seed=5, batch=12, length=5, scorer_model=setup[0].model)
+    a, b = engine.run(), floated.run()
+    assert [r["suffix"] for r in engine.history] == [r["suffix"] for r in floated.history]
+    assert a["losses"] == pytest.approx(b["losses"], abs=1e-3)  # the engine scorer: 1e-3 of the full pass (above)
 
 
 def test_gcg_lowers_the_loss_below_random_suffixes(setup):
