@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 import uuid
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -23,6 +25,38 @@ class Turn:
     owner: str = ""
 
 
+class Mailbox:
+    """The model thread's hand-off to one event loop: a step's events for every request in one wake-up of the loop.
+
+    Why: one `call_soon_threadsafe` per request and step woke the loop up to 8 times a step (8 streams), each time
+    asking the model thread for the GIL in the middle of its next step's Python; the first event of a step schedules
+    one `drain`, and the others of that step ride with it."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.lock, self.waiting = loop, threading.Lock(), []
+
+    def post(self, inbox: "Inbox", events: list[Event]) -> None:
+        with self.lock:
+            self.waiting.append((inbox, events))
+            if len(self.waiting) > 1:  # a drain is already scheduled
+                return
+        try:
+            self.loop.call_soon_threadsafe(self.drain)
+        except RuntimeError:  # the loop has closed: nothing will drain, and the next post must try again
+            with self.lock:
+                self.waiting.clear()
+            raise
+
+    def drain(self) -> None:
+        with self.lock:
+            waiting, self.waiting = self.waiting, []
+        for inbox, events in waiting:
+            inbox.put(events)
+
+
+_MAILBOXES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its Mailbox
+
+
 class Inbox:
     """A request's events, handed from the model thread (`deliver`) to the event loop (`peek`, `next`).
 
@@ -32,9 +66,10 @@ class Inbox:
     def __init__(self, on_end=lambda: None):
         self.loop, self.events, self.ready = asyncio.get_running_loop(), deque(), asyncio.Event()
         self.on_end = on_end
+        self.mailbox = _MAILBOXES.get(self.loop) or _MAILBOXES.setdefault(self.loop, Mailbox(self.loop))
 
     def deliver(self, events: list[Event]) -> None:
-        self.loop.call_soon_threadsafe(self.put, events)
+        self.mailbox.post(self, events)
 
     def put(self, events: list[Event]) -> None:
         self.events.extend(events)
@@ -85,7 +120,8 @@ class Reply:
         self.close()
 
     async def deltas(self):
-        """Text deltas (already cut at stop strings by the scheduler) until the request ends."""
+        """Text deltas (already cut at stop strings by the scheduler; "" where an event released none) until the
+        request ends."""
         server, turn = self.server, self.turn
         while True:
             event = await self.inbox.next()
@@ -97,8 +133,7 @@ class Reply:
                 server.by_owner[turn.owner]["tokens_generated"] += 1
             elif event.reason != "gone":
                 turn.finish = event.reason
-            if event.text:
-                yield event.text
+            yield event.text
             if event.kind == "done":
                 return
 
@@ -140,13 +175,19 @@ class Reply:
         return f"data: {json.dumps(body)}\n\n"
 
     async def events(self, include_usage: bool):
-        """The streamed answer as server-sent events."""
+        """The streamed answer as server-sent events; deltas that are already waiting (a reader behind the steps)
+        go out in one write, each still its own event."""
         try:
             if self.chat:
                 yield self.chunk(None, first=True)
+            out = []
             async for delta in self.deltas():
-                yield self.chunk(delta)
-            yield self.chunk(None, self.turn.finish)
+                if delta:
+                    out.append(self.chunk(delta))
+                if out and not self.inbox.events:
+                    yield "".join(out)
+                    out = []
+            yield "".join(out) + self.chunk(None, self.turn.finish)
             if include_usage:
                 body = {"id": self.id, "object": self.kind + ".chunk", "created": self.created,
                         "model": self.server.model_name, "choices": [], "usage": self.usage()}
