@@ -306,32 +306,35 @@ def decode(lm, cache, context: list[int], logits: torch.Tensor, sampler, max_new
     stats = stats if stats is not None else SpecStats()
     spec = spec or SpeculativeSpec("ngram", 4, adaptive=False)
     adaptive = AdaptiveK(spec.k) if spec.adaptive else None
-    stop, context = Stop(max_new_tokens, stop_ids), list(context)
+    stop, context, start = Stop(max_new_tokens, stop_ids), list(context), len(context)
     new = [int(sampler(logits)[0])] if max_new_tokens else []
-    while new:
-        for j, t in enumerate(new):
-            yield t
-            stats.tokens += 1
-            stop.push(t)
-            context.append(t)
-            if stop.reason:
-                cache.truncate(len(context) - 1)  # accepted drafts past the end are not fed
-                return
-        k = min(spec.k, stop.max_tokens - stop.count - 1)  # drafts past max_tokens are wasted
-        left = room(cache)
-        if left is not None:  # the row must not make the policy evict: it could not be cut back
-            k = min(k, left - 1)
-        k = adaptive.choose(k) if adaptive else k
-        t0 = time.perf_counter()
-        drafts, q = drafter.propose(context, k, sampler) if k > 0 else ([], None)
-        drafts = drafts[:max(k, 0)]
-        t1 = time.perf_counter()
-        out = lm.step(Batch.one([[context[-1], *drafts]], cache, "all", verify=True))[0][0]
-        t2 = time.perf_counter()
-        n, nxt = verify(out, drafts, q[:len(drafts)] if q is not None else None, sampler)
-        cache.truncate(len(context) + n)
-        drafter.accepted(n)
-        if adaptive:
-            adaptive.update(len(drafts), n, t1 - t0, len(drafts), t2 - t1)
-        stats.drafted, stats.accepted, stats.steps = stats.drafted + len(drafts), stats.accepted + n, stats.steps + 1
-        new = [*drafts[:n], nxt]
+    try:
+        while new:
+            for t in new:
+                context.append(t)
+                yield t
+                stats.tokens += 1
+                stop.push(t)
+                if stop.reason:
+                    return
+            k = min(spec.k, stop.max_tokens - stop.count - 1)  # drafts past max_tokens are wasted
+            left = room(cache)
+            if left is not None:  # the row must not make the policy evict: it could not be cut back
+                k = min(k, left - 1)
+            k = adaptive.choose(k) if adaptive else k
+            t0 = time.perf_counter()
+            drafts, q = drafter.propose(context, k, sampler) if k > 0 else ([], None)
+            drafts = drafts[:max(k, 0)]
+            t1 = time.perf_counter()
+            out = lm.step(Batch.one([[context[-1], *drafts]], cache, "all", verify=True))[0][0]
+            t2 = time.perf_counter()
+            n, nxt = verify(out, drafts, q[:len(drafts)] if q is not None else None, sampler)
+            cache.truncate(len(context) + n)
+            drafter.accepted(n)
+            if adaptive:
+                adaptive.update(len(drafts), n, t1 - t0, len(drafts), t2 - t1)
+            stats.drafted, stats.accepted, stats.steps = stats.drafted + len(drafts), stats.accepted + n, stats.steps + 1
+            new = [*drafts[:n], nxt]
+    finally:  # ended, or closed by the caller: accepted drafts past the last token yielded are not fed, nor is it
+        if len(context) > start and cache.seen > len(context) - 1:
+            cache.truncate(len(context) - 1)

@@ -127,11 +127,11 @@ def main(argv=None) -> int:
                     print(f"{path:6s} kv {kv:7s} {pol:4s} {kind:14s} identical {case['identical']}/{len(texts)}  "
                           f"near-tie diffs {len(case['near_tie_diffs'])}  FAIL {len(case['failures'])}  "
                           f"accept {case['accepted']}/{case['drafted']}  {case['seconds']} s", flush=True)
-    write_json(args.out, {**finish_record(record), "threads": args.threads, "cpu": isa.describe(), "model": args.model,
-                          "prompts": len(texts), "new": args.new, "near_tie": args.near_tie,
-                          "sink": {"budget": args.sink_budget, "n_sink": 4, "block": 8},
-                          "draft": f"{args.model} requantized {args.draft_quant}", "failures": failures,
-                          "cases": cases})
+                    write_json(args.out, {  # after every case: a run cut short keeps what it did
+                        **finish_record(record), "threads": args.threads, "cpu": isa.describe(), "model": args.model,
+                        "prompts": len(texts), "new": args.new, "near_tie": args.near_tie,
+                        "sink": {"budget": args.sink_budget, "n_sink": 4, "block": 8},
+                        "draft": f"{args.model} requantized {args.draft_quant}", "failures": failures, "cases": cases})
     print(f"{failures} failures; written {args.out}")
     return 1 if failures else 0
 
