@@ -60,8 +60,8 @@ def main(argv=None) -> int:
     from attnlab.model.llama import Pass
     print(f"cpu: {cpu()}")
     lm = attnlab.load("smollm2-135m", quant=args.quant, kv_dtype=args.kv, tokenizer=False)
-    lm.compile_decode()
-    native, lm.compiled = lm.compiled, None
+    thread_counts = [int(t) for t in args.threads.split(",")]
+    natives = {t: lm.with_threads(t).compiled for t in thread_counts}  # the native step's team is the engine's
     old = old_step(args.baseline, lm.model) if args.baseline else None
     lengths = [int(x) for x in args.lengths.split(",")]
     ids = torch.randint(0, lm.cfg.vocab_size, (1, max(lengths)), generator=torch.Generator().manual_seed(0))
@@ -78,11 +78,11 @@ def main(argv=None) -> int:
             lm.compiled = step
             lm.forward(ids, cache)
         return fwd
-    variants = {"eager": forward_with(None), "native": forward_with(native)}
-    if old is not None:
-        variants[f"compiled {args.baseline}"] = old_forward
-    for threads in [int(t) for t in args.threads.split(",")]:
-        torch.set_num_threads(threads)
+    for threads in thread_counts:
+        torch.set_num_threads(threads)  # the eager path's ops (a command line's edge)
+        variants = {"eager": forward_with(None), "native": forward_with(natives[threads])}
+        if old is not None:
+            variants[f"compiled {args.baseline}"] = old_forward
         caches = {}
         for name, fwd in variants.items():
             for n in lengths:

@@ -67,9 +67,9 @@ def main(argv=None) -> int:
                       attention=QuestSpec(2 * args.page, args.page, 0, max(channels)))
     print(f"cpu: {cpu()}\nmodel: {args.model} ({lm.quant}), {args.kv} cache, rope {args.rope}, "
           f"load average at start {os.getloadavg()[0]:.1f}", flush=True)
-    views = {name: lm.with_attention(spec) for name, spec in specs.items()}
     tok = torch.tensor([[7]])
     thread_counts = [int(t) for t in args.threads.split(",")]
+    teams = {t: lm.with_threads(t) for t in thread_counts}  # the native step's team is the engine's, set per view
     prefilled = {}  # depth -> (cache, sink caches): prefilled once, with the most threads asked for
     for threads in thread_counts:
         rows = {}
@@ -96,12 +96,14 @@ def main(argv=None) -> int:
                       "CHANNELS reads, all layers)", flush=True)
                 sinks = {}
                 for b in (args.budgets.split(",") if args.sink else []):
-                    sinks[f"sink:{b}"] = c = views["full"].new_cache(
+                    sinks[f"sink:{b}"] = c = lm.with_attention(None).new_cache(
                         policy=make_policy("sink", int(b), chunk=64, block=args.sink_block))
-                    views["full"].prefill(ids[:, :int(b) + 64], c)
+                    lm.with_attention(None).prefill(ids[:, :int(b) + 64], c)
                 prefilled[n] = cache, sinks
             cache, sinks = prefilled[n]
-            torch.set_num_threads(threads)
+            torch.set_num_threads(threads)  # the eager path's ops (a command line's edge)
+            team = teams[threads]
+            views = {name: team.with_attention(spec) for name, spec in specs.items()}
             times = {name: [] for name in [*views, *sinks]}
             phases = {name: [] for name in times}
             order = list(times)
@@ -114,15 +116,15 @@ def main(argv=None) -> int:
                         c.truncate(n)
                     view.forward(tok, c)  # warm-up step (builds the step for this thread count)
                     if args.phases:
-                        lm.compiled.step.profile(True)
+                        team.compiled.step.profile(True)
                     t = time.perf_counter()
                     for _ in range(args.steps):
                         view.forward(tok, c)
                     times[name].append(args.steps / (time.perf_counter() - t))
                     if args.phases:
-                        ms = {k: v[0] * 1e3 for k, v in lm.compiled.step.profile(False).items()}
+                        ms = {k: v[0] * 1e3 for k, v in team.compiled.step.profile(False).items()}
                         phases[name].append((ms["attention"], sum(ms.values()) - ms["attention"]))
-            assert lm.compiled is not None and lm.compiled.calls["eager"] == 0, "a step left the native path"
+            assert team.compiled is not None and team.compiled.calls["eager"] == 0, "a step left the native path"
             cache.truncate(n)
             py = python_summaries(cache, n)
             rows[n] = times, py
