@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import shlex
 import statistics
 import subprocess
@@ -36,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import llamacpp  # noqa: E402
 from serve import free_port, passages, rss_mib, start_server, wait_ready  # noqa: E402
 
-from attnlab.io import provenance, write_json, write_text  # noqa: E402
+from attnlab.io import run_record, write_json, write_text  # noqa: E402
 
 QUESTION = "\n\nRetell this passage in your own words, in detail."
 
@@ -221,8 +222,8 @@ def main(argv=None) -> None:
     texts = passages(hi, top)
     prompts = [" ".join(t.split()[:lo + (hi - lo) * i // max(1, top - 1)]) + QUESTION for i, t in enumerate(texts)]
     key = "batch-bench-key-0001"
-    record = {**provenance(None), "command": "python " + shlex.join(["benchmarks/serve_batch.py", *sys.argv[1:]]),
-              "seed": 0, "cpu": header, "model": model, "max_tokens": args.max_tokens,
+    record = {**run_record(None, 0, "python " + shlex.join(["benchmarks/serve_batch.py", *sys.argv[1:]])),
+              "load_average_start": list(os.getloadavg()), "cpu": header, "model": model, "max_tokens": args.max_tokens,
               "prompt_words": [lo, hi], "rounds": args.rounds, "cells": []}
     if args.overhead or args.fairness:  # one attnlab server per thread count, one measurement each
         if args.overhead:
@@ -283,7 +284,8 @@ def main(argv=None) -> None:
                         peer.wait(30)
                 for s in servers:
                     cell = {"server": s, "threads": threads, "n": n, **summarize(runs[s]),
-                            "peak_rss_mib": peaks[s].peak if peaks[s] else None}
+                            "peak_rss_mib": peaks[s].peak if peaks[s] else None,
+                            "load_average": list(os.getloadavg())}  # a shared machine: how busy it was
                     if s == "attnlab":  # the engine's own figure for round 0's requests
                         cell.update(engine_figure(lm, round_prompts(prompts, n, 0), cell["per_stream"]))
                         single = cell["engine_tok_s"] if n == 1 else single
