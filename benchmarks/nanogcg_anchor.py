@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -30,24 +31,39 @@ def peer(args) -> None:
     from transformers import AutoModelForCausalLM
     torch.set_num_threads(args.threads)
     tok = _tokenizer(args.peer)
-    model = AutoModelForCausalLM.from_pretrained(args.peer, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(args.peer, torch_dtype=getattr(torch, args.peer_dtype)).eval()
+    stamps = _stamp_steps(nanogcg)
     rows = []
     for pair in json.loads(Path(args.pairs_json).read_text()):
         cfg = nanogcg.GCGConfig(num_steps=args.steps, optim_str_init=" !" * args.length, search_width=args.batch,
                                 topk=args.topk, seed=args.seed, verbosity="WARNING", use_prefix_cache=True)
         messages = [{"role": "user", "content": pair["prompt"] + "{optim_str}"}]
         start = time.perf_counter()
+        stamps.clear()
         res = nanogcg.run(model, tok, messages, pair["target"], cfg)
         seconds = time.perf_counter() - start
+        stamps.append(time.perf_counter())
         ok = [_succeeds(model, tok, pair, s) for s in res.strings]
         rows.append({"pair": pair["pair"], "losses": res.losses, "success_by_step": ok,
                      "success": _succeeds(model, tok, pair, res.best_string, 8), "suffix": res.best_string,
-                     "loss": res.best_loss, "seconds_per_step": seconds / args.steps})
+                     "loss": res.best_loss, "seconds_per_step": seconds / args.steps,
+                     "step_seconds": [b - a for a, b in zip(stamps, stamps[1:])]})
         print(f"nanogcg pair {pair['pair']}: loss {res.best_loss:.3f}, {seconds / args.steps:.2f} s a step",
               file=sys.stderr)
-    Path(args.out).write_text(json.dumps({**_record(), "seed": args.seed, "nanogcg": "0.3.0",
+    Path(args.out).write_text(json.dumps({**_record(), "seed": args.seed, "nanogcg": "0.3.0", "dtype": args.peer_dtype,
                                           "transformers": transformers.__version__, "torch": torch.__version__,
                                           "results": rows}, indent=2) + "\n")
+
+
+def _stamp_steps(nanogcg) -> list[float]:
+    """The clock at each step's start (its gradient call): a step's seconds without the run's setup."""
+    stamps, gradient = [], nanogcg.gcg.GCG.compute_token_gradient
+
+    def stamped(self, *a, **kw):
+        stamps.append(time.perf_counter())
+        return gradient(self, *a, **kw)
+    nanogcg.gcg.GCG.compute_token_gradient = stamped
+    return stamps
 
 
 def _record() -> dict:
@@ -97,7 +113,13 @@ def main(argv=None) -> int:
     ap.add_argument("--length", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--score-dtype", default="file", help="ours: `attnlab attack --score-dtype` (file, bfloat16)")
+    ap.add_argument("--score-dtype", default="bfloat16", help="ours: `attnlab attack --score-dtype` (bfloat16, "
+                                                              "float32, file)")
+    ap.add_argument("--grad-dtype", default="float32", help="ours: `attnlab attack --grad-dtype`")
+    ap.add_argument("--peer-dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="nanogcg's model dtype (the export is float32)")
+    ap.add_argument("--rounds", type=int, default=0, help="timing only: this many rounds of ours then nanogcg, "
+                                                          "interleaved; medians of the steps' seconds")
     ap.add_argument("--out", default="runs/nanogcg")
     ap.add_argument("--peer", default=None, help=argparse.SUPPRESS)  # nanogcg's side: the exported folder
     ap.add_argument("--pairs-json", default=None, help=argparse.SUPPRESS)
@@ -116,17 +138,47 @@ def main(argv=None) -> int:
         subprocess.run([*attnlab, "export", args.model, str(model_dir), "--force"], check=True)
     budget = ["--steps", str(args.steps), "--batch", str(args.batch), "--topk", str(args.topk), "--length",
               str(args.length), "--seed", str(args.seed), "--threads", str(args.threads)]
-    subprocess.run([*attnlab, "attack", args.model, "--pairs", args.pairs, "--out", str(out / "ours"), *budget,
-                    "--score-dtype", args.score_dtype], check=True)
-    ours = json.loads((out / "ours" / "attack.json").read_text())["results"]
     (out / "pairs.json").write_text(json.dumps([{"pair": i, "prompt": p, "target": t} for i, p, t in pairs(args.pairs)]))
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    subprocess.run([args.python, __file__, "--peer", str(model_dir), "--pairs-json", str(out / "pairs.json"),
-                    "--out", str(out / "nanogcg.json"), *budget], check=True, env=env)
-    theirs = json.loads((out / "nanogcg.json").read_text())
+
+    def ours_run(folder: Path) -> list[dict]:
+        subprocess.run([*attnlab, "attack", args.model, "--pairs", args.pairs, "--out", str(folder), *budget,
+                        "--score-dtype", args.score_dtype, "--grad-dtype", args.grad_dtype], check=True)
+        return json.loads((folder / "attack.json").read_text())["results"]
+
+    def peer_run(path: Path) -> dict:
+        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+        subprocess.run([args.python, __file__, "--peer", str(model_dir), "--pairs-json", str(out / "pairs.json"),
+                        "--out", str(path), "--peer-dtype", args.peer_dtype, *budget], check=True, env=env)
+        return json.loads(path.read_text())
+
+    if args.rounds:
+        return timing(args, record, out, ours_run, peer_run)
+    ours = ours_run(out / "ours")
+    theirs = peer_run(out / "nanogcg.json")
     table = summarize(ours, theirs["results"], args.steps)
     write_json(out / "side_by_side.json", {**record, "seed": args.seed, "budget": vars(args), "peer": {
         k: theirs[k] for k in ("nanogcg", "transformers", "torch")}, **table})
+    return 0
+
+
+def timing(args, record: dict, out: Path, ours_run, peer_run) -> int:
+    """Rounds of our attack then nanogcg's on the same budget, one after the other (a shared machine's load moves
+    both alike within a round): every step's seconds, the medians, and their ratio."""
+    import statistics
+    ours, theirs = [], []
+    for r in range(args.rounds):
+        folder = out / f"timing-{r}"
+        shutil.rmtree(folder, ignore_errors=True)  # a fresh run, not a resumed one
+        for res in ours_run(folder / "ours"):
+            state = json.loads((folder / "ours" / f"pair-{res['pair']:02d}.state.json").read_text())
+            ours += [h["seconds"] for h in state["history"]]
+        theirs += [x for res in peer_run(folder / "nanogcg.json")["results"] for x in res["step_seconds"]]
+        a, n = statistics.median(ours), statistics.median(theirs)
+        print(f"round {r + 1}: median s a step, attnlab {a:.2f}, nanogcg {n:.2f}: {n / a:.2f}x", flush=True)
+    summary = {"attnlab_median_s": a, "nanogcg_median_s": n, "speedup": n / a,
+               "attnlab_step_seconds": ours, "nanogcg_step_seconds": theirs}
+    from attnlab.io import write_json
+    write_json(out / "timing.json", {**record, "seed": args.seed, "budget": vars(args), **summary})
     return 0
 
 
