@@ -326,7 +326,7 @@ class Server:
             return {"status": "ok", "model": self.model_name}
         return {"status": "ok", "model": self.model_name, "sessions": len(self.store.sessions), **self.stats,
                 "admission": self.admission.summary(), "scheduler": self.scheduler.summary(),
-                "memory": {"trims": self.trimmer.trims, **memory.heap()}}
+                "memory": self.trimmer.stats()}
 
     async def sessions(self, request: Request):
         owner = self.visible(request)

@@ -104,13 +104,18 @@ class GuardedH11(H11Protocol):
     @staticmethod
     def bound_buffers(transport, size: int) -> None:
         """At most `size` bytes queued in the socket (the kernel would grow it to megabytes for a client that
-        does not read) and as many in the transport before writes pause."""
+        does not read) and as many in the transport before writes pause; TCP_NODELAY always: asyncio sets it
+        only where the listening socket was made with proto IPPROTO_TCP (not `socket.socket()`, nor an
+        inherited descriptor), and without it a reply's body, written after its headers, waits for the
+        client's delayed ACK: 40 ms for every /health, idle or not."""
         sock = transport.get_extra_info("socket")
         if sock is not None:
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
-            except OSError:
-                pass
+            for level, option, value in ((socket.SOL_SOCKET, socket.SO_SNDBUF, size),
+                                         (socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)):
+                try:
+                    sock.setsockopt(level, option, value)
+                except OSError:  # not TCP (a Unix socket has no TCP_NODELAY)
+                    pass
         transport.set_write_buffer_limits(high=size)
 
     def pause_writing(self) -> None:
@@ -172,10 +177,17 @@ def quiet_accept_errors(loop: asyncio.AbstractEventLoop, interval: float) -> Non
 
 
 class GuardedServer(Server):
-    """uvicorn's Server that installs `quiet_accept_errors` on the loop it serves from."""
+    """uvicorn's Server that installs `quiet_accept_errors` on the loop it serves from, and runs `tasks` (coroutine
+    functions, e.g. the side /health's heartbeat, `health.py`) there while it serves."""
+
+    def __init__(self, config: Config, tasks=()):
+        super().__init__(config)
+        self.tasks, self.running = tasks, []
 
     async def startup(self, sockets=None) -> None:
-        quiet_accept_errors(asyncio.get_running_loop(), self.config.http.limits.log_interval)
+        loop = asyncio.get_running_loop()
+        quiet_accept_errors(loop, self.config.http.limits.log_interval)
+        self.running = [loop.create_task(task()) for task in self.tasks]
         await super().startup(sockets)
 
 

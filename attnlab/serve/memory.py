@@ -52,11 +52,16 @@ def configure() -> bool:
 class Trimmer:
     """`soon()` when memory may have been freed (a request ended): a thread of its own trims the heaps at most
     once per `every` seconds, and once more after the last call (what a finished request frees, its reply
-    and cache once unreferenced, is freed a little after it ends)."""
+    and cache once unreferenced, is freed a little after it ends).
+
+    `stats()` (admin /health) is read from what that thread last measured: the allocator's view is taken
+    there, after each trim, never on the event loop: `mallinfo2` walks every free chunk of every arena,
+    measured 2-57 ms on a server under load, so asking it per /health held every other reply that long."""
 
     def __init__(self, every: float = 1.0):
         self.every, self.lib = every, libc()
         self.dirty, self.thread, self.trims = threading.Event(), None, 0
+        self.heap, self.slowest = {}, 0.0  # heap() after the last trim; the longest trim (seconds)
 
     def soon(self) -> None:
         if self.lib is None:
@@ -71,8 +76,15 @@ class Trimmer:
             self.dirty.wait()
             time.sleep(self.every)  # let this burst of frees happen; then one trim covers them
             self.dirty.clear()
+            start = time.perf_counter()
             self.lib.malloc_trim(0)
-            self.trims += 1
+            self.slowest = max(self.slowest, time.perf_counter() - start)
+            self.heap = heap()
+            self.trims += 1  # after the heap's reading: a reader that sees this trim sees its reading
+
+    def stats(self) -> dict:
+        """Trims so far, the longest one's milliseconds, and the heap's used and free MiB as of the last one."""
+        return {"trims": self.trims, "trim_ms_max": round(1e3 * self.slowest, 1), **self.heap}
 
 
 class _MallInfo2(ctypes.Structure):

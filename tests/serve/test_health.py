@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+import time
 
 import pytest
 
@@ -45,6 +46,119 @@ def test_health_is_answered_before_the_app_and_shows_counters_only_to_admins():
     assert status == 200 and b'"admin": true' in body
     assert call(guard, "/health", [(b"host", b"evil.example")])[0] == 421  # the Host check still comes first
     assert len(seen) == 2
+
+
+def test_health_answers_in_milliseconds_on_a_kept_alive_connection():
+    """Each reply is written as headers, then body; without TCP_NODELAY the body waited for the client's delayed
+    ACK, 40 ms a request, idle or not (asyncio sets the option only on sockets made with proto IPPROTO_TCP, and
+    `socket.socket()`, as here, is not one)."""
+    import http.client
+
+    from attnlab.serve.guard import Guard
+
+    async def app(scope, receive, send):
+        raise AssertionError("the app was called for /health")
+    guard = Guard(app, health=lambda caller: {"status": "ok"})
+    with running(guard) as url:
+        conn, lat = http.client.HTTPConnection("127.0.0.1", int(url.rsplit(":", 1)[1]), timeout=10), []
+        for _ in range(30):
+            t0 = time.perf_counter()
+            conn.request("GET", "/health")
+            r = conn.getresponse()
+            assert r.status == 200 and r.read() == b'{"status": "ok"}'
+            lat.append(time.perf_counter() - t0)
+        conn.close()
+    assert statistics.median(lat) < 0.030, f"median {1e3 * statistics.median(lat):.1f} ms (a delayed ACK is 40)"
+
+
+def test_every_connection_sends_without_waiting_for_the_clients_ack():
+    """The option itself, on a connection accepted from a `socket.socket()` listener (asyncio leaves it off)."""
+    import socket
+
+    from attnlab.serve.conn import GuardedH11
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        with socket.create_connection(listener.getsockname()) as client:
+            conn, _ = listener.accept()
+            with conn:
+                assert conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 0
+
+                class Transport:
+                    def get_extra_info(self, name):
+                        return conn
+
+                    def set_write_buffer_limits(self, high):
+                        self.high = high
+                GuardedH11.bound_buffers(Transport(), 4096)
+                assert conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+                client.sendall(b"x")
+
+
+def test_admin_health_reads_the_heap_as_of_the_last_trim_never_on_the_request(served, monkeypatch):
+    """glibc's mallinfo2 walks every free chunk (2-57 ms measured under load): the trim thread reads it after each
+    trim, /health shows that reading."""
+    from attnlab.serve import memory
+    from attnlab.serve.guard import Caller
+    server = served[1].state.server
+    if memory.libc() is None or not hasattr(memory.libc(), "mallinfo2"):
+        pytest.skip("not glibc >= 2.33")
+    trimmer = memory.Trimmer(every=0.01)
+    trimmer.soon()
+    deadline = time.monotonic() + 10
+    while trimmer.trims == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stats = trimmer.stats()
+    assert stats["trims"] >= 1 and stats["used_mib"] > 0 and stats["free_mib"] >= 0 and stats["trim_ms_max"] >= 0
+
+    def walk():
+        raise AssertionError("mallinfo2 asked on the request's thread")
+    monkeypatch.setattr(memory, "heap", walk)
+    body = server.health_body(Caller("", True))
+    assert set(body["memory"]) >= {"trims", "trim_ms_max"}
+
+
+def test_the_health_port_answers_from_its_own_process_and_says_when_the_loop_stalls():
+    """`--health-port`: 200 while the server's heartbeat is fresh, 503 once it is older than `stale`, 404 elsewhere;
+    idle, it answers in milliseconds."""
+    import http.client
+    import socket
+
+    from attnlab.serve import health
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    side, beat = health.start("127.0.0.1", port, stale=1.0)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and side.poll() is None, "the side did not start"
+                time.sleep(0.05)
+        conn, lat = http.client.HTTPConnection("127.0.0.1", port, timeout=10), []
+        for _ in range(30):
+            beat.write()
+            t0 = time.perf_counter()
+            conn.request("GET", "/health")
+            r = conn.getresponse()
+            body = r.read()
+            lat.append(time.perf_counter() - t0)
+            assert r.status == 200 and b'"status": "ok"' in body
+        conn.request("GET", "/v1/models")
+        r = conn.getresponse()
+        assert r.status == 404 and r.read()
+        time.sleep(1.2)  # no beat: the server's loop would be stuck
+        conn.request("GET", "/health")
+        r = conn.getresponse()
+        assert r.status == 503 and b'"stalled"' in r.read()
+        assert statistics.median(lat) < 0.030, f"median {1e3 * statistics.median(lat):.1f} ms"
+    finally:
+        side.terminate()
+        side.wait(10)
+        beat.close()
 
 
 LOAD = """
