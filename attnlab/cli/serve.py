@@ -17,6 +17,8 @@ def cmd_serve(args) -> int:
         from attnlab.serve.conn import GuardedServer, serve_config
     except ModuleNotFoundError as e:
         raise UserError(f"serving needs the 'serve' extra ({e.name} is missing): pip install 'attnlab[serve]'") from None
+    if args.health_port and args.replicas:
+        raise UserError("--health-port serves one server's heartbeat; with --replicas ask the front's /health")
     if args.ray and not args.replicas:
         raise UserError("--ray ADDRESS needs --replicas N (the number of servers to run on that cluster)")
     if "," in args.policy:
@@ -45,7 +47,18 @@ def cmd_serve(args) -> int:
               "conversation" + (" (localhost only)" if loopback else " (--insecure-no-auth)"))
     if args.replicas:
         return serve_replicas(args, build, config, keys)
-    GuardedServer(serve_config(app, args.host, args.port, config.http, args.log_level)).run()
+    side = beat = None
+    if args.health_port:  # /health from a process of its own (attnlab/serve/health.py)
+        from attnlab.serve import health
+        side, beat = health.start(args.host, args.health_port)
+        print(f"attnlab serve: GET /health also on http://{args.host}:{args.health_port}/health (a process of its own)")
+    try:
+        GuardedServer(serve_config(app, args.host, args.port, config.http, args.log_level),
+                      tasks=[beat.run] if beat else []).run()
+    finally:
+        if side is not None:
+            side.terminate()
+            beat.close()
     return 0
 
 
@@ -137,6 +150,9 @@ def add_parser(sub) -> None:
     add_policy_args(p, budget_default="1024", policy_default="sink")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
+    p.add_argument("--health-port", type=int, default=None, metavar="PORT",
+                   help="also answer GET /health on PORT from a small process of its own: milliseconds whatever the "
+                        "model does (503 once the server's event loop has been stuck 10 s)")
     p.add_argument("--name", default=None, help="model id clients ask for (default: the model file's name)")
     p.add_argument("--max-sessions", type=positive_int, default=16, help="conversations held; LRU beyond")
     p.add_argument("--max-cache-mib", type=positive_int, default=1024, help="KV bytes of all held conversations; LRU beyond")
