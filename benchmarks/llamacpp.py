@@ -52,6 +52,54 @@ def header() -> str:
     return "\n".join(lines)
 
 
+def read_bandwidth(threads: int, gib: float = 1.0, repeats: int = 5, clock=None) -> float:
+    """GB/s of a float32 sum over `gib` GiB at `threads` torch threads (median of `repeats`; torch's thread count
+    restored): the ceiling of a decode step, which streams its weights from memory once per token. clock: wall
+    time by default; `time.thread_time` at 1 thread counts only the time this thread ran (a shared machine)."""
+    import statistics
+    import time
+
+    import torch
+    clock = clock or time.perf_counter
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        buf = torch.ones(int(gib * 2 ** 28))
+        buf.sum()
+        times = []
+        for _ in range(repeats):
+            start = clock()
+            buf.sum()
+            times.append(clock() - start)
+        return buf.numel() * 4 / statistics.median(times) / 1e9
+    finally:
+        torch.set_num_threads(before)
+
+
+def bandwidths(threads=(1, 2), gib: float = 1.0) -> dict[int, float]:
+    """{threads: read_bandwidth} at 1 and 2 threads (every decode benchmark prints them: bandwidth_line)."""
+    return {t: read_bandwidth(t, gib) for t in threads}
+
+
+def bandwidth_line(bw: dict[int, float], gib: float = 1.0) -> str:
+    return f"read bandwidth (float32 sum over {gib:g} GiB): " + ", ".join(
+        f"{g:.1f} GB/s at {t} thread{'s' if t > 1 else ''}" for t, g in sorted(bw.items()))
+
+
+def token_bytes(path) -> int:
+    """Bytes of weights one decode step reads from a GGUF file: every tensor, but only one row of the token
+    table where the file has its own output head (the table is then read one row per token)."""
+    import gguf
+    tensors = gguf.GGUFReader(str(path)).tensors
+    untied = any(t.name == "output.weight" for t in tensors)
+    return sum(int(t.n_bytes) for t in tensors if not (untied and t.name == "token_embd.weight"))
+
+
+def bound_fraction(tok_s: float, bytes_per_token: float, gbs: float) -> float:
+    """tok/s as a fraction of the bandwidth limit, gbs * 1e9 / bytes_per_token tokens per second."""
+    return tok_s * bytes_per_token / (gbs * 1e9)
+
+
 def _count_cpus() -> int:
     import os
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()

@@ -79,3 +79,34 @@ def test_installed_builds_are_found_by_their_build_json(tmp_path):
     found = llamacpp.installed(tmp_path)
     assert list(found) == ["native"] and found["native"]["ub1"] is True
     assert found["native"]["bin"] == str(tmp_path / "native" / "bin")
+
+
+def _gguf(path, tensors):
+    """A GGUF file of float32 tensors {name: rows x cols}, nothing else."""
+    import gguf
+    import numpy as np
+    w = gguf.GGUFWriter(str(path), "llama")
+    for name, shape in tensors.items():
+        w.add_tensor(name, np.zeros(shape, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_token_bytes_reads_one_row_of_an_untied_table(tmp_path):
+    layer = {"blk.0.ffn_up.weight": (64, 32), "token_embd.weight": (100, 32)}
+    tied = _gguf(tmp_path / "tied.gguf", layer)
+    untied = _gguf(tmp_path / "untied.gguf", {**layer, "output.weight": (100, 32)})
+    assert llamacpp.token_bytes(tied) == (64 + 100) * 32 * 4        # the table is the head: read whole
+    assert llamacpp.token_bytes(untied) == (64 + 100) * 32 * 4      # the head read, the table not
+
+
+def test_bound_fraction_and_bandwidth():
+    import torch
+    assert llamacpp.bound_fraction(10.0, 1e9, 20.0) == pytest.approx(0.5)  # 10 tok/s of 1 GB at 20 GB/s
+    before = torch.get_num_threads()
+    bw = llamacpp.read_bandwidth(1, gib=1 / 64, repeats=2)
+    assert bw > 0 and torch.get_num_threads() == before
+    assert "GB/s at 1 thread, " in llamacpp.bandwidth_line({1: 10.0, 2: 18.0})
