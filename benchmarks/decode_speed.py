@@ -4,7 +4,8 @@ All engines run in one process on the same SmolLM2 GGUF, at the same thread coun
 thread count and cache depth, every variant decodes `--steps` tokens per run; runs are
 interleaved (variant order rotates every repeat) and repeated; medians are printed with the
 ratio to our fp32 eager engine and the % of each variant's memory-bandwidth bound (bytes it
-must read per token: weights + KV cache at that depth, over the measured read bandwidth).
+must read per token: weights + KV cache at that depth, over the measured read bandwidth: a float32 sum over 1 GiB,
+printed at 1 and 2 threads before anything else).
 
 Variants: ours fp32/bf16/int8/int4:32/kmeans:4 (fused) and kmeans-naive:4 (lookup-then-matmul),
 eager and (`--compile`) compiled; transformers fp32; llama.cpp's own `llama-bench` (`make bench-llamacpp`:
@@ -39,19 +40,6 @@ sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
 import llamacpp  # noqa: E402
 
 OURS = ["fp32", "bf16", "int8", "int4:32", "kmeans:4", "kmeans-naive:4"]
-
-
-def bandwidth_gbs(repeats: int = 5) -> float:
-    """Read bandwidth of a streaming sum over 256 MB at torch's current thread count, GB/s: the memory's
-    ceiling for a step that only streams its weights (MKL's fp32 matvec reads at about half of it here)."""
-    x = torch.ones(64 << 20)
-    x.sum()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        x.sum()
-        times.append(time.perf_counter() - t)
-    return x.numel() * 4 / statistics.median(times) / 1e9
 
 
 def weights_read(model) -> int:
@@ -179,7 +167,7 @@ class LlamaBench:
         self.name = f"llama.cpp {build}{' -ub 1' if meta.get('ub1') else ''} fa={'on' if flash else 'off'}" \
             + (f" kv={kv}" if kv != "f16" else "")
         self.load_s = None
-        self.bytes = path.stat().st_size  # every tensor of the file is read per token (tied head included)
+        self.bytes = llamacpp.token_bytes(path)  # every tensor but an untied head's token table
         self.kv_slot = kv_slot_elems(path) * self.KV_ELEM[kv]
 
     def kv_bytes(self, length):
@@ -293,6 +281,8 @@ def main(argv=None) -> int:
 
     from attnlab.model.loaders import resolve
     print(llamacpp.header())
+    bandwidth = llamacpp.bandwidths(sorted({1, 2, *threads}))
+    print(llamacpp.bandwidth_line(bandwidth))
     path = resolve(args.model)
     torch.set_num_threads(threads[0])
     kvs = args.kv.split(",")
@@ -319,8 +309,7 @@ def main(argv=None) -> int:
     print(f"steps/run {args.steps}; repeats {args.repeats}")
     for t in threads:
         torch.set_num_threads(t)
-        bw = results["bandwidth_gbs"][t] = bandwidth_gbs()
-        print(f"{t} thread{'s' if t > 1 else ''}: read bandwidth {bw:.1f} GB/s (streaming sum)")
+        bw = results["bandwidth_gbs"][t] = bandwidth[t]
         variants = load_variants()
         results["load_s"].update({v.name: v.load_s for v in variants})
         fas = [{"off": False, "on": True}[f] for f in args.llamacpp_fa.split(",")]
