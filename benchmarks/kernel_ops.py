@@ -41,7 +41,8 @@ import torch
 
 from attnlab.kernels import build as kernels
 from attnlab.kernels import isa
-from rows_kernels import D, H, linear  # benchmarks/ is on sys.path when this script runs
+import llamacpp  # noqa: E402 - benchmarks/ is on sys.path when this script runs
+from rows_kernels import D, H, linear
 
 # (name, out N, in K, format): SmolLM2-135M's batch-1 matvecs; the head is the tied int8 embedding
 SHAPES = [("w13", 2 * H, D, "int4:32"), ("w2", D, H, "int4:32"), ("wqkv", 960, D, "int4:32"),
@@ -145,26 +146,11 @@ def worker(args) -> None:
         print((clock() - start) / len(calls) * 1e6, flush=True)
 
 
-def read_bandwidth(threads: int, mb: int = 256, repeats: int = 5) -> float:
-    """GB/s of streaming reads at `threads` (torch's sum over a buffer far larger than the caches): the
-    bound a memory-bound matvec approaches."""
-    torch.set_num_threads(threads)
-    buf = torch.ones(mb * 2 ** 20 // 4)
-    buf.sum()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        buf.sum()
-        times.append(time.perf_counter() - start)
-    return buf.numel() * 4 / statistics.median(times) / 1e9
-
-
 def compare_variants(args) -> None:
     """Drive one worker per variant, interleaved per repeat; print the table."""
     variants, threads = args.variants.split(","), [int(t) for t in args.threads.split(",")]
     print(f"# {isa.describe()}")
-    print("# read bandwidth (torch sum over 256 MiB): " + ", ".join(f"{read_bandwidth(t):.1f} GB/s at {t} thread(s)"
-                                                                for t in threads))
+    print("# " + llamacpp.bandwidth_line({t: llamacpp.read_bandwidth(t) for t in threads}))
     clock = "this thread's CPU time at 1 thread, wall clock above" if args.clock == "cpu" else "wall clock"
     print(f"# variants {variants} (one process each), threads {threads}, repeats {args.repeats}, {clock}, "
           f"medians; load average {os.getloadavg()[0]:.2f} at start")
@@ -260,7 +246,7 @@ def compare_layouts(args) -> None:
         raise SystemExit("fused kernels unavailable")
     clock = time.thread_time if args.clock == "cpu" and t == 1 else time.perf_counter
     print(f"# {isa.describe()}; variant {kernels.variant()}")
-    print(f"# read bandwidth (torch sum over 256 MiB): {read_bandwidth(t):.1f} GB/s at {t} thread(s)")
+    print(f"# read bandwidth (float32 sum over 1 GiB): {llamacpp.read_bandwidth(t):.1f} GB/s at {t} thread(s)")
     torch.set_num_threads(t)
     print(f"# threads {t}, repeats {args.repeats} interleaved, medians, clock {'cpu' if clock is time.thread_time else 'wall'}; "
           f"load average {os.getloadavg()[0]:.2f} at start")
