@@ -8,6 +8,7 @@ whether batches above one token need `-ub 1`: see llamacpp.plan_builds and the A
 
     python benchmarks/build_llamacpp.py                       # into build/llamacpp of this checkout
     python benchmarks/build_llamacpp.py --prefix /work/main/build/llamacpp --only native
+    python benchmarks/build_llamacpp.py --only native --targets llama-bench,llama-quantize,llama-simple  # the speed peer
 """
 from __future__ import annotations
 
@@ -53,25 +54,25 @@ def source(version: str | None) -> Path:
     return tree
 
 
-def build(tree: Path, name: str, spec: dict, jobs: int) -> Path:
+def build(tree: Path, name: str, spec: dict, jobs: int, targets: list[str] = TARGETS) -> Path:
     """Configure and build one variant; returns a folder holding its binaries (cached by source and flags).
     Every variant reuses one build folder per source: reconfiguring changes the ISA flags, so the second
     variant reruns 77 of the 144 build steps (measured: common's objects are kept), not all of them."""
-    key = hashlib.sha256(json.dumps([str(tree), COMMON, spec["cmake"], TARGETS]).encode()).hexdigest()[:10]
+    key = hashlib.sha256(json.dumps([str(tree), COMMON, spec["cmake"], targets]).encode()).hexdigest()[:10]
     done = CACHE / "bins" / f"{name}-{key}"
-    if all((done / t).exists() for t in TARGETS):
+    if all((done / t).exists() for t in targets):
         print(f"{name}: cached build {done}")
         return done
     out = CACHE / "build" / hashlib.sha256(str(tree).encode()).hexdigest()[:10]
     t = time.time()
     subprocess.run(["cmake", "-S", str(tree), "-B", str(out), *COMMON, *spec["cmake"]], check=True,
                    stdout=subprocess.DEVNULL)
-    subprocess.run(["nice", "-n", "10", "cmake", "--build", str(out), "-j", str(jobs), "--target", *TARGETS],
+    subprocess.run(["nice", "-n", "10", "cmake", "--build", str(out), "-j", str(jobs), "--target", *targets],
                    check=True)
     tmp = done.with_name(done.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    for target in TARGETS:
+    for target in targets:
         shutil.copy2(out / "bin" / target, tmp / target)
     shutil.rmtree(done, ignore_errors=True)
     tmp.rename(done)
@@ -79,12 +80,12 @@ def build(tree: Path, name: str, spec: dict, jobs: int) -> Path:
     return done
 
 
-def install(bins: Path, dest: Path, meta: dict) -> None:
+def install(bins: Path, dest: Path, meta: dict, targets: list[str] = TARGETS) -> None:
     """Copy the binaries into dest/bin (a temporary folder renamed into place) and write build.json."""
     tmp = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / "bin").mkdir(parents=True)
-    for t in TARGETS:
+    for t in targets:
         shutil.copy2(bins / t, tmp / "bin" / t)
     (tmp / "build.json").write_text(json.dumps(meta, indent=1) + "\n")
     shutil.rmtree(dest, ignore_errors=True)
@@ -119,6 +120,7 @@ def main(argv=None) -> None:
     p.add_argument("--only", choices=["native", "generic"], help="one build only")
     p.add_argument("--version", help="llama-cpp-python version (default: the newest cached/downloaded)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
+    p.add_argument("--targets", default=",".join(TARGETS), help="binaries to build (llama-bench among them)")
     args = p.parse_args(argv)
     print(llamacpp.header())
     tree = source(args.version)
@@ -127,10 +129,13 @@ def main(argv=None) -> None:
     for name, spec in plans.items():
         if args.only and name != args.only:
             continue
-        bins = build(tree, name, spec, args.jobs)
+        targets = args.targets.split(",")
+        if "llama-bench" not in targets:
+            p.error("--targets must include llama-bench (the smoke test and the AMX probe run it)")
+        bins = build(tree, name, spec, args.jobs, targets)
         meta = {"name": name, "source": str(tree), "version": tree.parent.parent.name, "cmake": spec["cmake"],
                 "ub1": spec["ub1"], "note": spec["note"], "cpu": llamacpp.cpu_model()}
-        install(bins, args.prefix / name, meta)
+        install(bins, args.prefix / name, meta, targets)
         smoke(args.prefix / name / "bin")
         if not spec["ub1"] and batch_dies(args.prefix / name / "bin"):
             meta.update(ub1=True, note=spec["note"] + "; a 32-token batch dies, one token at a time runs: -ub 1")
