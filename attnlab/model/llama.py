@@ -138,7 +138,8 @@ class Pass:
 
     rows: a step of B conversations, one token each over its own cache (`LM.step`'s eager rows): the linear layers run
     on the B rows together (one read of each weight), and RoPE, the cache and attention run per row under that
-    row's own pass (its rot, step, kvs, observers, quest); rot, step and kvs of the batch's pass are then unused.
+    row's own pass (its rot, step, kvs, observers, quest), in order, so consecutive rows of one cache (a
+    verification row's tokens) each see the previous one's write; rot, step and kvs of the batch's pass are unused.
 
     prompt: the chunk is a prompt's (`Row.prompt`): attended as a chunk is even when it is one token (the causal
     kernel, exact under Quest), so a prompt's bits do not depend on where its chunks end.
