@@ -43,6 +43,21 @@ def run_once(lm, ids, new, spec):
     return out, time.perf_counter() - start, stats
 
 
+def row_costs(lm, ids, lengths=(1, 2, 3, 5, 9), reps=15) -> dict:
+    """Median seconds of one verification step (`Row.verify`, T tokens) after the prompt ids, per T, interleaved."""
+    from attnlab.batch import Batch
+    cache = lm.new_cache(capacity=len(ids) + 64)
+    lm.prefill(torch.tensor([ids]), cache)
+    seen, times = cache.seen, {t: [] for t in lengths}
+    for _ in range(reps):
+        for t in lengths:
+            start = time.perf_counter()
+            lm.step(Batch.one([[5] * t], cache, "all", verify=True))
+            times[t].append(time.perf_counter() - start)
+            cache.truncate(seen)
+    return {t: round(statistics.median(ts), 5) for t, ts in times.items()}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m")
@@ -51,6 +66,7 @@ def main(argv=None) -> int:
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--row-cost", action="store_true", help="only time verification rows of 1-9 tokens")
     p.add_argument("--out", default="runs/speculative/bench.json")
     args = p.parse_args(argv)
     import attnlab
@@ -62,6 +78,13 @@ def main(argv=None) -> int:
     print(f"threads {args.threads}; CPU {isa.describe()}; model {args.model} dtype {args.dtype or 'file'}; "
           f"native step {'on' if lm.compiled is not None else 'off'}")
     rows = []
+    if args.row_cost:
+        ids = workloads(lm)["quote"]
+        costs = row_costs(lm, ids)
+        print(f"verification step after {len(ids)} prompt tokens, median s by row length: {costs}")
+        write_json(args.out, {**finish_record(record), "threads": args.threads, "cpu": isa.describe(),
+                              "model": args.model, "dtype": args.dtype, "prompt_tokens": len(ids), "row_seconds": costs})
+        return 0
     for name, ids in workloads(lm).items():
         times = {s: [] for s in [None, *args.specs]}
         last = {}
