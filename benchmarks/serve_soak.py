@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import http.client
+import io
 import json
 import multiprocessing
 import random
@@ -32,7 +33,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from serve import QUESTIONS, free_port, passages, rss_mib, start_server  # noqa: E402
+from serve import QUESTIONS, free_port, passages, rss_mib, start_server, wait_ready  # noqa: E402
 from serve_load import pct  # noqa: E402
 
 from attnlab.io import finish_record, run_record, write_json, write_text  # noqa: E402
@@ -160,6 +161,19 @@ async def run(url: str, pid: int, args, base_mib: float) -> dict:
             "tokens": tally.tokens, "samples": samples}
 
 
+class Attached:
+    """A server started earlier, as `serve.wait_ready` polls one."""
+
+    def __init__(self, pid: int):
+        self.pid, self.stderr = pid, io.StringIO("(its stderr went to the script that started it)")
+
+    def poll(self):
+        return None if Path(f"/proc/{self.pid}").exists() else 1
+
+    def kill(self):
+        pass
+
+
 def changed_files() -> list[str]:
     """The tracked files that differ from the commit when the run starts (the tree is shared: say which)."""
     out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
@@ -181,6 +195,9 @@ def main(argv=None) -> int:
     p.add_argument("--serve-args", default="", help="more `attnlab serve` options")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write OUT.json and OUT.md")
+    p.add_argument("--attach", default=None, metavar="PORT,HEALTH_PORT,PID",
+                   help="soak a server this script started before (same options; left running): a busy machine may "
+                        "take many minutes to start one")
     args = p.parse_args(argv)
     made = run_record(None, args.seed, "python " + " ".join(sys.argv))
     made["dirty_files"] = changed_files()
@@ -189,20 +206,27 @@ def main(argv=None) -> int:
            "--max-cache-mib", str(args.max_cache_mib), "--max-sessions", "24", "--name", "m", "--admin-key", ADMIN,
            "--max-prompt-tokens", "4096", *(f"--api-key={k}" for k in KEYS),
            *(["--attention", args.attention] if args.attention else []), *args.serve_args.split()]
-    server, url = start_server(cmd, port, 900)
     log: deque[str] = deque(maxlen=40)  # its stderr, read all along: a full pipe would block the server's logging
-    threading.Thread(target=log.extend, args=(server.stderr,), daemon=True).start()
+    if args.attach:
+        port, side, pid = map(int, args.attach.split(","))
+        server, url = None, wait_ready(Attached(pid), f"http://127.0.0.1:{port}", 3600)
+        made["attached"] = {"serve_args": cmd[:2] + cmd[4:]}  # the health port and --port are the attached server's
+    else:
+        server, url = start_server(cmd, port, 900)
+        pid = server.pid
+        threading.Thread(target=log.extend, args=(server.stderr,), daemon=True).start()
     try:
-        base = rss_mib(server.pid)
+        base = rss_mib(pid)
         there, here = multiprocessing.Pipe(duplex=False)
         prober = multiprocessing.Process(target=probe_health, args=([port, side], args.minutes * 60, 0.01, here))
         prober.start()
-        out = asyncio.run(run(url, server.pid, args, base))
+        out = asyncio.run(run(url, pid, args, base))
         (health, health_side), (health_bad, side_bad) = there.recv() if there.poll(60) else (([], []), (-1, -1))
         prober.join(10)
     finally:
-        server.terminate()
-        server.wait(30)
+        if server is not None:
+            server.terminate()
+            server.wait(30)
     worst = max(out["samples"], key=lambda s: s["over_mib"], default={"over_mib": None})
     row = {"minutes": args.minutes, "clients": args.clients, "requests": out["status"], "errors": out["errors"],
            "error_samples": out["error_samples"], "tokens": out["tokens"], "rss_start_mib": base,
