@@ -21,8 +21,8 @@ step's, so the budget sets both the decoding rows' worst inter-token latency (on
 prefill's efficiency. It replaced a chunk of about the decoding rows' own cost (2 tokens per row, at least 8)
 with exceptions for bursts and for prompts that would not be in before the others ended: 8 conversations of
 100-1,000-token prompts and 64 new tokens put the last prompt in 14 tokens a step for 46 steps, then decoded it
-alone for 64 more (measured through HTTP, issue 55; docs/serve.md), and a 4,000-token newcomer beside 4 streams
-took 256-token chunks anyway. A chunk longer than a bounded cache's policy chunk goes in that cache's parts inside
+alone for 64 more (measured through HTTP, issue 55; docs/serve.md). The price: a 4,000-token newcomer beside 4
+long-running streams makes their worst latency about 10x their own, not 3x (`benchmarks/serve_plan_model.py`). A chunk longer than a bounded cache's policy chunk goes in that cache's parts inside
 the engine's step, as `LM.prefill` feeds it.
 
 The scheduler is single-threaded and knows nothing of HTTP: `submit` a request (its Session, the prompt ids to
