@@ -143,7 +143,8 @@ async def run(url: str, pid: int, args, base_mib: float) -> dict:
     tally, samples, texts = Tally(), [], passages(100, 300)
 
     async def memory():
-        async with httpx.AsyncClient(base_url=url, timeout=30, headers={"authorization": f"Bearer {ADMIN}"}) as c:
+        # the count is read on the model thread between steps: on a starved machine that took over 30 s
+        async with httpx.AsyncClient(base_url=url, timeout=600, headers={"authorization": f"Bearer {ADMIN}"}) as c:
             while time.monotonic() < deadline:
                 counted = (await c.get("/v1/sessions")).json()["total_bytes"] / 2**20
                 rss, heap = rss_mib(pid), (await c.get("/health")).json().get("memory", {})
