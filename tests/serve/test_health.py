@@ -188,8 +188,10 @@ print(json.dumps(lat))
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="issue 61 item 4 open: in this in-process harness /health measured p50 47 / "
-                   "p99.9 59 ms (the server shares pytest's process; the CLI soak measures p99.9 14.6 ms)")
+@pytest.mark.xfail(strict=False, reason="issue 61 item 4, the main port: the event loop shares the GIL with the model "
+                   "thread (held ~30% of the time under load). TCP_NODELAY and the heap read off the loop are fixed; "
+                   "on the shared 2-core machine (load 12-27) the soak measured p50 17 / p99.9 146 ms here, and a bare "
+                   "asyncio process p99.9 28 ms. `--health-port` serves /health from a process of its own")
 def test_health_p999_under_20_ms_while_eight_streams_decode():
     """8 streams decode while /health is asked 1,000 times; the load and the probe run in another process,
     so that only the server's own threads share this one. The model is loaded as `attnlab serve` loads it
