@@ -95,7 +95,8 @@ def newcomer(costs, chunk, step_tokens) -> dict:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--costs", default="54,12.4,160,5.7", help="A,B,F,G ms: decode A + B x rows, prompt pass F + G x tokens")
+    p.add_argument("--costs", default="54,12.4,160,5.7",
+                   help="A,B,F,G ms: decode A + B x rows, prompt pass F + G x tokens")
     p.add_argument("--budgets", default="32,64,96,128,192,256")
     p.add_argument("--chunk", type=int, default=256)
     p.add_argument("--out", default=None)
@@ -105,7 +106,8 @@ def main(argv=None) -> None:
               "costs_ms": dict(zip("ABFG", costs)), "chunk": args.chunk, "rows": []}
     orders = {"ascending": LONG, "descending": LONG[::-1], "shuffled": random.Random(1).sample(LONG, 8)}
     print("| step_tokens | long prompts: of bound (asc / desc / shuffled) | ITL p99, decode steps | decode-heavy: of "
-          "bound | 4,000-token newcomer: 4 streams' worst latency / alone | its TTFT, decode steps |\n|---|---|---|---|---|---|")
+          "bound | 4,000-token newcomer: 4 streams' worst latency / alone | its TTFT, decode steps |")
+    print("|---|---|---|---|---|---|")
     for budget in [int(b) for b in args.budgets.split(",")]:
         long = {k: workload(costs, v, 64, args.chunk, budget) for k, v in orders.items()}
         short, fair = workload(costs, SHORT, 256, args.chunk, budget), newcomer(costs, args.chunk, budget)
