@@ -18,6 +18,7 @@ class ChatSession:
     def __init__(self, lm, sampler: Sampler, max_new_tokens: int = 256, cache_factory=None):
         self.lm, self.sampler, self.max_new_tokens = lm, sampler, max_new_tokens
         self.new_cache = cache_factory or lm.new_cache
+        self.stats = None  # a SpecStats the next replies fill (speculative decoding, the LM's options)
         self.reset()
 
     def reset(self) -> None:
@@ -39,6 +40,7 @@ class ChatSession:
         if not self.session.matches(text):  # the template re-rendered history differently: start afresh
             self.session = Session(self.lm, self.new_cache())
         self.session.extend(text)
+        self.session.stats = self.stats
         reply = []
         for token in self.session.generate(self.sampler, self.max_new_tokens):
             reply.append(token)

@@ -29,6 +29,7 @@ class Session:
         self.text = ""                            # rendered text held by the cache (chat use)
         self.fed = 0                              # tokens fed so far
         self.ids: list[int] = []                  # those tokens, in order (what a continuation must start with)
+        self.drafter, self.stats = None, None     # speculative decoding (the LM's options): its drafter, a SpecStats
 
     @torch.inference_mode()
     def feed(self, ids) -> None:
@@ -85,14 +86,23 @@ class Session:
             raise AttnlabError("nothing to continue from: empty prompt")
         eos = self.lm.eos_ids if stop_at_eos else set()
         reply: list[int] = []
+        logits = self.logits[None] if max_new_tokens else None
+        spec = self.lm.options.speculative
+        if spec is not None:  # the same tokens, drafted and verified (`attnlab.speculative`); the drafter is kept
+            from attnlab.speculative import decode, make_drafter
+            self.drafter = self.drafter or make_drafter(self.lm, spec)
+            tokens = decode(self.lm, self.cache, self.ids, logits, sampler, max_new_tokens, eos, spec, self.drafter,
+                            self.stats)
+        else:
+            tokens = (int(t[0]) for t in self.lm.decode(self.cache, logits, sampler, max_new_tokens, eos))
         try:
-            for token in self.lm.decode(self.cache, self.logits[None] if max_new_tokens else None, sampler,
-                                        max_new_tokens, eos):
+            for token in tokens:
                 if reply:
                     self.took(reply[-1:], None)  # every reply token but this one is in the cache
-                reply.append(int(token[0]))
+                reply.append(token)
                 yield reply[-1]
         finally:
+            tokens.close()  # a speculative decode cuts its cache back to the reply's tokens before the last
             self.end_reply(reply)
 
     def end_reply(self, reply: list[int]) -> None:

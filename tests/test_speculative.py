@@ -155,6 +155,31 @@ def test_a_verification_row_computes_each_token_bit_for_bit_as_a_decode_step(fil
     assert not torch.equal(chunk, rows)
 
 
+def test_chat_replies_are_plain_replies_turn_after_turn(file_lm):
+    """ChatSession (`attnlab chat --speculative`): each turn's reply is plain decoding's, the drafter kept across
+    turns, and the session's cache holds exactly what plain decoding's does between turns."""
+    from attnlab.chat import ChatSession
+    spec_lm = copy.copy(file_lm)
+    spec_lm.options = file_lm.options.but(speculative="ngram")
+    runs = []
+    for lm in (file_lm, spec_lm):
+        chat = ChatSession(lm, Sampler(0), 24)
+        chat.stats = SpecStats()
+        runs.append(([list(chat.ask(q)) for q in ("Repeat: one two three four.", "Again, twice.")], chat.session.ids))
+    assert runs[0] == runs[1] and chat.stats.steps > 0
+
+
+def test_a_reply_closed_early_keeps_only_what_was_yielded_but_the_last(file_lm):
+    ids = file_lm.encode(PROMPTS[1])
+    cache = file_lm.new_cache()
+    logits = file_lm.prefill(torch.tensor([ids]), cache)
+    gen = decode(file_lm, cache, ids, logits, Sampler(0), 32, (), SpeculativeSpec.parse("ngram:3:4"))
+    got = [next(gen) for _ in range(6)]
+    gen.close()
+    assert cache.seen == len(ids) + 5
+    assert list(file_lm.stream(ids, file_lm.new_cache(), Sampler(0), 6, stop_at_eos=False)) == got
+
+
 def test_stream_and_generate_take_the_option(smollm2):
     ids = smollm2.encode(PROMPTS[1])
     plain = smollm2.generate(PROMPTS[1], max_new_tokens=16)

@@ -126,6 +126,14 @@ def _add_policy(p):
     add_policy_args(p, budget_default="1024")
 
 
+def _add_speculative(p):
+    p.add_argument("--speculative", default=None, metavar="SPEC",
+                   help="decode speculatively, the same tokens faster: ngram[:N[:K]], self:sink:W[:K], "
+                        "self:quest:BUDGET[:K], draft:PATH[:K]; K: 4 fixed, a8 adaptive (docs/speculative.md)")
+    p.add_argument("--stats", action="store_true", help="print tokens/s (and drafted, accepted, tokens per "
+                   "verification step) to stderr")
+
+
 def cmd_generate(args) -> int:
     if not args.prompt:
         raise UserError("empty prompt: pass --prompt TEXT")
@@ -144,11 +152,15 @@ def cmd_generate(args) -> int:
         stream.push(token)
         count += 1
     sys.stdout.write("\n")
-    if args.stats:  # stderr: stdout stays the text
-        took = time.perf_counter() - start
-        spec = f" speculative {opts.speculative}: {stats.as_dict()}" if opts.speculative else ""
-        print(f"{count} tokens in {took:.2f} s ({count / took:.1f} tokens/s, prefill included);{spec}", file=sys.stderr)
+    if args.stats:
+        _print_stats(count, time.perf_counter() - start, opts, stats)
     return 0
+
+
+def _print_stats(count: int, took: float, opts, stats) -> None:
+    """--stats: tokens/s and speculative decoding's counts, on stderr (stdout stays the text)."""
+    spec = f" speculative {opts.speculative}: {stats.as_dict()}" if opts.speculative else ""
+    print(f"{count} tokens in {took:.2f} s ({count / took:.1f} tokens/s, prefill included);{spec}", file=sys.stderr)
 
 
 def cmd_chat(args) -> int:
@@ -160,6 +172,7 @@ def cmd_chat(args) -> int:
         raise UserError("chat needs a budget in tokens (e.g. --budget 1024), not a fraction")
     lm = load_lm(args, options=opts)
     session = ChatSession(lm, sampler, args.max_new_tokens, cache_factory=lambda: lm.new_cache(policy=opts.new_policy()))
+    from attnlab.speculative import SpecStats
     interactive = sys.stdin.isatty()
     print("attnlab chat: empty line or Ctrl-D to quit, /reset to start over", file=sys.stderr)
     while True:
@@ -179,9 +192,13 @@ def cmd_chat(args) -> int:
             continue
         sys.stdout.write("bot> ")
         stream = TextStream(lm.tokenizer, sys.stdout)
+        session.stats, count, start = SpecStats(), 0, time.perf_counter()
         for token in session.ask(user):
             stream.push(token)
+            count += 1
         sys.stdout.write("\n")
+        if args.stats:
+            _print_stats(count, time.perf_counter() - start, opts, session.stats)
     return 0
 
 
@@ -255,11 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(p)
     _add_policy(p)
     add_sparsity_arg(p)
-    p.add_argument("--speculative", default=None, metavar="SPEC",
-                   help="decode speculatively, the same tokens faster: ngram[:N[:K]], self:sink:W[:K], "
-                        "self:quest:BUDGET[:K], draft:PATH[:K] (docs/speculative.md)")
-    p.add_argument("--stats", action="store_true", help="print tokens/s (and drafted, accepted, tokens per "
-                   "verification step) to stderr")
+    _add_speculative(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("chat", help="interactive multi-turn chat keeping the KV cache between turns")
@@ -267,6 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(p)
     _add_policy(p)
     add_sparsity_arg(p)
+    _add_speculative(p)
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("ppl", help="perplexity on a text")
