@@ -42,12 +42,13 @@ def peer(args) -> None:
         stamps.clear()
         res = nanogcg.run(model, tok, messages, pair["target"], cfg)
         seconds = time.perf_counter() - start
-        stamps.append(time.perf_counter())
+        stamps.append((time.perf_counter(), time.process_time()))
         ok = [_succeeds(model, tok, pair, s) for s in res.strings]
         rows.append({"pair": pair["pair"], "losses": res.losses, "success_by_step": ok,
                      "success": _succeeds(model, tok, pair, res.best_string, 8), "suffix": res.best_string,
                      "loss": res.best_loss, "seconds_per_step": seconds / args.steps,
-                     "step_seconds": [b - a for a, b in zip(stamps, stamps[1:])]})
+                     "step_seconds": [b[0] - a[0] for a, b in zip(stamps, stamps[1:])],
+                     "step_cpu_seconds": [b[1] - a[1] for a, b in zip(stamps, stamps[1:])]})
         print(f"nanogcg pair {pair['pair']}: loss {res.best_loss:.3f}, {seconds / args.steps:.2f} s a step",
               file=sys.stderr)
     Path(args.out).write_text(json.dumps({**_record(), "seed": args.seed, "nanogcg": "0.3.0", "dtype": args.peer_dtype,
@@ -56,11 +57,11 @@ def peer(args) -> None:
 
 
 def _stamp_steps(nanogcg) -> list[float]:
-    """The clock at each step's start (its gradient call): a step's seconds without the run's setup."""
+    """(wall, CPU) clocks at each step's start (its gradient call): a step's seconds without the run's setup."""
     stamps, gradient = [], nanogcg.gcg.GCG.compute_token_gradient
 
     def stamped(self, *a, **kw):
-        stamps.append(time.perf_counter())
+        stamps.append((time.perf_counter(), time.process_time()))
         return gradient(self, *a, **kw)
     nanogcg.gcg.GCG.compute_token_gradient = stamped
     return stamps
@@ -171,12 +172,16 @@ def timing(args, record: dict, out: Path, ours_run, peer_run) -> int:
         shutil.rmtree(folder, ignore_errors=True)  # a fresh run, not a resumed one
         for res in ours_run(folder / "ours"):
             state = json.loads((folder / "ours" / f"pair-{res['pair']:02d}.state.json").read_text())
-            ours += [h["seconds"] for h in state["history"]]
-        theirs += [x for res in peer_run(folder / "nanogcg.json")["results"] for x in res["step_seconds"]]
-        a, n = statistics.median(ours), statistics.median(theirs)
-        print(f"round {r + 1}: median s a step, attnlab {a:.2f}, nanogcg {n:.2f}: {n / a:.2f}x", flush=True)
-    summary = {"attnlab_median_s": a, "nanogcg_median_s": n, "speedup": n / a,
-               "attnlab_step_seconds": ours, "nanogcg_step_seconds": theirs}
+            ours += [(h["seconds"], h.get("cpu_seconds")) for h in state["history"]]
+        peer = peer_run(folder / "nanogcg.json")["results"]
+        theirs += [x for res in peer for x in zip(res["step_seconds"], res.get("step_cpu_seconds", []))]
+        a, n = (statistics.median(x[0] for x in ours), statistics.median(x[0] for x in theirs))
+        ac, nc = (statistics.median(x[1] for x in ours), statistics.median(x[1] for x in theirs))
+        print(f"round {r + 1}: median s a step, attnlab {a:.2f}, nanogcg {n:.2f}: {n / a:.2f}x; CPU s a step "
+              f"{ac:.2f}, {nc:.2f}: {nc / ac:.2f}x", flush=True)
+    summary = {"attnlab_median_s": a, "nanogcg_median_s": n, "speedup": n / a, "attnlab_median_cpu_s": ac,
+               "nanogcg_median_cpu_s": nc, "cpu_speedup": nc / ac,
+               "attnlab_step_seconds": ours, "nanogcg_step_seconds": theirs}  # (wall, CPU) per step
     from attnlab.io import write_json
     write_json(out / "timing.json", {**record, "seed": args.seed, "budget": vars(args), **summary})
     return 0
