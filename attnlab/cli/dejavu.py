@@ -189,11 +189,14 @@ def cmd_eval(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from attnlab.io import progress, write_json
+    import sys
+
+    from attnlab.io import finish_record, progress, run_record, write_json
     from attnlab.sparsity.plan import make_plan, methods as all_methods
     from attnlab.sparsity.speed import decode_speed
 
     out = Path(args.out)
+    record = run_record(sys.argv[1:], None)  # the command, commit and dirty flag (seed: none, nothing is sampled)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods if m not in all_methods()]
     if bad:
@@ -219,7 +222,7 @@ def cmd_bench(args) -> int:
             "threads": torch.get_num_threads(), "depth": args.depth, "steps": args.steps, "repeats": args.repeats,
             "clock": args.clock, "load_average": os.getloadavg()[0]}
     name = f"bench-{meta['quant'].replace(':', '_')}{args.tag}.json"
-    write_json(out / name, {**meta, "rows": rows})
+    write_json(out / name, {**finish_record(record), **meta, "rows": rows})
     print(f"decode tok/s, batch 1, {meta['threads']} thread(s), {meta['quant']}, depth {args.depth}, "
           f"median of {args.repeats} interleaved runs of {args.steps} tokens ({args.clock} clock, "
           f"load average {meta['load_average']:.1f})")
