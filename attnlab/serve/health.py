@@ -10,7 +10,7 @@ of its own.
 It knows the server is alive from a heartbeat: the server's event loop writes the monotonic clock (one clock
 for every process on Linux) into a shared 8-byte file every `BEAT` seconds; the side answers 200 while the
 beat is younger than `stale` seconds, else 503 (the event loop is stuck), and exits when the server does.
-Run by path, it imports nothing of attnlab (no torch): it starts in about 50 ms. It answers `GET /health`
+Run by path, it imports nothing of attnlab (no torch), so it is up before the model has loaded. It answers `GET /health`
 (200/503) and nothing else (404); a connection is closed after `IDLE` s without a complete request, and past
 `MAX_CONNECTIONS` open ones.
 """
