@@ -14,16 +14,17 @@ the slots that free, oldest first, so none starves (every request ends within it
 `key` (the caller's identity): while several keys wait, slots go to them in turn (round robin over keys, each
 key's oldest first), and `schedule(caps=...)` holds a key at its cap of slots.
 
-Beside decoding conversations a step takes at most `step_tokens` prompt tokens (128 by default; `chunk` while
-nobody decodes): a vLLM-style token budget. On a CPU a step's cost grows with its rows (the kernels are
-compute-bound there) and a prompt's chunk is an eager pass of its own whose fixed cost is about a batched decode
-step's, so the budget sets both the decoding rows' worst inter-token latency (one chunk of `step_tokens`) and the
-prefill's efficiency. It replaced a chunk of about the decoding rows' own cost (2 tokens per row, at least 8)
-with exceptions for bursts and for prompts that would not be in before the others ended: 8 conversations of
-100-1,000-token prompts and 64 new tokens put the last prompt in 14 tokens a step for 46 steps, then decoded it
-alone for 64 more (measured through HTTP, issue 55; docs/serve.md). The price: a 4,000-token newcomer beside 4
-long-running streams makes their worst latency about 10x their own, not 3x (`benchmarks/serve_plan_model.py`). A chunk longer than a bounded cache's policy chunk goes in that cache's parts inside
-the engine's step, as `LM.prefill` feeds it.
+While decoding conversations outnumber the newcomers, a newcomer's chunk is also held to about two tokens
+per decoding conversation (at least 8): on a CPU a step's cost grows with its rows (the kernels are compute-bound
+there, not memory-bound), so a 256-token chunk beside 4 decoding rows made their next token wait for the whole
+chunk (p99 inter-token latency 17x their own, measured through HTTP), while a chunk of about their rows' cost
+keeps it near 2-3x. A newcomer alone, or a burst of newcomers at least as many as the decoding rows, is
+prefilled `chunk` tokens at a time (16 arrivals at once otherwise went in 8 tokens a step behind the first
+ones: measured, time to first token 98 s against 5 s). So is a newcomer's prompt that would not be in, at that rate,
+before every decoding row has ended (their replies' max_tokens): beside rows about to end, small chunks only
+left the newcomers to decode alone afterwards (8 conversations of 100-1,000-token prompts and 64 new tokens:
+measured 0.64 of the engine's bound). A chunk longer than a bounded cache's policy chunk
+goes in that cache's parts inside the engine's step, as `LM.prefill` feeds it.
 
 The scheduler is single-threaded and knows nothing of HTTP: `submit` a request (its Session, the prompt ids to
 feed after what the session's cache holds, its own Sampler, max_tokens, stop ids and stop strings, its key),
@@ -97,14 +98,12 @@ class Plan:
 
 
 class Scheduler:
-    STEP_TOKENS = 128  # prompt tokens a step takes beside decoding rows (the token budget)
+    BUSY_PER_ROW, BUSY_FLOOR = 2, 8  # a newcomer's chunk beside decoding rows: tokens per row, at least
 
-    def __init__(self, lm, max_batch: int = 8, chunk: int = 256, step_tokens: int | None = None):
-        step_tokens = self.STEP_TOKENS if step_tokens is None else step_tokens
-        if max_batch < 1 or chunk < 1 or step_tokens < 1:
-            raise AttnlabError(f"max_batch, chunk and step_tokens must be >= 1, got {max_batch}, {chunk} and "
-                               f"{step_tokens}")
-        self.lm, self.max_batch, self.chunk, self.step_tokens = lm, max_batch, chunk, step_tokens
+    def __init__(self, lm, max_batch: int = 8, chunk: int = 256):
+        if max_batch < 1 or chunk < 1:
+            raise AttnlabError(f"max_batch and chunk must be >= 1, got {max_batch} and {chunk}")
+        self.lm, self.max_batch, self.chunk = lm, max_batch, chunk
         self.requests: dict[int, Request] = {}   # every live request
         self.queued: deque[Request] = deque()      # no slot yet, arrival order
         self.prefilling: deque[Request] = deque()  # a slot, prompt not all in (round robin)
@@ -184,9 +183,15 @@ class Scheduler:
                 self.turns.append(key)  # its next turn comes after every other waiting key's
 
     def chunk_now(self) -> int:
-        """This step's prompt tokens: `chunk` while nobody decodes, else the token budget (`step_tokens`, at most
-        `chunk`), so the decoding rows' next token waits for one bounded chunk at most."""
-        return min(self.chunk, self.step_tokens) if self.decoding else self.chunk
+        """This step's prefill chunk: `chunk` while the newcomers are as many as the decoding rows (a burst of
+        arrivals: their prompts first) or their prompts would not be in before every decoding row has ended, else
+        about the decoding rows' own cost (their next token first)."""
+        if len(self.prefilling) + len(self.queued) >= len(self.decoding):
+            return self.chunk
+        busy = min(self.chunk, max(self.BUSY_FLOOR, self.BUSY_PER_ROW * len(self.decoding)))
+        rest = sum(len(r.prompt) - r.fed for r in self.prefilling)
+        left = max(r.stop.max_tokens - len(r.reply) for r in self.decoding)
+        return self.chunk if rest > busy * left else busy  # all of them ending before the prompts are in: batch
 
     def drop(self, r: Request) -> None:
         """A request leaves: its slot frees (a decoding one's reply ends in its session)."""

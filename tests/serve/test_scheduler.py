@@ -152,25 +152,23 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_4_others_advance_one_token_a
     assert first.kind == "token"
 
 
-@pytest.mark.parametrize("decoding,step_tokens,expected", [(0, 16, 64), (1, 16, 16), (8, 16, 16), (4, 100, 64)])
-def test_beside_decoding_rows_a_step_takes_at_most_its_token_budget(decoding, step_tokens, expected):
-    """Alone a prompt goes in `chunk` tokens a step; beside decoding rows at most `step_tokens` (never more than
-    `chunk`), however many newcomers wait, so the others' next token waits for one bounded chunk."""
+@pytest.mark.parametrize("decoding,expected", [(0, 64), (4, 8), (6, 12), (8, 16)])
+def test_a_newcomers_chunk_beside_decoding_rows_costs_about_what_they_cost(decoding, expected):
+    """Alone a prompt goes in `chunk` tokens a step; beside B decoding rows, 2 tokens per row (at least 8), so
+    the others' next token does not wait for a long chunk."""
     lm = _lm()
-    sched = Scheduler(lm, max_batch=16, chunk=64, step_tokens=step_tokens)
+    sched = Scheduler(lm, max_batch=16, chunk=64)
     for i, p in enumerate(_prompts(decoding)):
         sched.submit(_session(lm, i), p, Sampler(0.0), 500, ())
     while len(sched.decoding) < decoding:
         sched.step()
-    for i in range(max(1, decoding)):  # one newcomer, or a burst of as many as the decoding rows
-        sched.submit(_session(lm, i), _prompts(1, [300], seed=5 + i)[0], Sampler(0.0), 5, ())
-        sched.step()
-        assert sched.last.prefill_tokens == expected and len(sched.last.decode) == decoding
-
-
-def test_the_token_budget_is_checked():
-    with pytest.raises(AttnlabError, match="step_tokens"):
-        Scheduler(_lm(), step_tokens=0)
+    sched.submit(_session(lm, 0), _prompts(1, [300], seed=5)[0], Sampler(0.0), 5, ())
+    sched.step()
+    assert sched.last.prefill_tokens == expected
+    for i in range(decoding):  # a burst: as many newcomers as decoding rows go in whole chunks
+        sched.submit(_session(lm, i), _prompts(1, [300], seed=6 + i)[0], Sampler(0.0), 5, ())
+    sched.step()
+    assert sched.last.prefill_tokens == 64
 
 
 def test_max_batch_holds_and_the_oldest_waiting_request_goes_first():
