@@ -56,9 +56,22 @@ class CostLM:
         return [torch.zeros(1, 1, 2) for _ in batch.rows]
 
 
+class Budget(Scheduler):
+    """The scheduler with a token budget beside decoding rows (step_tokens; 0: the scheduler's own rule)."""
+
+    def __init__(self, lm, chunk: int, step_tokens: int):
+        super().__init__(lm, max_batch=8, chunk=chunk)
+        self.step_tokens = step_tokens
+
+    def chunk_now(self) -> int:
+        if not self.step_tokens:
+            return super().chunk_now()
+        return min(self.chunk, self.step_tokens) if self.decoding else self.chunk
+
+
 def workload(costs, lens, max_tokens, chunk, step_tokens) -> dict:
     lm = CostLM(*costs)
-    s = Scheduler(lm, max_batch=8, chunk=chunk, step_tokens=step_tokens)
+    s = Budget(lm, chunk, step_tokens)
     todo, last, gaps = list(lens), {}, []
     while todo or not s.idle:
         if todo:
@@ -75,7 +88,7 @@ def workload(costs, lens, max_tokens, chunk, step_tokens) -> dict:
 
 def newcomer(costs, chunk, step_tokens) -> dict:
     lm = CostLM(*costs)
-    s = Scheduler(lm, max_batch=8, chunk=chunk, step_tokens=step_tokens)
+    s = Budget(lm, chunk, step_tokens)
     for _ in range(4):
         s.submit(Stub(), [1] * 70, Sampler(0.0), 10_000)
     while len(s.decoding) < 4:
@@ -97,7 +110,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--costs", default="54,12.4,160,5.7",
                    help="A,B,F,G ms: decode A + B x rows, prompt pass F + G x tokens")
-    p.add_argument("--budgets", default="32,64,96,128,192,256")
+    p.add_argument("--budgets", default="0,32,64,96,128,192,256", help="0: the scheduler's own rule")
     p.add_argument("--chunk", type=int, default=256)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
