@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from attnlab.errors import AttnlabError
 from attnlab.io import write_json
 from attnlab.model.llama import Pass
-from attnlab.robust.scoring import FloatScorer
+from attnlab.robust.scoring import FloatScorer, run_layers, shared
 from attnlab.sampling import Sampler
 
 TOKEN_SETS = ("all", "punct", "fluent")
@@ -116,20 +116,32 @@ def forward_embeds(model, x: torch.Tensor) -> torch.Tensor:
     return _head(model, hidden_states(model, x))
 
 
-def token_gradient(model, case: Case, suffix: torch.Tensor) -> tuple[torch.Tensor, float, torch.Tensor]:
+def gradient_prefix(model, case: Case) -> tuple[list, torch.Tensor]:
+    """The prompt's prefix through `model` once per attack (keys/values, last block's output): the gradient pass then
+    runs only the suffix and what follows it, as nanogcg's prefix cache does."""
+    with torch.no_grad():
+        return shared(model, case.before, 0)
+
+
+def token_gradient(model, case: Case, suffix: torch.Tensor, prefix=None) -> tuple[torch.Tensor, float, torch.Tensor]:
     """The target loss's gradient w.r.t. the one-hot suffix [L, vocab], the loss, and the model's next-token
-    logits at each suffix position [L, vocab] (what the fluent variant ranks by)."""
+    logits at each suffix position [L, vocab] (what the fluent variant ranks by). prefix: `gradient_prefix`'s
+    (None: the whole prompt is run)."""
     W = model.embed.weight
     onehot = F.one_hot(suffix, W.shape[0]).to(W.dtype).requires_grad_(True)
+    n, L, nt = len(case.before), len(suffix), len(case.target)
     with torch.enable_grad():
         rest = torch.tensor(case.after + case.target)
-        x = torch.cat([W[torch.tensor(case.before)], onehot @ W, W[rest]])[None]
-        h = hidden_states(model, x)[0]
-        n, L, nt = len(case.before), len(suffix), len(case.target)
+        if prefix is None:
+            h = hidden_states(model, torch.cat([W[torch.tensor(case.before)], onehot @ W, W[rest]])[None])[0]
+            before = h[n - 1:n]
+        else:
+            h = run_layers(model, torch.cat([onehot @ W, W[rest]])[None], n, prefix[0])[0]
+            before = prefix[1][-1:]
         loss = F.cross_entropy(_head(model, h[-nt - 1:-1]), torch.tensor(case.target))  # the head: read rows only
         loss.backward()
     with torch.no_grad():
-        nxt = _head(model, h[n - 1:n + L - 1].detach())
+        nxt = _head(model, torch.cat([before, h[-nt - len(case.after) - L:-nt - len(case.after) - 1]]).detach())
     return onehot.grad.detach(), loss.item(), nxt
 
 
@@ -202,6 +214,7 @@ class GCG:
         self.scorer = Scorer(engine, case, cfg.chunk) if scorer_model is None else \
             FloatScorer(scorer_model, case, cfg.chunk)
         self.gen = torch.Generator().manual_seed(cfg.seed)
+        self.grad_prefix = gradient_prefix(grad_model, case)
         settings = {k: v for k, v in asdict(cfg).items() if k not in ("steps", "check")}  # a rerun may ask more
         self.ident = {"config": settings, "before": case.before, "after": case.after, "target": case.target,
                       "init": init, **(ident or {})}
@@ -238,8 +251,8 @@ class GCG:
         return self.tokenizer.encode(text, add_special_tokens=False) == ids.tolist()
 
     def step(self) -> dict:
-        start = time.perf_counter()
-        grad, _, next_logits = token_gradient(self.grad_model, self.case, self.suffix)
+        start, cpu = time.perf_counter(), time.process_time()
+        grad, _, next_logits = token_gradient(self.grad_model, self.case, self.suffix, self.grad_prefix)
         grad = grad / grad.norm(dim=-1, keepdim=True).clamp_min(1e-12)
         cands = self.candidates(grad, next_logits)
         if not len(cands):
@@ -249,13 +262,13 @@ class GCG:
         i = int(losses.argmin())
         self.suffix = cands[i].clone()
         loss = float(losses[i])
-        seconds = time.perf_counter() - start
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu  # CPU: steadier on a loaded machine
         if loss < self.best[0]:
             self.best = (loss, self.suffix.tolist())
         ok = succeeded(greedy_reply(self.engine, self.case, self.suffix), self.case.target_text) if self.cfg.check \
             else None
         row = {"step": len(self.history) + 1, "loss": loss, "success": ok,
-               "seconds": seconds, "candidates": len(cands), "suffix": self.suffix.tolist()}
+               "seconds": seconds, "cpu_seconds": cpu, "candidates": len(cands), "suffix": self.suffix.tolist()}
         self.history.append(row)
         return row
 

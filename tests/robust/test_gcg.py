@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from attnlab.errors import AttnlabError
-from attnlab.robust.gcg import (GCG, GCGConfig, Scorer, allowed_tokens, forward_embeds, initial_suffix, make_case,
-                                token_gradient)
+from attnlab.robust.gcg import (GCG, GCGConfig, Scorer, allowed_tokens, forward_embeds, gradient_prefix,
+                                initial_suffix, make_case, token_gradient)
 from attnlab.robust.scoring import FloatScorer
 
 
@@ -41,6 +41,17 @@ def test_gradient_matches_finite_differences(setup):
         fd = (_relaxed_loss(lm.model, case, base + eps * d) - _relaxed_loss(lm.model, case, base - eps * d)) / (2 * eps)
         analytic = float(grad[pos, tok] - grad[pos, suffix[pos]])
         assert abs(fd - analytic) <= 0.02 * abs(analytic) + 1e-3, (pos, tok, fd, analytic)
+
+
+def test_the_gradient_behind_the_prefix_is_the_whole_prompts(setup):
+    lm, case, _ = setup
+    suffix = torch.tensor(initial_suffix(lm.tokenizer, 5))
+    suffix[2] = 1000
+    g0, l0, n0 = token_gradient(lm.model, case, suffix)
+    g1, l1, n1 = token_gradient(lm.model, case, suffix, gradient_prefix(lm.model, case))
+    assert abs(l0 - l1) < 1e-5 and torch.allclose(g0, g1, atol=1e-5) and torch.allclose(n0, n1, atol=1e-4)
+    full = forward_embeds(lm.model, lm.model.embed(torch.tensor([case.before + suffix.tolist()])))[0]
+    assert torch.allclose(n0, full[len(case.before) - 1:-1], atol=1e-4)  # the logits that predict each suffix token
 
 
 def test_scorer_matches_the_full_pass(setup):
