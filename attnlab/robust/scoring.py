@@ -40,12 +40,14 @@ def run_layers(model, x: torch.Tensor, start: int, kvs: list[SharedKV]) -> torch
     return x
 
 
-def shared(model, ids: list[int] | torch.Tensor, start: int, before: list[SharedKV] | None = None) -> list[SharedKV]:
-    """The keys/values of ids (one row) at positions start.., attending over `before` (or nothing)."""
+def shared(model, ids: list[int] | torch.Tensor, start: int, before: list[SharedKV] | None = None
+           ) -> tuple[list[SharedKV], torch.Tensor]:
+    """The keys/values of ids (one row) at positions start.., attending over `before` (or nothing), and the last
+    block's output at ids' positions [T, dim]."""
     own = [SharedKV() for _ in model.layers]
     kvs = [SharedKV(b.k, b.v, o) for b, o in zip(before, own)] if before else [SharedKV(into=o) for o in own]
-    run_layers(model, model.embed(torch.as_tensor(ids)[None]), start, kvs)
-    return own
+    h = run_layers(model, model.embed(torch.as_tensor(ids)[None]), start, kvs)[0]
+    return own, h
 
 
 class FloatScorer:
@@ -57,7 +59,7 @@ class FloatScorer:
         self.model, self.case, self.chunk, self.share = model, case, chunk, share_suffix
         self.dtype = model.embed.weight.dtype
         with torch.inference_mode():
-            self.prefix = shared(model, case.before, 0)
+            self.prefix = shared(model, case.before, 0)[0]
         self.current = None
         self.tail = torch.tensor(case.after + case.target)
         self.target = torch.tensor(case.target)
@@ -65,7 +67,7 @@ class FloatScorer:
     @torch.inference_mode()
     def set_current(self, suffix: torch.Tensor) -> None:
         """The suffix the candidates are swaps of: its keys/values after the prefix, one pass of L rows."""
-        self.current = (suffix.clone(), shared(self.model, suffix, len(self.case.before), self.prefix))
+        self.current = (suffix.clone(), shared(self.model, suffix, len(self.case.before), self.prefix)[0])
 
     @torch.inference_mode()
     def losses(self, suffixes: torch.Tensor) -> torch.Tensor:
