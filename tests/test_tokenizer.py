@@ -73,3 +73,22 @@ def test_gguf_load_imports_no_transformers():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
     assert out[0] == "[]", out
     assert out[1] == "GGUFTokenizer False", out
+
+
+def test_byte_level_gguf_needs_no_cache(tmp_path):
+    """A fresh process with an empty cache folder: the embedded GGUF's tokenizer is built from its header (no
+    first-use conversion, nothing written) and gives the ids of the converted one the fixtures compare."""
+    code = ("import os, sys\n"
+            "from attnlab.model.files import resolve\n"
+            "from attnlab.model.tokenizer import load_tokenizer\n"
+            "tok = load_tokenizer(resolve('smollm2-135m'))\n"
+            f"print(tok.folder, os.listdir({str(tmp_path)!r}), 'transformers' in sys.modules)\n"
+            "print(tok.encode('Hello, world! <|im_end|> 12345'))\n")
+    env = {**__import__("os").environ, "ATTNLAB_CACHE": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    first, ids = out.stdout.split("\n")[:2]
+    assert first == "None [] False", out.stdout
+    from transformers import AutoTokenizer
+    path = resolve("smollm2-135m")
+    ref = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    assert ids == str(ref.encode("Hello, world! <|im_end|> 12345"))

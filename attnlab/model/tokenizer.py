@@ -1,8 +1,9 @@
 """Tokenizers from the same GGUF file or folder as the weights.
 
-Converting a GGUF vocabulary into a fast tokenizer takes seconds (transformers' converter), so the
-result is saved once under ~/.cache/attnlab/tokenizers (keyed by file path, size and mtime); the
-cache is only an optimisation and is rebuilt if broken. A cached tokenizer is read back by the
+A byte-level BPE vocabulary (most GGUF files: Qwen2, SmolLM2, Llama 3) is built straight from the file's
+header (`gguf_vocab`), with no cache. Converting any other GGUF vocabulary takes seconds (transformers'
+converter), so that result is saved once under ~/.cache/attnlab/tokenizers (keyed by file path, size and
+mtime); the cache is only an optimisation and is rebuilt if broken. A cached tokenizer is read back by the
 `tokenizers` package directly (`GGUFTokenizer`): importing transformers costs ~1 s of every load, and
 its tokenizer is the same `tokenizers` object underneath (a test holds the ids equal). Hugging Face
 folders keep transformers' AutoTokenizer (their configs vary more than a converted GGUF's).
@@ -29,12 +30,16 @@ def _quiet_transformers() -> None:
 
 def load_tokenizer(path: Path):
     """A tokenizer (with chat template when the checkpoint has one), or None if the folder has none.
-    A GGUF's is a `GGUFTokenizer` over its cached conversion; a folder's is transformers'."""
+    A GGUF's is a `GGUFTokenizer`, built from the header (byte-level BPE) or over its cached conversion; a folder's is transformers'."""
     if path.is_dir():
         from transformers import AutoTokenizer
         _quiet_transformers()
         has_tok = any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
         return AutoTokenizer.from_pretrained(str(path)) if has_tok else None
+    from attnlab.model.gguf_vocab import byte_level
+    parts = byte_level(path)
+    if parts is not None:  # byte-level BPE: built from the header in a fraction of a second, no cache
+        return GGUFTokenizer(parts=parts, source=path)
     st = path.stat()
     key = hashlib.sha1(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
     cached = CACHE / key
@@ -65,14 +70,19 @@ class GGUFTokenizer:
     a saved folder (tokenizer.json, tokenizer_config.json, chat_template.jinja). Anything else is asked
     of transformers' own tokenizer for the same folder, built on first use."""
 
-    def __init__(self, folder: Path):
-        from tokenizers import Tokenizer
-        self.folder = Path(folder)
-        self._tok = Tokenizer.from_file(str(self.folder / "tokenizer.json"))
-        config_file = self.folder / "tokenizer_config.json"
-        config = json.loads(config_file.read_text()) if config_file.exists() else {}
-        template = self.folder / "chat_template.jinja"
-        self.chat_template = template.read_text() if template.exists() else config.get("chat_template")
+    def __init__(self, folder: Path | None = None, parts: tuple | None = None, source: Path | None = None):
+        """From a saved folder, or from (tokenizers.Tokenizer, config, chat template) built in memory (`parts`:
+        `gguf_vocab.byte_level` of the GGUF file `source`)."""
+        self.folder, self.source = (Path(folder) if folder is not None else None), source
+        if parts is None:
+            from tokenizers import Tokenizer
+            self._tok = Tokenizer.from_file(str(self.folder / "tokenizer.json"))
+            config_file = self.folder / "tokenizer_config.json"
+            config = json.loads(config_file.read_text()) if config_file.exists() else {}
+            template = self.folder / "chat_template.jinja"
+            self.chat_template = template.read_text() if template.exists() else config.get("chat_template")
+        else:
+            self._tok, config, self.chat_template = parts
         self.special_tokens_map = {k: _content(config[k]) for k in SPECIALS if config.get(k) is not None}
         self.clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces", False))
         for k in SPECIALS:
@@ -87,6 +97,8 @@ class GGUFTokenizer:
     def _transformers(self):
         from transformers import AutoTokenizer
         _quiet_transformers()
+        if self.folder is None:
+            return AutoTokenizer.from_pretrained(str(self.source.parent), gguf_file=self.source.name)
         return AutoTokenizer.from_pretrained(str(self.folder))
 
     def _id(self, key: str) -> int | None:
