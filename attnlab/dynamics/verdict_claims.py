@@ -311,7 +311,7 @@ ROWS = [
            "U[1,4]^10 (seed 0), 5000 steps", "same update, 10 mu draws and the authors' draw", j2),
     ("J3", "Figs. 6, 8: entropy drops early in every layer, then bounces back; upper layers end higher",
            "stored curves: post-LN d 200, WikiText2, Adam 1e-4, 58,000 minibatches, 3 seeds", "same architecture on "
-           "Shakespeare; 600 minibatches (1-5 layers, 1-3 seeds), 1 layer to 10,000 (3 seeds), 2 layers to 15,000 (1 seed)",
+           "Shakespeare; 600 minibatches (1-5 layers, 1-3 seeds), 1 layer to 10,000 (3 seeds), 2 layers to 15,000 (3 seeds)",
            j3),
     ("J3 deep", "JoMA, deep models: lower layers' entropy keeps falling while top layers bounce back",
            "5 layers, 3 seeds, minima at 1,000-10,000 minibatches", "5 layers x 3 seeds to 6,000 minibatches", j3_deep),
