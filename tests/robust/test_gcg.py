@@ -49,9 +49,9 @@ def test_the_gradient_behind_the_prefix_is_the_whole_prompts(setup):
     suffix[2] = 1000
     g0, l0, n0 = token_gradient(lm.model, case, suffix)
     g1, l1, n1 = token_gradient(lm.model, case, suffix, gradient_prefix(lm.model, case))
-    assert abs(l0 - l1) < 1e-5 and torch.allclose(g0, g1, atol=1e-5) and torch.allclose(n0, n1, atol=1e-4)
+    assert abs(l0 - l1) < 1e-5 and torch.allclose(g0, g1, atol=1e-5) and torch.allclose(n0, n1, atol=1e-3)
     full = forward_embeds(lm.model, lm.model.embed(torch.tensor([case.before + suffix.tolist()])))[0]
-    assert torch.allclose(n0, full[len(case.before) - 1:-1], atol=1e-4)  # the logits that predict each suffix token
+    assert torch.allclose(n0, full[len(case.before) - 1:-1], atol=1e-3)  # the logits that predict each suffix token
 
 
 def test_scorer_matches_the_full_pass(setup):
