@@ -16,8 +16,6 @@
 // [B, Hkv, n, D/32] float32), innermost dimension contiguous (slices of the cache's preallocated
 // buffers); out [B, Hq, 1, D] float32.
 // Query head h reads KV head h / (Hq / Hkv), as in grouped-query attention.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -30,13 +28,17 @@
 
 #include "attend.h"
 #include "kernels_simd.h"
+#include "ops.h"
 
 using namespace attnlab_simd;
+using attnlab::Alloc;
+using attnlab::Opt;
+using attnlab::View;
 
 namespace {
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::Half* p) {
+inline __m256 load8(const attnlab::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 inline __m256 load8(const int8_t* p) {
@@ -236,7 +238,7 @@ inline void scale_row(float* o, int64_t D, float c) {  // D a multiple of 8
 }
 
 template <class T>
-Scales scales_of(const std::optional<torch::Tensor>& s, int64_t b, int64_t h) {
+Scales scales_of(const Opt& s, int64_t b, int64_t h) {
   if constexpr (!kInt8<T>) return {};
   else return {s->data_ptr<float>() + b * s->stride(0) + h * s->stride(1), s->stride(2)};
 }
@@ -244,35 +246,34 @@ Scales scales_of(const std::optional<torch::Tensor>& s, int64_t b, int64_t h) {
 // out [B, Hq, 1, D] and, where lse is given, each query head's log-sum-exp of its scores [B, Hq]: what a
 // caller that splits the cache into stretches (the native step's threads) needs to merge their outputs.
 // Inside a parallel region (such a caller's thread) it runs on the calling thread alone.
-torch::Tensor attend(torch::Tensor q, const torch::Tensor& k, const torch::Tensor& v, double scale,
-                     const std::optional<torch::Tensor>& k_scale, const std::optional<torch::Tensor>& v_scale,
-                     float* lse) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && q.dim() == 4 && q.size(2) == 1, "q must be float32 [B, Hq, 1, D]");
-  TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes() && k.scalar_type() == v.scalar_type(),
+View attend(const Alloc& alloc, const View& q, const View& k, const View& v, double scale, const Opt& k_scale,
+            const Opt& v_scale, bool with_lse) {
+  ATTNLAB_CHECK(q.scalar_type() == attnlab::kFloat && q.dim() == 4 && q.size(2) == 1, "q must be float32 [B, Hq, 1, D]");
+  ATTNLAB_CHECK(k.dim() == 4 && v.sizes() == k.sizes() && k.scalar_type() == v.scalar_type(),
               "k and v must have one shape [B, Hkv, n, D] and one dtype");
   const auto dtype = k.scalar_type();
-  TORCH_CHECK(dtype == torch::kFloat || dtype == torch::kHalf || dtype == torch::kChar,
+  ATTNLAB_CHECK(dtype == attnlab::kFloat || dtype == attnlab::kHalf || dtype == attnlab::kChar,
               "k, v must be float32, float16 or int8");
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(3), Hkv = k.size(1), n = k.size(2);
-  TORCH_CHECK(k.size(0) == B && k.size(3) == D && Hkv > 0 && Hq % Hkv == 0 && D > 0 && D % 8 == 0 && n > 0,
+  ATTNLAB_CHECK(k.size(0) == B && k.size(3) == D && Hkv > 0 && Hq % Hkv == 0 && D > 0 && D % 8 == 0 && n > 0,
               "shapes do not match: q ", q.sizes(), ", k ", k.sizes());
-  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "k and v must be contiguous in their last dimension");
-  TORCH_CHECK((dtype == torch::kChar) == (k_scale.has_value() && v_scale.has_value()),
+  ATTNLAB_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "k and v must be contiguous in their last dimension");
+  ATTNLAB_CHECK((dtype == attnlab::kChar) == (k_scale.has_value() && v_scale.has_value()),
               "k_scale and v_scale come with an int8 cache, and only with one");
-  if (dtype == torch::kChar) {
-    TORCH_CHECK(D % 32 == 0, "an int8 cache needs D a multiple of 32");
+  if (dtype == attnlab::kChar) {
+    ATTNLAB_CHECK(D % 32 == 0, "an int8 cache needs D a multiple of 32");
     for (const auto* s : {&*k_scale, &*v_scale})
-      TORCH_CHECK(s->scalar_type() == torch::kFloat && s->dim() == 4 && s->size(0) == B && s->size(1) == Hkv &&
+      ATTNLAB_CHECK(s->scalar_type() == attnlab::kFloat && s->dim() == 4 && s->size(0) == B && s->size(1) == Hkv &&
                       s->size(2) == n && s->size(3) == D / 32 && s->stride(3) == 1,
                   "scales must be float32 [B, Hkv, n, D/32], contiguous in their last dimension");
   }
-  q = q.contiguous();
-  auto out = torch::empty_like(q);
+  auto out = alloc(q.sizes().vec(), attnlab::kFloat);  // q: contiguous (Contig)
+  float* lse = with_lse ? alloc({B, Hq}, attnlab::kFloat).data_ptr<float>() : nullptr;
   const int64_t G = Hq / Hkv;
   // Work items are stretches of one KV head's rows. One stretch per head at one thread; with more, heads
   // are cut so the items share out evenly (3 KV heads on 2 threads: 6 stretches, not 2 heads and 1), each
   // at least kMinStretch rows, and the stretches' softmaxes are merged below by their maxima and sums.
-  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads(), heads_n = B * Hkv;
+  const int64_t threads = attnlab::in_parallel_region() ? 1 : attnlab::num_threads(), heads_n = B * Hkv;
   const int64_t cuts =
       threads == 1 ? 1 : std::max<int64_t>(1, std::min(threads / std::gcd(heads_n, threads), n / kMinStretch));
   const int64_t len = (n + cuts - 1) / cuts, items = heads_n * cuts;  // no stretch is empty: len >= kMinStretch
@@ -297,11 +298,11 @@ torch::Tensor attend(torch::Tensor q, const torch::Tensor& k, const torch::Tenso
     }
   };
   auto run = [&](int64_t i0, int64_t i1) {
-    if (dtype == torch::kFloat) run_as(float{}, i0, i1);
-    else if (dtype == torch::kHalf) run_as(at::Half{}, i0, i1);
+    if (dtype == attnlab::kFloat) run_as(float{}, i0, i1);
+    else if (dtype == attnlab::kHalf) run_as(attnlab::Half{}, i0, i1);
     else run_as(int8_t{}, i0, i1);
   };
-  if (threads == 1) run(0, items); else at::parallel_for(0, items, 1, run);
+  if (threads == 1) run(0, items); else attnlab::parallel_for(0, items, 1, run);
   if (cuts > 1)  // merge the stretches of each query head: weights e^(M_c - max M) on outputs and sums
     for (int64_t bh = 0; bh < heads_n; ++bh)
       for (int64_t g = 0; g < G; ++g) {
@@ -322,36 +323,15 @@ torch::Tensor attend(torch::Tensor q, const torch::Tensor& k, const torch::Tenso
   return out;
 }
 
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale,
-                               const std::optional<torch::Tensor>& k_scale, const std::optional<torch::Tensor>& v_scale) {
-  return attend(q, k, v, scale, k_scale, v_scale, nullptr);
-}
-
-std::tuple<torch::Tensor, torch::Tensor> decode_attention_lse(torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                                                              double scale, const std::optional<torch::Tensor>& k_scale,
-                                                              const std::optional<torch::Tensor>& v_scale) {
-  auto lse = torch::empty({q.size(0), q.size(1)}, q.options().dtype(torch::kFloat));
-  auto out = attend(q, k, v, scale, k_scale, v_scale, lse.data_ptr<float>());
-  return {out, lse};
-}
-
 // Keys or values rounded for an int8 cache: x [..., D] float32 -> codes [..., D] int8 and scales
 // [..., D/32] float32 by the rule of attnlab.quant.formats.int8_blocks, bit for bit (scale =
 // max(amax, 1e-12) / 127, code = x / scale rounded half to even, clamped to +-127). One call where the
 // torch form is eight per tensor, and opaque to inductor, which compiles that form slowly.
-std::tuple<torch::Tensor, torch::Tensor> quantize_kv(torch::Tensor x) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() >= 1 && x.size(-1) % 32 == 0,
-              "x must be float32 [..., D] with D a multiple of 32");
-  x = x.contiguous();
-  auto shape = x.sizes().vec();
-  auto codes = torch::empty(shape, x.options().dtype(torch::kChar));
-  shape.back() /= 32;
-  auto scales = torch::empty(shape, x.options());
-  const float* X = x.data_ptr<float>();
-  int8_t* Q = codes.data_ptr<int8_t>();
-  float* S = scales.data_ptr<float>();
+}  // namespace
+
+void attnlab_attend::quantize(const float* X, int64_t nb, int8_t* Q, float* S) {
   const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
-  for (int64_t b = 0, nb = x.numel() / 32; b < nb; ++b) {
+  for (int64_t b = 0; b < nb; ++b) {
     __m256 v[4];
     for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(X + b * 32 + 8 * i);
     const float d = std::max(absmax32(v), 1e-12f) / 127.f;
@@ -361,10 +341,7 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_kv(torch::Tensor x) {
       c[i] = _mm256_min_epi32(hi, _mm256_max_epi32(lo, _mm256_cvtps_epi32(_mm256_div_ps(v[i], _mm256_set1_ps(d)))));
     store32(Q + b * 32, c);
   }
-  return {codes, scales};
 }
-
-}  // namespace
 
 void attnlab_attend::stretch(const float* q, const Cache& c, int64_t Hkv, int64_t G, int64_t D, int64_t s0, int64_t s1,
                              float scale, float* out, float* lse) {
@@ -386,7 +363,7 @@ void attnlab_attend::stretch(const float* q, const Cache& c, int64_t Hkv, int64_
     }
   };
   if (c.dtype == 0) run_as(float{});
-  else if (c.dtype == 1) run_as(at::Half{});
+  else if (c.dtype == 1) run_as(attnlab::Half{});
   else run_as(int8_t{});
 }
 
@@ -439,18 +416,31 @@ void attnlab_attend::runs(const float* q, const Cache& c, int64_t G, int64_t D, 
     }
   };
   if (c.dtype == 0) run_as(float{});
-  else if (c.dtype == 1) run_as(at::Half{});
+  else if (c.dtype == 1) run_as(attnlab::Half{});
   else run_as(int8_t{});
 }
 
-TORCH_LIBRARY_FRAGMENT(attnlab, m) {
-  m.def("decode_attention(Tensor q, Tensor k, Tensor v, float scale, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
-  m.def("decode_attention_lse(Tensor q, Tensor k, Tensor v, float scale, Tensor? k_scale=None, Tensor? v_scale=None) -> (Tensor, Tensor)");
-  m.def("quantize_kv(Tensor x) -> (Tensor, Tensor)");
+namespace attnlab {
+
+View decode_attention(const Alloc& out, const Contig& q, const View& k, const View& v, double scale, const Opt& k_scale,
+                      const Opt& v_scale) {
+  return attend(out, q, k, v, scale, k_scale, v_scale, false);
 }
 
-TORCH_LIBRARY_IMPL(attnlab, CPU, m) {
-  m.impl("decode_attention", &decode_attention);
-  m.impl("decode_attention_lse", &decode_attention_lse);
-  m.impl("quantize_kv", &quantize_kv);
+View decode_attention_lse(const Alloc& out, const Contig& q, const View& k, const View& v, double scale,
+                          const Opt& k_scale, const Opt& v_scale) {
+  return attend(out, q, k, v, scale, k_scale, v_scale, true);
 }
+
+View quantize_kv(const Alloc& out, const Contig& x) {
+  ATTNLAB_CHECK(x.scalar_type() == attnlab::kFloat && x.dim() >= 1 && x.size(-1) % 32 == 0,
+                "x must be float32 [..., D] with D a multiple of 32");
+  auto shape = x.sizes().vec();
+  const View codes = out(shape, attnlab::kChar);
+  shape.back() /= 32;
+  attnlab_attend::quantize(x.data_ptr<float>(), x.numel() / 32, codes.data_ptr<int8_t>(),
+                           out(shape, attnlab::kFloat).data_ptr<float>());
+  return codes;
+}
+
+}  // namespace attnlab

@@ -25,4 +25,7 @@ void stretch(const float* q, const Cache& c, int64_t Hkv, int64_t G, int64_t D, 
 void runs(const float* q, const Cache& c, int64_t G, int64_t D, const int64_t* bounds, int64_t n, float scale,
           float* out, float* lse);
 
+// An int8 cache's rounding of nb blocks of 32 floats X -> codes Q [nb * 32] and scales S [nb] (quantize_kv).
+void quantize(const float* X, int64_t nb, int8_t* Q, float* S);
+
 }  // namespace attnlab_attend

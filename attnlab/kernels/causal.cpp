@@ -16,23 +16,23 @@
 // q [B, Hq, T, D] float32; k, v [B, Hkv, L, D] float32 or float16; innermost dimension contiguous, the rest
 // strided (slices of the cache's buffers). out [B, Hq, T, D], laid out [B, T, Hq, D] (what the output projection
 // reads next). Query head h reads KV head h / (Hq / Hkv).
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "kernels_simd.h"
+#include "ops.h"
 
 namespace {
 
 #ifdef __AVX512F__
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::Half* p) {
+inline __m512 load16(const attnlab::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
@@ -115,7 +115,7 @@ inline void weigh(const float* P, int64_t ls, const T* V, int64_t sv, int64_t n,
 }
 
 template <int J, class T>
-void causal(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale, torch::Tensor& out) {
+void causal(const attnlab::View& q, const attnlab::View& k, const attnlab::View& v, double scale, const attnlab::View& out) {
   const int64_t B = q.size(0), Hq = q.size(1), T_ = q.size(2), D = q.size(3), Hkv = k.size(1), L = k.size(2);
   const int64_t G = Hq / Hkv, nq = (T_ + kRows - 1) / kRows, NB = (L + 15) / 16;
   const T *K = k.data_ptr<T>(), *Vp = v.data_ptr<T>();
@@ -123,10 +123,10 @@ void causal(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&
   float* Op = out.data_ptr<float>();
   // keys transposed per KV head, 16 at a time: Kt[b][h][kb][d][16] (keys past L zero)
   // and the values as float32 rows, Vf[b][h][t][D]
-  auto kt = torch::zeros({B, Hkv, NB, D, 16}, q.options());
-  auto vf = torch::empty({B, Hkv, L, D}, q.options());
-  float *Kt = kt.data_ptr<float>(), *Vf = vf.data_ptr<float>();
-  at::parallel_for(0, B * Hkv * NB, 16, [&](int64_t i0, int64_t i1) {
+  attnlab::Buf<float> kt(B * Hkv * NB * D * 16);
+  attnlab::Buf<float> vf(B * Hkv * L * D);
+  float *Kt = kt.data(), *Vf = vf.data();
+  attnlab::parallel_for(0, B * Hkv * NB, 16, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / (Hkv * NB), h = i / NB % Hkv, kb = i % NB;
       float* dst = Kt + i * D * 16;
@@ -139,12 +139,12 @@ void causal(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&
       }
     }
   });
-  // items (b, head, query block), query blocks long and short alternately (at::parallel_for hands each thread
+  // items (b, head, query block), query blocks long and short alternately (attnlab::parallel_for hands each thread
   // an equal stretch of items; causal blocks grow with their position)
   const int64_t items = B * Hq * nq;
-  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+  attnlab::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
     const int64_t ls = NB * 16 + 16;
-    std::vector<float> buf(kRows * ls), qbuf(kRows * D);
+    attnlab::Buf<float> buf(kRows * ls), qbuf(kRows * D);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / (Hq * nq), h = i / nq % Hq, j = i % nq;
       const int64_t qb = j % 2 ? nq - 1 - j / 2 : j / 2;  // 0, n-1, 1, n-2, ...
@@ -218,7 +218,7 @@ inline void configure() {  // eight tiles of 16 rows x 64 bytes: 0-3 sums, 4-5 A
   } while (0)
 
 template <class T>
-void causal(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale, torch::Tensor& out) {
+void causal(const attnlab::View& q, const attnlab::View& k, const attnlab::View& v, double scale, const attnlab::View& out) {
   const int64_t B = q.size(0), Hq = q.size(1), T_ = q.size(2), D = q.size(3), Hkv = k.size(1), L = k.size(2);
   const int64_t G = Hq / Hkv, nq = (T_ + kRows - 1) / kRows, NC = (L + 31) / 32, DC = D / 32, DJ = D / 16;
   const T *K = k.data_ptr<T>(), *Vp = v.data_ptr<T>();
@@ -227,10 +227,10 @@ void causal(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&
   // keys as B tiles per (16-key block, 32 dims): [pair p][key t][2] = K[t][32 c + 2p ..]; values per (32-key
   // chunk, 16 dims): [pair p][dim n][2] = V[2p ..][16 j + n]; high and low halves, zeros past L
   const int64_t kblk = 2 * NC * DC * 512, vblk = NC * DJ * 512;  // uint16 per KV head
-  auto packed = torch::zeros({B * Hkv, 2 * (kblk + vblk)}, q.options().dtype(torch::kShort));
-  uint16_t* P0 = reinterpret_cast<uint16_t*>(packed.data_ptr<int16_t>());
+  attnlab::Buf<uint16_t> packed(B * Hkv * 2 * (kblk + vblk));
+  uint16_t* P0 = packed.data();
   const int64_t per = 2 * (kblk + vblk);
-  at::parallel_for(0, B * Hkv * NC, 4, [&](int64_t i0, int64_t i1) {
+  attnlab::parallel_for(0, B * Hkv * NC, 4, [&](int64_t i0, int64_t i1) {
     alignas(64) uint16_t hi[2][16], lo[2][16];
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t bh = i / NC, kc = i % NC, b = bh / Hkv, h = bh % Hkv;
@@ -267,10 +267,10 @@ void causal(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&
     }
   });
   const int64_t items = B * Hq * nq;
-  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+  attnlab::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
     const int64_t ls = NC * 32 + 16;  // keys per row of S and P, and room for a row's last 16 past its end
-    std::vector<float> S(kRows * ls), tmp(kRows * 64);
-    std::vector<uint16_t> qh(kRows * D), ql(kRows * D), ph(kRows * ls), pl(kRows * ls);
+    attnlab::Buf<float> S(kRows * ls), tmp(kRows * 64);
+    attnlab::Buf<uint16_t> qh(kRows * D), ql(kRows * D), ph(kRows * ls), pl(kRows * ls);
     configure();
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / (Hq * nq), h = i / nq % Hq, j = i % nq;
@@ -331,42 +331,37 @@ void causal(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&
 }  // namespace tiles
 #endif
 
-torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, double scale) {
+}  // namespace
+
+// q [B, Hq, T, D] -> out [B, Hq, T, D], stored as [B, T, Hq, D] (the layout the output projection reads)
+attnlab::View attnlab::causal_attention(const Alloc& alloc, const View& q, const View& k, const View& v, double scale) {
 #ifdef __AVX512F__
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.scalar_type() == torch::kFloat,
+  ATTNLAB_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.scalar_type() == attnlab::kFloat,
               "causal_attention: q [B, Hq, T, D] float32, k and v [B, Hkv, L, D]");
   const int64_t B = q.size(0), Hq = q.size(1), T_ = q.size(2), D = q.size(3), Hkv = k.size(1), L = k.size(2);
-  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == B && k.size(3) == D && Hkv > 0 && Hq % Hkv == 0 && L >= T_ && T_ > 0,
+  ATTNLAB_CHECK(k.sizes() == v.sizes() && k.size(0) == B && k.size(3) == D && Hkv > 0 && Hq % Hkv == 0 && L >= T_ && T_ > 0,
               "causal_attention: k and v [B, Hkv, L >= T, D] with Hq a multiple of Hkv");
-  TORCH_CHECK(k.scalar_type() == v.scalar_type() && (k.scalar_type() == torch::kFloat || k.scalar_type() == torch::kHalf),
+  ATTNLAB_CHECK(k.scalar_type() == v.scalar_type() && (k.scalar_type() == attnlab::kFloat || k.scalar_type() == attnlab::kHalf),
               "causal_attention: k and v float32 or float16");
-  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "causal_attention: innermost dimension contiguous");
-  auto out = torch::empty({B, T_, Hq, D}, q.options()).transpose(1, 2);
-  const bool half = k.scalar_type() == torch::kHalf;
+  ATTNLAB_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "causal_attention: innermost dimension contiguous");
+  View out = alloc({B, T_, Hq, D}, attnlab::kFloat);
+  std::swap(out.sz[1], out.sz[2]), std::swap(out.st[1], out.st[2]), out.contig = false;  // .transpose(1, 2)
+  const bool half = k.scalar_type() == attnlab::kHalf;
 #if defined(__AMX_BF16__)
   if (D % 64 == 0 && attnlab_simd::amx_granted()) {
-    half ? tiles::causal<at::Half>(q, k, v, scale, out) : tiles::causal<float>(q, k, v, scale, out);
+    half ? tiles::causal<attnlab::Half>(q, k, v, scale, out) : tiles::causal<float>(q, k, v, scale, out);
     return out;
   }
 #endif
   switch (D) {
-    case 32: half ? causal<2, at::Half>(q, k, v, scale, out) : causal<2, float>(q, k, v, scale, out); break;
-    case 64: half ? causal<4, at::Half>(q, k, v, scale, out) : causal<4, float>(q, k, v, scale, out); break;
-    case 128: half ? causal<8, at::Half>(q, k, v, scale, out) : causal<8, float>(q, k, v, scale, out); break;
-    default: TORCH_CHECK(false, "causal_attention: head dim 32, 64 or 128, got ", D);
+    case 32: half ? causal<2, attnlab::Half>(q, k, v, scale, out) : causal<2, float>(q, k, v, scale, out); break;
+    case 64: half ? causal<4, attnlab::Half>(q, k, v, scale, out) : causal<4, float>(q, k, v, scale, out); break;
+    case 128: half ? causal<8, attnlab::Half>(q, k, v, scale, out) : causal<8, float>(q, k, v, scale, out); break;
+    default: ATTNLAB_CHECK(false, "causal_attention: head dim 32, 64 or 128, got ", D);
   }
   return out;
 #else
-  TORCH_CHECK(false, "causal_attention: built without AVX-512");
+  ATTNLAB_CHECK(false, "causal_attention: built without AVX-512");
 #endif
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(attnlab, m) {
-  m.def("causal_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(attnlab, CPU, m) {
-  m.impl("causal_attention", &causal_attention);
-}

@@ -19,14 +19,14 @@ import os
 import platform
 from pathlib import Path
 
-# the C++ sources of every variant: quantized matmuls; attention over the KV cache; matvecs over 16-row repacked
+# the C++ sources of every variant: the torch binding (the only one including torch's headers); quantized matmuls; attention over the KV cache; matvecs over 16-row repacked
 # weights, the embedding gather from them and the repacking at load; the native decode step; TEAL's column ops;
 # a forward pass's elementwise glue; a prompt's causal attention; Quest's pages
-SOURCES = ("kernels.cpp", "attend.cpp", "repacked.cpp", "repacked_rows.cpp", "repack_load.cpp", "step.cpp",
-           "sparse_cols.cpp", "glue.cpp", "causal.cpp", "quest.cpp")
-HEADERS = ("kernels_simd.h", "attend.h", "quest.h", "repacked_layout.h", "repacked_isa.h", "repacked_amx.h",
-           "repacked_blocks.h")
-FLAGS = ("-O3", "-fopenmp")  # + the variant's ISA flags (LEVELS); OpenMP: at::parallel_for's threads
+SOURCES = ("bind.cpp", "kernels.cpp", "attend.cpp", "repacked.cpp", "repacked_rows.cpp", "repack_load.cpp",
+           "step.cpp", "sparse_cols.cpp", "glue.cpp", "causal.cpp", "quest.cpp")
+HEADERS = ("ops.h", "step.h", "kernels_simd.h", "attend.h", "quest.h", "repacked_layout.h", "repacked_isa.h",
+           "repacked_amx.h", "repacked_blocks.h")
+FLAGS = ("-O3", "-fopenmp")  # + the variant's ISA flags (LEVELS); OpenMP: the parallel loops (ops.h) and the step's team
 LDFLAGS = ("-fopenmp",)
 # variant -> (cpuinfo flags it needs, compiler flags), best last
 LEVELS = {

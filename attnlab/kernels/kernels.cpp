@@ -18,8 +18,6 @@
 //
 // The *_rows ops serve Deja Vu's sparse MLP: only the rows idx of a weight are read, each once
 // (no gathered copy); the dot products share their per-row code with the matrix ops.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <cmath>
@@ -27,23 +25,26 @@
 #include <vector>
 
 #include "kernels_simd.h"
+#include "ops.h"
 
 using namespace attnlab_simd;
+using attnlab::Alloc;
+using attnlab::View;
 
 namespace {
 
-void check(const torch::Tensor& x, int64_t K) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous() && x.dim() == 2 && x.size(1) == K,
+void check(const View& x, int64_t K) {
+  ATTNLAB_CHECK(x.scalar_type() == attnlab::kFloat && x.is_contiguous() && x.dim() == 2 && x.size(1) == K,
               "x must be contiguous float32 [M, K]");
 }
 
-void check_rows(const torch::Tensor& v, int64_t n, const char* name) {
-  TORCH_CHECK(v.scalar_type() == torch::kFloat && v.is_contiguous() && v.dim() == 1 && v.size(0) == n,
+void check_rows(const View& v, int64_t n, const char* name) {
+  ATTNLAB_CHECK(v.scalar_type() == attnlab::kFloat && v.is_contiguous() && v.dim() == 1 && v.size(0) == n,
               name, " must be a contiguous float32 vector of size ", n);
 }
 
 // x of a matrix op ([M, K]) or of a rows op (vec: a vector [K], one row), checked; its row count
-inline int64_t check_x(const torch::Tensor& x, bool vec, int64_t K) {
+inline int64_t check_x(const View& x, bool vec, int64_t K) {
   vec ? check_rows(x, K, "x") : check(x, K);
   return vec ? 1 : x.size(0);
 }
@@ -80,22 +81,22 @@ struct QActs {
 // ---- the rows ops' shared checks and loops ----
 
 
-const int64_t* check_idx(const torch::Tensor& idx, int64_t N) {
-  TORCH_CHECK(idx.scalar_type() == torch::kLong && idx.is_contiguous() && idx.dim() == 1,
+const int64_t* check_idx(const View& idx, int64_t N) {
+  ATTNLAB_CHECK(idx.scalar_type() == attnlab::kLong && idx.is_contiguous() && idx.dim() == 1,
               "idx must be a contiguous int64 vector");
   const int64_t* I = idx.data_ptr<int64_t>();
   for (int64_t j = 0; j < idx.numel(); ++j)
-    TORCH_CHECK(I[j] >= 0 && I[j] < N, "idx ", I[j], " out of range for ", N, " rows");
+    ATTNLAB_CHECK(I[j] >= 0 && I[j] < N, "idx ", I[j], " out of range for ", N, " rows");
   return I;
 }
 
-int64_t check_groups(const torch::Tensor& w, torch::ScalarType t, int64_t K, int64_t group,
-                     std::initializer_list<torch::Tensor> params) {
-  TORCH_CHECK(w.scalar_type() == t && w.is_contiguous() && w.dim() == 2, "weights must be contiguous ", t, " [N, *]");
-  TORCH_CHECK(K > 0 && K % 32 == 0 && group % 32 == 0 && group > 0 && K % group == 0,
+int64_t check_groups(const View& w, attnlab::DType t, int64_t K, int64_t group,
+                     std::initializer_list<View> params) {
+  ATTNLAB_CHECK(w.scalar_type() == t && w.is_contiguous() && w.dim() == 2, "weights must be contiguous ", t, " [N, *]");
+  ATTNLAB_CHECK(K > 0 && K % 32 == 0 && group % 32 == 0 && group > 0 && K % group == 0,
               "K and group must be positive multiples of 32, group dividing K");
   for (const auto& p : params)
-    TORCH_CHECK(p.scalar_type() == torch::kFloat && p.is_contiguous() && p.numel() == w.size(0) * (K / group),
+    ATTNLAB_CHECK(p.scalar_type() == attnlab::kFloat && p.is_contiguous() && p.numel() == w.size(0) * (K / group),
                 "scales must be contiguous float32 [N, K/group]");
   return K / group;
 }
@@ -138,9 +139,9 @@ struct Batched<T, std::void_t<decltype(&T::batched)>> : std::true_type {};
 // out [M, N]: dot(R, rows, m, o) puts R weight rows times activation row m into o[0..R); passes of Rn
 // rows split across threads (no parallel_for at 1 thread: it costs microseconds per call).
 template <int Rn, class Dot>
-torch::Tensor rows_mm(const torch::Tensor& x, const Rows& w, int64_t N, Dot dot) {
+View rows_mm(const Alloc& alloc, const View& x, const Rows& w, int64_t N, Dot dot) {
   const int64_t M = x.size(0), n = (N + Rn - 1) / Rn;
-  auto out = torch::empty({M, N}, x.options());
+  auto out = alloc({M, N}, attnlab::kFloat);
   float* O = out.data_ptr<float>();
   auto run = [&](int64_t p0, int64_t p1) {
     passes<Rn>(Rn * p0, std::min(N, Rn * p1), w, 2 * Rows::ahead, [](int64_t j) { return j; },
@@ -151,18 +152,18 @@ torch::Tensor rows_mm(const torch::Tensor& x, const Rows& w, int64_t N, Dot dot)
                  for (; m < M; ++m) dot(R, rows, m, O + m * N + r);
                });
   };
-  if (at::get_num_threads() == 1) run(0, n); else at::parallel_for(0, n, 16 / Rn, run);
+  if (attnlab::num_threads() == 1) run(0, n); else attnlab::parallel_for(0, n, 16 / Rn, run);
   return out;
 }
 
 // y[j] = row(idx[j]): the selected rows' dot products (dot(R, rows, o) as for rows_mm), split by j
 template <int Rn, class Dot>
-torch::Tensor rows_mv(const torch::Tensor& x, const Rows& w, const torch::Tensor& idx, int64_t N, int64_t K, Dot dot) {
+View rows_mv(const Alloc& alloc, const View& x, const Rows& w, const View& idx, int64_t N, int64_t K, Dot dot) {
   check_rows(x, K, "x");
   const int64_t* I = check_idx(idx, N);
-  auto out = torch::empty({idx.numel()}, x.options());
+  auto out = alloc({idx.numel()}, attnlab::kFloat);
   float* O = out.data_ptr<float>();
-  at::parallel_for(0, idx.numel(), 16, [&](int64_t j0, int64_t j1) {
+  attnlab::parallel_for(0, idx.numel(), 16, [&](int64_t j0, int64_t j1) {
     passes<Rn>(j0, j1, w, Rows::ahead, [&](int64_t j) { return I[j]; },
                [&](auto R, const int64_t* rows, int64_t j) { dot(R, rows, O + j); });
   });
@@ -174,15 +175,15 @@ torch::Tensor rows_mv(const torch::Tensor& x, const Rows& w, const torch::Tensor
 // block(r, b, g, a, v) puts block b (in group g) of row r into v as 32 floats and returns the
 // factor it is multiplied by (a times the group's scale).
 template <class Block>
-torch::Tensor rows_axpy(const torch::Tensor& a, const Rows& w, const torch::Tensor& idx, int64_t N, int64_t K,
+View rows_axpy(const Alloc& alloc, const View& a, const Rows& w, const View& idx, int64_t N, int64_t K,
                         int64_t per, Block block) {
   check_rows(a, idx.numel(), "a");
   const int64_t* I = check_idx(idx, N);
-  auto out = torch::zeros({K}, a.options());
+  auto out = alloc({K}, attnlab::kFloat, Alloc::ZEROED);
   float* O = out.data_ptr<float>();
   const float* A = a.data_ptr<float>();
   const int64_t k = a.numel();
-  at::parallel_for(0, K / 32, 4, [&](int64_t b0, int64_t b1) {
+  attnlab::parallel_for(0, K / 32, 4, [&](int64_t b0, int64_t b1) {
     for (int64_t j = 0; j < k; j += 4) {
       const int64_t n = std::min<int64_t>(4, k - j);
       for (int64_t t = j + Rows::ahead; t < std::min(k, j + Rows::ahead + 4); ++t) w.prefetch(I[t], b0, b1);
@@ -209,9 +210,9 @@ struct Q4 {
   const uint8_t* Q;
   const float *S, *MN;
   QActs xa;
-  Q4(const torch::Tensor& x, bool vec, const torch::Tensor& qs, const torch::Tensor& scale, const torch::Tensor& min,
+  Q4(const View& x, bool vec, const View& qs, const View& scale, const View& min,
      int64_t group)
-      : K(qs.size(1) * 2), G(check_groups(qs, torch::kByte, K, group, {scale, min})), per(group / 32),
+      : K(qs.size(1) * 2), G(check_groups(qs, attnlab::kByte, K, group, {scale, min})), per(group / 32),
         M(check_x(x, vec, K)), Q(qs.data_ptr<uint8_t>()), S(scale.data_ptr<float>()), MN(min.data_ptr<float>()),
         xa(x.data_ptr<float>(), M, K, group) {}
   template <class R>
@@ -238,8 +239,8 @@ struct Q8 {
   const int8_t* Q;
   const float* S;
   QActs xa;
-  Q8(const torch::Tensor& x, bool vec, const torch::Tensor& q, const torch::Tensor& scale, int64_t group)
-      : K(q.size(1)), G(check_groups(q, torch::kChar, K, group, {scale})), per(group / 32), M(check_x(x, vec, K)),
+  Q8(const View& x, bool vec, const View& q, const View& scale, int64_t group)
+      : K(q.size(1)), G(check_groups(q, attnlab::kChar, K, group, {scale})), per(group / 32), M(check_x(x, vec, K)),
         Q(q.data_ptr<int8_t>()), S(scale.data_ptr<float>()), xa(x.data_ptr<float>(), M, K) {}
   template <class R>
   void operator()(R, const int64_t* rows, int64_t m, float* o) const {
@@ -260,76 +261,78 @@ struct Q8 {
 
 }  // namespace
 
+namespace attnlab {
+
 // x [M, K] fp32; qs [N, K/2] uint8; scale, min [N, K/group] fp32 -> [M, N]
-torch::Tensor q4_mm(torch::Tensor x, torch::Tensor qs, torch::Tensor scale, torch::Tensor min, int64_t group) {
+View q4_mm(const Alloc& alloc, const View& x, const View& qs, const View& scale, const View& min, int64_t group) {
   const Q4 f(x, false, qs, scale, min, group);
   // four rows per pass on short rows (K <= 768: w13, wqkv, wo); long rows (w2's K = 1536) ran slower
   // in fours than one at a time (four interleaved streams from memory), as did scattered rows
-  return f.K <= 768 ? rows_mm<4>(x, f.rows(), qs.size(0), f) : rows_mm<1>(x, f.rows(), qs.size(0), f);
+  return f.K <= 768 ? rows_mm<4>(alloc, x, f.rows(), qs.size(0), f) : rows_mm<1>(alloc, x, f.rows(), qs.size(0), f);
 }
 
 // x [M, K] fp32; qs [N, K/2] uint8; lut [N, K/group, 16] int8 (codebooks rounded to int8);
 // lut_scale [N, K/group] fp32 -> [M, N]
-torch::Tensor lut4_mm(torch::Tensor x, torch::Tensor qs, torch::Tensor lut, torch::Tensor lut_scale, int64_t group) {
-  const int64_t K = qs.size(1) * 2, G = check_groups(qs, torch::kByte, K, group, {lut_scale}), per = group / 32;
+View lut4_mm(const Alloc& alloc, const View& x, const View& qs, const View& lut, const View& lut_scale, int64_t group) {
+  const int64_t K = qs.size(1) * 2, G = check_groups(qs, attnlab::kByte, K, group, {lut_scale}), per = group / 32;
   check(x, K);
-  TORCH_CHECK(lut.scalar_type() == torch::kChar && lut.is_contiguous() && lut.numel() == qs.size(0) * G * 16,
+  ATTNLAB_CHECK(lut.scalar_type() == attnlab::kChar && lut.is_contiguous() && lut.numel() == qs.size(0) * G * 16,
               "lut must be contiguous int8 [N, K/group, 16]");
   const QActs xa(x.data_ptr<float>(), x.size(0), K);
   const uint8_t* Q = qs.data_ptr<uint8_t>();
   const int8_t* L = lut.data_ptr<int8_t>();
   const float* LS = lut_scale.data_ptr<float>();
-  return rows_mm<4>(x, Rows(Q, K / 2, K), qs.size(0), [&](auto R, const int64_t* rows, int64_t m, float* o) {
+  return rows_mm<4>(alloc, x, Rows(Q, K / 2, K), qs.size(0), [&](auto R, const int64_t* rows, int64_t m, float* o) {
     (per == 1 ? dot_lut4<R, 1> : dot_lut4<R, 0>)(Q, L, LS, rows, G, per, xa.q + m * K, xa.d + m * K / 32, o);
   });
 }
 
 // x [M, K] fp32; q [N, K] int8; scale [N, K/group] fp32 -> [M, N]
-torch::Tensor q8_mm(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int64_t group) {
+View q8_mm(const Alloc& alloc, const View& x, const View& q, const View& scale, int64_t group) {
   const Q8 f(x, false, q, scale, group);
-  return rows_mm<Q8_ROWS>(x, f.rows(), q.size(0), f);
+  return rows_mm<Q8_ROWS>(alloc, x, f.rows(), q.size(0), f);
 }
 
 // Row-sparse ops (Deja Vu's sparse MLP at batch 1): only rows idx [k] of w [N, K] are read, each once, no copy.
 // *_rows_mv(x [K], ..., idx) -> [k] equals *_mm(x[None], ...)[0, idx] bit for bit;
 // *_rows_axpy(a [k], ..., idx) -> [K] = sum_j a_j w[idx_j] (duplicates add up), dequantised in registers.
 
-torch::Tensor f32_rows_mv(torch::Tensor x, torch::Tensor w, torch::Tensor idx) {
+View f32_rows_mv(const Alloc& alloc, const View& x, const View& w, const View& idx) {
   const int64_t K = w.size(1);
-  check_groups(w, torch::kFloat, K, K, {});
+  check_groups(w, attnlab::kFloat, K, K, {});
   const float* W = w.data_ptr<float>();
   const float* X = x.data_ptr<float>();
-  return rows_mv<1>(x, Rows(W, K * 4, K), idx, w.size(0), K,
+  return rows_mv<1>(alloc, x, Rows(W, K * 4, K), idx, w.size(0), K,
                     [&](auto, const int64_t* rows, float* o) { o[0] = dot_f32(W + rows[0] * K, X, K); });
 }
 
-torch::Tensor q8_rows_mv(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int64_t group, torch::Tensor idx) {
+View q8_rows_mv(const Alloc& alloc, const View& x, const View& q, const View& scale, int64_t group, const View& idx) {
   const Q8 f(x, true, q, scale, group);
-  return rows_mv<Q8_ROWS>(x, f.rows(), idx, q.size(0), f.K, [&](auto R, const int64_t* rows, float* o) { f(R, rows, 0, o); });
+  return rows_mv<Q8_ROWS>(alloc, x, f.rows(), idx, q.size(0), f.K, [&](auto R, const int64_t* rows, float* o) { f(R, rows, 0, o); });
 }
 
-torch::Tensor q4_rows_mv(torch::Tensor x, torch::Tensor qs, torch::Tensor scale, torch::Tensor min, int64_t group,
-                         torch::Tensor idx) {
+View q4_rows_mv(const Alloc& alloc, const View& x, const View& qs, const View& scale, const View& min, int64_t group,
+                         const View& idx) {
   const Q4 f(x, true, qs, scale, min, group);
-  return rows_mv<1>(x, f.rows(), idx, qs.size(0), f.K, [&](auto R, const int64_t* rows, float* o) { f(R, rows, 0, o); });
+  return rows_mv<1>(alloc, x, f.rows(), idx, qs.size(0), f.K, [&](auto R, const int64_t* rows, float* o) { f(R, rows, 0, o); });
 }
 
-torch::Tensor f32_rows_axpy(torch::Tensor a, torch::Tensor w, torch::Tensor idx) {
+View f32_rows_axpy(const Alloc& alloc, const View& a, const View& w, const View& idx) {
   const int64_t K = w.size(1);
-  check_groups(w, torch::kFloat, K, K, {});
+  check_groups(w, attnlab::kFloat, K, K, {});
   const float* W = w.data_ptr<float>();
-  return rows_axpy(a, Rows(W, K * 4, K), idx, w.size(0), K, 1, [&](int64_t r, int64_t b, int64_t, float aj,
+  return rows_axpy(alloc, a, Rows(W, K * 4, K), idx, w.size(0), K, 1, [&](int64_t r, int64_t b, int64_t, float aj,
                                                                      __m256* v) {
     for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(W + r * K + b * 32 + 8 * i);
     return aj;
   });
 }
 
-torch::Tensor q8_rows_axpy(torch::Tensor a, torch::Tensor q, torch::Tensor scale, int64_t group, torch::Tensor idx) {
-  const int64_t K = q.size(1), G = check_groups(q, torch::kChar, K, group, {scale}), per = group / 32;
+View q8_rows_axpy(const Alloc& alloc, const View& a, const View& q, const View& scale, int64_t group, const View& idx) {
+  const int64_t K = q.size(1), G = check_groups(q, attnlab::kChar, K, group, {scale}), per = group / 32;
   const int8_t* Q = q.data_ptr<int8_t>();
   const float* S = scale.data_ptr<float>();
-  return rows_axpy(a, Rows(Q, K, K), idx, q.size(0), K, per, [&](int64_t r, int64_t b, int64_t g, float aj,
+  return rows_axpy(alloc, a, Rows(Q, K, K), idx, q.size(0), K, per, [&](int64_t r, int64_t b, int64_t g, float aj,
                                                                    __m256* v) {
     const int8_t* row = Q + r * K + b * 32;
     for (int i = 0; i < 4; ++i)
@@ -340,14 +343,14 @@ torch::Tensor q8_rows_axpy(torch::Tensor a, torch::Tensor q, torch::Tensor scale
 
 // w = code * s + m: the codes' part goes through the block, the min's part a_j m is one float per
 // block (a group's blocks share it), added to the block's 32 columns at the end.
-torch::Tensor q4_rows_axpy(torch::Tensor a, torch::Tensor qs, torch::Tensor scale, torch::Tensor min, int64_t group,
-                           torch::Tensor idx) {
-  const int64_t K = qs.size(1) * 2, G = check_groups(qs, torch::kByte, K, group, {scale, min}), per = group / 32;
+View q4_rows_axpy(const Alloc& alloc, const View& a, const View& qs, const View& scale, const View& min, int64_t group,
+                           const View& idx) {
+  const int64_t K = qs.size(1) * 2, G = check_groups(qs, attnlab::kByte, K, group, {scale, min}), per = group / 32;
   const uint8_t* Q = qs.data_ptr<uint8_t>();
   const float* S = scale.data_ptr<float>();
   const float* MN = min.data_ptr<float>();
   std::vector<float> mins(K / 32, 0.f);  // per block; threads own disjoint blocks
-  auto out = rows_axpy(a, Rows(Q, K / 2, K), idx, qs.size(0), K, per, [&](int64_t r, int64_t b, int64_t g, float aj,
+  auto out = rows_axpy(alloc, a, Rows(Q, K / 2, K), idx, qs.size(0), K, per, [&](int64_t r, int64_t b, int64_t g, float aj,
                                                                           __m256* v) {
     const __m256i c = unpack32(Q + r * K / 2 + b * 16);
     const __m128i lo = _mm256_castsi256_si128(c), hi = _mm256_extracti128_si256(c, 1);
@@ -362,22 +365,4 @@ torch::Tensor q4_rows_axpy(torch::Tensor a, torch::Tensor qs, torch::Tensor scal
   return out;
 }
 
-TORCH_LIBRARY(attnlab, m) {
-  m.def("q4_mm(Tensor x, Tensor qs, Tensor scale, Tensor min, int group) -> Tensor");
-  m.def("lut4_mm(Tensor x, Tensor qs, Tensor lut, Tensor lut_scale, int group) -> Tensor");
-  m.def("q8_mm(Tensor x, Tensor q, Tensor scale, int group) -> Tensor");
-  m.def("f32_rows_mv(Tensor x, Tensor w, Tensor idx) -> Tensor");
-  m.def("q8_rows_mv(Tensor x, Tensor q, Tensor scale, int group, Tensor idx) -> Tensor");
-  m.def("q4_rows_mv(Tensor x, Tensor qs, Tensor scale, Tensor min, int group, Tensor idx) -> Tensor");
-  m.def("f32_rows_axpy(Tensor a, Tensor w, Tensor idx) -> Tensor");
-  m.def("q8_rows_axpy(Tensor a, Tensor q, Tensor scale, int group, Tensor idx) -> Tensor");
-  m.def("q4_rows_axpy(Tensor a, Tensor qs, Tensor scale, Tensor min, int group, Tensor idx) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(attnlab, CPU, m) {
-  m.impl("q4_mm", &q4_mm), m.impl("lut4_mm", &lut4_mm), m.impl("q8_mm", &q8_mm);
-  m.impl("f32_rows_mv", &f32_rows_mv), m.impl("q8_rows_mv", &q8_rows_mv), m.impl("q4_rows_mv", &q4_rows_mv);
-  m.impl("f32_rows_axpy", &f32_rows_axpy), m.impl("q8_rows_axpy", &q8_rows_axpy), m.impl("q4_rows_axpy", &q4_rows_axpy);
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}
+}  // namespace attnlab

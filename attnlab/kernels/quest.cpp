@@ -1,7 +1,6 @@
 // Quest's page selection in the native decode step: see quest.h (and attnlab/model/quest.py, the reference).
 #include "quest.h"
 
-#include <c10/util/Half.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -11,6 +10,7 @@
 #include <vector>
 
 #include "kernels_simd.h"
+#include "ops.h"
 
 namespace attnlab_quest {
 
@@ -265,7 +265,7 @@ void add_key(const Pages& pg, const attnlab_attend::Cache& c, int64_t Hkv, int64
     const int64_t at = h * c.head + slot * c.row;
     for (int64_t i = 0; i < D; ++i)
       key[i] = c.dtype == 0   ? static_cast<const float*>(c.k)[at + i]
-               : c.dtype == 1 ? static_cast<float>(static_cast<const c10::Half*>(c.k)[at + i])
+               : c.dtype == 1 ? static_cast<float>(static_cast<const attnlab::Half*>(c.k)[at + i])
                               : static_cast<float>(static_cast<const int8_t*>(c.k)[at + i]) *
                                     c.ks[h * c.shead + slot * c.srow + i / 32];
     if (pg.keys_t) {  // as channel_codes: one scale per key, codes rounded to nearest even (the default mode)

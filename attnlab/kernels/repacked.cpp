@@ -16,7 +16,7 @@
 namespace {
 
 template <bool H, bool S>
-torch::Tensor q4x(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int64_t group, bool glu) {
+View q4x(const Alloc& alloc, const View& x, const View& w, int64_t N, int64_t group, bool glu) {
   const int64_t K = x.size(1);
   constexpr int64_t sb = H ? 32 : 64;  // bytes of 16 scales
   const int64_t G = K / group, per = group / 32, stride = per * 256 + sb * (S ? 1 : 2);
@@ -64,16 +64,16 @@ torch::Tensor q4x(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int
     amx::tile_sums<false>(a, K, m0, blk, o);
     amx::add_mins(blk, a.fs, G, S ? -8.f : 1.f, m0, o);
   };
-  return glu ? run_glu(x, w, N, G, stride, blk, tiles, rows) : run<kStreams>(x, w, N, G, stride, blk, tiles, rows);
+  return glu ? run_glu(alloc, x, w, N, G, stride, blk, tiles, rows) : run<kStreams>(alloc, x, w, N, G, stride, blk, tiles, rows);
 #else
-  return glu ? run_glu(x, w, N, G, stride, blk, NoTiles{}, rows) : run<kStreams>(x, w, N, G, stride, blk, NoTiles{}, rows);
+  return glu ? run_glu(alloc, x, w, N, G, stride, blk, NoTiles{}, rows) : run<kStreams>(alloc, x, w, N, G, stride, blk, NoTiles{}, rows);
 #endif
 }
 
 // Q4_K superblocks (KQ): q4x<false, false> at group 32, each sub-block's s and m made from the factors in
 // the same float32 operations as the loader's (d * sc, -(dmin * m): negating the factor negates the product
 // exactly), so the same sums in the same order give the same bits.
-torch::Tensor q4k(const torch::Tensor& x, const torch::Tensor& w, int64_t N, bool glu) {
+View q4k(const Alloc& alloc, const View& x, const View& w, int64_t N, bool glu) {
   const int64_t K = x.size(1), G = K / 256, stride = 2368;
   const Acts a(x.data_ptr<float>(), x.size(0), K, 32, true);
   auto blk = [&](auto, int h, const uint8_t* p, int64_t m, float* o) {
@@ -119,15 +119,15 @@ torch::Tensor q4k(const torch::Tensor& x, const torch::Tensor& w, int64_t N, boo
     amx::tile_sums<false>(a, K, m0, blk, o);
     amx::add_mins(blk, a.fs, K / 32, 1.f, m0, o);
   };
-  return glu ? run_glu(x, w, N, G, stride, blk, tiles, rows) : run(x, w, N, G, stride, blk, tiles, rows);
+  return glu ? run_glu(alloc, x, w, N, G, stride, blk, tiles, rows) : run(alloc, x, w, N, G, stride, blk, tiles, rows);
 #else
-  return glu ? run_glu(x, w, N, G, stride, blk, NoTiles{}, rows) : run(x, w, N, G, stride, blk, NoTiles{}, rows);
+  return glu ? run_glu(alloc, x, w, N, G, stride, blk, NoTiles{}, rows) : run(alloc, x, w, N, G, stride, blk, NoTiles{}, rows);
 #endif
 }
 
 // Q6_K superblocks (KQ): q8x<false> at group 16 without a min, the codes rebuilt from their two parts, each
 // sub-block's s = sc * d made as the loader makes it: integer sums are exact, so the same bits.
-torch::Tensor q6k(const torch::Tensor& x, const torch::Tensor& w, int64_t N, bool glu) {
+View q6k(const Alloc& alloc, const View& x, const View& w, int64_t N, bool glu) {
   const int64_t K = x.size(1), G = K / 256, stride = 3360;
   const Acts a(x.data_ptr<float>(), x.size(0), K, 16, false);
   auto blk = [&](auto, int h, const uint8_t* p, int64_t m, float* o) {
@@ -189,11 +189,11 @@ torch::Tensor q6k(const torch::Tensor& x, const torch::Tensor& w, int64_t N, boo
       }
     });
   };
-  return glu ? run_glu(x, w, N, G, stride, blk, NoTiles{}, rows) : run(x, w, N, G, stride, blk, NoTiles{}, rows);
+  return glu ? run_glu(alloc, x, w, N, G, stride, blk, NoTiles{}, rows) : run(alloc, x, w, N, G, stride, blk, NoTiles{}, rows);
 }
 
 template <bool H>
-torch::Tensor q8x(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int64_t group, bool has_min, bool glu) {
+View q8x(const Alloc& alloc, const View& x, const View& w, int64_t N, int64_t group, bool has_min, bool glu) {
   const int64_t K = x.size(1);
   constexpr int64_t sb = H ? 32 : 64;
   const int64_t G = K / group, stride = group * 16 + sb * (has_min ? 2 : 1), sub = std::min<int64_t>(group, 32);
@@ -264,64 +264,52 @@ torch::Tensor q8x(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int
     amx::tile_sums<true>(a, K, m0, blk, o);
     amx::add_mins(blk, a.fs, has_min ? G : 0, 1.f, m0, o);
   };
-  if (sub == 32) return glu ? run_glu(x, w, N, G, stride, blk, tiles, rows) : run<kStreams>(x, w, N, G, stride, blk, tiles, rows);
+  if (sub == 32) return glu ? run_glu(alloc, x, w, N, G, stride, blk, tiles, rows) : run<kStreams>(alloc, x, w, N, G, stride, blk, tiles, rows);
 #endif
-  return glu ? run_glu(x, w, N, G, stride, blk, NoTiles{}, rows) : run<kStreams>(x, w, N, G, stride, blk, NoTiles{}, rows);
+  return glu ? run_glu(alloc, x, w, N, G, stride, blk, NoTiles{}, rows) : run<kStreams>(alloc, x, w, N, G, stride, blk, NoTiles{}, rows);
 }
-
-}  // namespace
 
 // x [M, K] fp32; w [ceil(N/16), K/group, group*8 + scale/min bytes] uint8 (q4 layout above, flags fmt) -> [M, N];
 // with KQ [ceil(N/16), K/256, 2368]
-torch::Tensor q4x_any(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int64_t group, int64_t fmt, bool glu) {
+View q4x_any(const Alloc& alloc, const View& x, const View& w, int64_t N, int64_t group, int64_t fmt, bool glu) {
   const int64_t K = x.size(1);
-  TORCH_CHECK(group % 32 == 0 && group > 0 && K % group == 0, "q4x: group must be a multiple of 32 dividing K");
+  ATTNLAB_CHECK(group % 32 == 0 && group > 0 && K % group == 0, "q4x: group must be a multiple of 32 dividing K");
   check_x(x, K);
   if (fmt == KQ) {
-    TORCH_CHECK(group == 32 && K % 256 == 0, "q4x: the KQ layout needs groups of 32 and K a multiple of 256");
-    return q4k(x, w, N, glu);
+    ATTNLAB_CHECK(group == 32 && K % 256 == 0, "q4x: the KQ layout needs groups of 32 and K a multiple of 256");
+    return q4k(alloc, x, w, N, glu);
   }
-  return with_layout(fmt, [&](auto half, auto sym) { return q4x<half.value, sym.value>(x, w, N, group, glu); });
+  return with_layout(fmt, [&](auto half, auto sym) { return q4x<half.value, sym.value>(alloc, x, w, N, group, glu); });
 }
-torch::Tensor q4x_mm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t group, int64_t fmt) {
-  return q4x_any(x, w, N, group, fmt, false);
+}  // namespace
+
+View attnlab::q4x_mm(const Alloc& alloc, const View& x, const View& w, int64_t N, int64_t group, int64_t fmt) {
+  return q4x_any(alloc, x, w, N, group, fmt, false);
 }
 // x @ w^T for w's rows gate (N / 2) then up -> silu(gate) * up [M, N / 2] (run_glu): an MLP's input side
-torch::Tensor q4x_glu(torch::Tensor x, torch::Tensor w, int64_t N, int64_t group, int64_t fmt) {
-  return q4x_any(x, w, N, group, fmt, true);
+View attnlab::q4x_glu(const Alloc& alloc, const View& x, const View& w, int64_t N, int64_t group, int64_t fmt) {
+  return q4x_any(alloc, x, w, N, group, fmt, true);
 }
 
 // x [M, K] fp32; w [ceil(N/16), K/group, group*16 + scale (+ min) bytes] uint8 (q8 layout) -> [M, N];
 // with KQ [ceil(N/16), K/256, 3360]
-torch::Tensor q8x_any(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int64_t group, bool has_min,
+static View q8x_any(const Alloc& alloc, const View& x, const View& w, int64_t N, int64_t group, bool has_min,
                       int64_t fmt, bool glu) {
   const int64_t K = x.size(1);
-  TORCH_CHECK(group % 16 == 0 && group > 0 && K % group == 0 && K % 32 == 0,
+  ATTNLAB_CHECK(group % 16 == 0 && group > 0 && K % group == 0 && K % 32 == 0,
               "q8x: group must be a multiple of 16 dividing K (a multiple of 32)");
-  TORCH_CHECK(group <= 32 || group % 32 == 0, "q8x: a group above 32 must be a multiple of 32");
+  ATTNLAB_CHECK(group <= 32 || group % 32 == 0, "q8x: a group above 32 must be a multiple of 32");
   check_x(x, K);
   if (fmt == KQ) {
-    TORCH_CHECK(group == 16 && !has_min && K % 256 == 0, "q8x: the KQ layout needs groups of 16, no min, K a multiple of 256");
-    return q6k(x, w, N, glu);
+    ATTNLAB_CHECK(group == 16 && !has_min && K % 256 == 0, "q8x: the KQ layout needs groups of 16, no min, K a multiple of 256");
+    return q6k(alloc, x, w, N, glu);
   }
-  TORCH_CHECK(fmt == 0 || fmt == HALF, "q8x: layout flags must be 0, HALF (1) or KQ (4), got ", fmt);
-  return fmt == HALF ? q8x<true>(x, w, N, group, has_min, glu) : q8x<false>(x, w, N, group, has_min, glu);
+  ATTNLAB_CHECK(fmt == 0 || fmt == HALF, "q8x: layout flags must be 0, HALF (1) or KQ (4), got ", fmt);
+  return fmt == HALF ? q8x<true>(alloc, x, w, N, group, has_min, glu) : q8x<false>(alloc, x, w, N, group, has_min, glu);
 }
-torch::Tensor q8x_mm(torch::Tensor x, torch::Tensor w, int64_t N, int64_t group, bool has_min, int64_t fmt) {
-  return q8x_any(x, w, N, group, has_min, fmt, false);
+View attnlab::q8x_mm(const Alloc& alloc, const View& x, const View& w, int64_t N, int64_t group, bool has_min, int64_t fmt) {
+  return q8x_any(alloc, x, w, N, group, has_min, fmt, false);
 }
-torch::Tensor q8x_glu(torch::Tensor x, torch::Tensor w, int64_t N, int64_t group, bool has_min, int64_t fmt) {
-  return q8x_any(x, w, N, group, has_min, fmt, true);
-}
-
-TORCH_LIBRARY_FRAGMENT(attnlab, m) {
-  m.def("q4x_mm(Tensor x, Tensor w, int n, int group, int fmt) -> Tensor");
-  m.def("q8x_mm(Tensor x, Tensor w, int n, int group, bool has_min, int fmt) -> Tensor");
-  m.def("q4x_glu(Tensor x, Tensor w, int n, int group, int fmt) -> Tensor");
-  m.def("q8x_glu(Tensor x, Tensor w, int n, int group, bool has_min, int fmt) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(attnlab, CPU, m) {
-  m.impl("q4x_mm", &q4x_mm), m.impl("q8x_mm", &q8x_mm);
-  m.impl("q4x_glu", &q4x_glu), m.impl("q8x_glu", &q8x_glu);
+View attnlab::q8x_glu(const Alloc& alloc, const View& x, const View& w, int64_t N, int64_t group, bool has_min, int64_t fmt) {
+  return q8x_any(alloc, x, w, N, group, has_min, fmt, true);
 }

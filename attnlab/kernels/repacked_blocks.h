@@ -32,17 +32,17 @@ constexpr int64_t kStreamOut = 2 << 20;  // bytes of output from which run's til
 // granted and M >= 16, tiles(p, m0, o) writes activation rows m0..m0+15 times the block at p into o[16 x 16]
 // instead (m0 = 0 first for each block: the call that may unpack it), the vector path taking the rows past the
 // last whole tile.
-void check_w(const torch::Tensor& w, int64_t NB, int64_t G, int64_t stride) {
-  TORCH_CHECK(w.scalar_type() == torch::kByte && w.is_contiguous() && w.numel() == NB * G * stride,
+void check_w(const View& w, int64_t NB, int64_t G, int64_t stride) {
+  ATTNLAB_CHECK(w.scalar_type() == attnlab::kByte && w.is_contiguous() && w.numel() == NB * G * stride,
               "repacked weight must be contiguous uint8 [", NB, ", ", G, ", ", stride, "]");
 }
 
 template <int NS = 1, class Blk, class Tiles = NoTiles, class Rows = NoRows>
-torch::Tensor run(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int64_t G, int64_t stride, Blk blk,
+View run(const Alloc& alloc, const View& x, const View& w, int64_t N, int64_t G, int64_t stride, Blk blk,
                   Tiles tiles = {}, Rows rows = {}) {
   const int64_t M = x.size(0), NB = (N + 15) / 16;
   check_w(w, NB, G, stride);
-  auto out = torch::empty({M, N}, x.options());
+  auto out = alloc({M, N}, attnlab::kFloat);
   float* O = out.data_ptr<float>();
   const uint8_t* W = w.data_ptr<uint8_t>();
 #if ATTNLAB_TILES
@@ -76,9 +76,9 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int
     // NS blocks at a time where NS remain, when this thread is the only one reading weights (not a native step's
     // team, not a parallel_for) or its share is kTeamStreams blocks or more
 #ifdef _OPENMP
-    const bool alone = omp_in_parallel() ? omp_get_num_threads() == 1 : at::get_num_threads() == 1;
+    const bool alone = omp_in_parallel() ? omp_get_num_threads() == 1 : attnlab::num_threads() == 1;
 #else
-    const bool alone = at::get_num_threads() == 1;
+    const bool alone = attnlab::num_threads() == 1;
 #endif
     if constexpr (kRowsAtOnce > 0 && !std::is_same_v<Rows, NoRows>)
       if (M - mt >= kRowsAtOnce) {  // a block's rows four at a time, then the rest one by one while it is in L1
@@ -110,7 +110,7 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int
       b += ns;
     }
   };
-  if (at::get_num_threads() == 1) part(0, NB); else at::parallel_for(0, NB, 1, part);
+  if (attnlab::num_threads() == 1) part(0, NB); else attnlab::parallel_for(0, NB, 1, part);
   return out;
 }
 
@@ -120,12 +120,12 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int
 // bits). What it saves is the [M, N] output's trip through memory and back (SmolLM2's w13 in a 512-token prefill:
 // 6 MiB written, read again, 3 MiB written). One weight stream per thread: for prompts, not matvecs.
 template <class Blk, class Tiles = NoTiles, class Rows = NoRows>
-torch::Tensor run_glu(const torch::Tensor& x, const torch::Tensor& w, int64_t N, int64_t G, int64_t stride, Blk blk,
+View run_glu(const Alloc& alloc, const View& x, const View& w, int64_t N, int64_t G, int64_t stride, Blk blk,
                       Tiles tiles = {}, Rows rows = {}) {
-  TORCH_CHECK(N % 32 == 0, "a gated matmul needs gate and up rows in whole 16-row blocks (N a multiple of 32)");
+  ATTNLAB_CHECK(N % 32 == 0, "a gated matmul needs gate and up rows in whole 16-row blocks (N a multiple of 32)");
   const int64_t M = x.size(0), H = N / 2, NP = N / 32;
   check_w(w, 2 * NP, G, stride);
-  auto out = torch::empty({M, H}, x.options());
+  auto out = alloc({M, H}, attnlab::kFloat);
   float* O = out.data_ptr<float>();
   const uint8_t* W = w.data_ptr<uint8_t>();
   const bool stream_out = M * H * 4 >= kStreamOut;
@@ -166,7 +166,7 @@ torch::Tensor run_glu(const torch::Tensor& x, const torch::Tensor& w, int64_t N,
 #endif
     if (stream_out) _mm_sfence();
   };
-  if (at::get_num_threads() == 1) part(0, NP); else at::parallel_for(0, NP, 1, part);
+  if (attnlab::num_threads() == 1) part(0, NP); else attnlab::parallel_for(0, NP, 1, part);
   return out;
 }
 
@@ -196,10 +196,10 @@ typename V::F scales(const uint8_t* p, int h) {
 
 // Calls f(std::integral_constant<bool, HALF>, std::integral_constant<bool, SYM>) for the layout flags.
 template <class Fn>
-torch::Tensor with_layout(int64_t fmt, Fn f) {
+View with_layout(int64_t fmt, Fn f) {
   using T = std::true_type;
   using U = std::false_type;
-  TORCH_CHECK(fmt >= 0 && fmt <= (HALF | SYM), "repacked layout flags must be 0-3, got ", fmt);
+  ATTNLAB_CHECK(fmt >= 0 && fmt <= (HALF | SYM), "repacked layout flags must be 0-3, got ", fmt);
   switch (fmt) {
     case 0: return f(U{}, U{});
     case HALF: return f(T{}, U{});

@@ -2,8 +2,6 @@
 // AVX-512, with VNNI's dpbusd or maddubs/madd; 8 on AVX2, AVX-VNNI's dpbusd when built with it), and Acts,
 // the activations rounded to int8 per 32 with the sums the min terms need.
 #pragma once
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -17,6 +15,10 @@
 #endif
 
 #include "kernels_simd.h"
+#include "ops.h"
+
+using attnlab::Alloc;
+using attnlab::View;
 
 namespace {
 
@@ -142,13 +144,13 @@ struct Acts {
       else
         for (int64_t i = r0 * K / 16; i < r1 * K / 16; ++i) fp[i / (group / 16)] += dp[i / 2] * static_cast<float>(sp[i]);
     };
-    if (M >= 64) at::parallel_for(0, M, 32, rows); else rows(0, M);  // (inside a parallel region: inline)
+    if (M >= 64) attnlab::parallel_for(0, M, 32, rows); else rows(0, M);  // (inside a parallel region: inline)
     q = qp, d = dp, qs16 = sp, fs = sums ? fp : nullptr;
   }
 };
 
-void check_x(const torch::Tensor& x, int64_t K) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous() && x.dim() == 2 && x.size(1) == K,
+void check_x(const View& x, int64_t K) {
+  ATTNLAB_CHECK(x.scalar_type() == attnlab::kFloat && x.is_contiguous() && x.dim() == 2 && x.size(1) == K,
               "x must be contiguous float32 [M, K]");
 }
 

@@ -14,14 +14,17 @@
 // block, as the dense kernels round activations). The next pass's rows are prefetched (they are
 // scattered, so the hardware prefetcher restarts at each). AVX2 + FMA everywhere, 16-lane AVX-512 paths
 // for f32/q8 where the build has them. Columns split across torch's threads (none at 1 thread).
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include "ops.h"
+
+using attnlab::Alloc;
+using attnlab::View;
 
 namespace {
 
@@ -93,12 +96,12 @@ struct Active {
 // scale pointers, looked up once per pass), fmt.block(row, b, v) loads block b (32 outputs) as floats,
 // fmt.scale(row, b) its factor, fmt.addr(row, b) for prefetching.
 template <class Fmt>
-torch::Tensor cols(const torch::Tensor& x, double tau, int64_t K, int64_t N, const Fmt& fmt) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous() && x.numel() == K,
+View cols(const Alloc& alloc, const View& x, double tau, int64_t K, int64_t N, const Fmt& fmt) {
+  ATTNLAB_CHECK(x.scalar_type() == attnlab::kFloat && x.is_contiguous() && x.numel() == K,
               "x must be a contiguous float32 vector of size ", K);
-  TORCH_CHECK(N % 32 == 0, "the output size must be a multiple of 32, got ", N);
+  ATTNLAB_CHECK(N % 32 == 0, "the output size must be a multiple of 32, got ", N);
   const Active act(x.data_ptr<float>(), K, static_cast<float>(tau));
-  auto out = torch::zeros({N}, x.options());
+  auto out = alloc({N}, attnlab::kFloat, Alloc::ZEROED);
   float* O = out.data_ptr<float>();
   const int64_t nb = N / 32;
   using Row = typename Fmt::Row;
@@ -124,15 +127,15 @@ torch::Tensor cols(const torch::Tensor& x, double tau, int64_t K, int64_t N, con
       }
     }
   };
-  if (at::get_num_threads() == 1 || act.k * N < (1 << 16)) run(0, nb); else at::parallel_for(0, nb, 4, run);
+  if (attnlab::num_threads() == 1 || act.k * N < (1 << 16)) run(0, nb); else attnlab::parallel_for(0, nb, 4, run);
   return out;
 }
 
-void check_scales(const torch::Tensor& w, int64_t K, int64_t N, int64_t group, std::initializer_list<torch::Tensor> ps) {
-  TORCH_CHECK(w.is_contiguous() && w.dim() == 2 && w.size(0) == K, "weights must be contiguous [K, *]");
-  TORCH_CHECK(group == 32, "the column-sparse formats quantise in groups of 32 outputs, got group ", group);
+void check_scales(const View& w, int64_t K, int64_t N, int64_t group, std::initializer_list<View> ps) {
+  ATTNLAB_CHECK(w.is_contiguous() && w.dim() == 2 && w.size(0) == K, "weights must be contiguous [K, *]");
+  ATTNLAB_CHECK(group == 32, "the column-sparse formats quantise in groups of 32 outputs, got group ", group);
   for (const auto& p : ps)
-    TORCH_CHECK(p.scalar_type() == torch::kFloat && p.is_contiguous() && p.numel() == K * (N / 32),
+    ATTNLAB_CHECK(p.scalar_type() == attnlab::kFloat && p.is_contiguous() && p.numel() == K * (N / 32),
                 "scales must be contiguous float32 [K, N/32]");
 }
 
@@ -171,12 +174,12 @@ inline __m256i codes32(const uint8_t* p) {  // 16 bytes -> 32 codes in output or
   return _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
 }
 
-torch::Tensor q4_cols_int(const torch::Tensor& x, double tau, const uint8_t* Q, const float* S, const float* MN,
+View q4_cols_int(const Alloc& alloc, const View& x, double tau, const uint8_t* Q, const float* S, const float* MN,
                           int64_t K, int64_t N) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous() && x.numel() == K,
+  ATTNLAB_CHECK(x.scalar_type() == attnlab::kFloat && x.is_contiguous() && x.numel() == K,
               "x must be a contiguous float32 vector of size ", K);
   const Active act(x.data_ptr<float>(), K, static_cast<float>(tau), true);
-  auto out = torch::zeros({N}, x.options());
+  auto out = alloc({N}, attnlab::kFloat, Alloc::ZEROED);
   float* O = out.data_ptr<float>();
   const int64_t nb = N / 32;
   auto run = [&](int64_t b0, int64_t b1) {
@@ -248,7 +251,7 @@ torch::Tensor q4_cols_int(const torch::Tensor& x, double tau, const uint8_t* Q, 
     for (int64_t g = 0; g < nl; ++g)
       for (int i = 0; i < 32; ++i) O[(b0 + g) * 32 + i] += mins[g];
   };
-  if (at::get_num_threads() == 1 || act.k * N < (1 << 16)) run(0, nb); else at::parallel_for(0, nb, 4, run);
+  if (attnlab::num_threads() == 1 || act.k * N < (1 << 16)) run(0, nb); else attnlab::parallel_for(0, nb, 4, run);
   return out;
 }
 
@@ -258,9 +261,9 @@ torch::Tensor q4_cols_int(const torch::Tensor& x, double tau, const uint8_t* Q, 
 // as the dense q4 kernel rounds x per 32 values (zeroed channels do not change the group's max), so
 // out[n] = sum_g st[g, n] d_g (sum_j q_j c[n, j]) + mt[g, n] d_g sum_j q_j is the dense int4 product of the
 // zeroed input up to summation order. Channels pair up in one maddubs as in q4_cols_int.
-torch::Tensor q4g_cols(const torch::Tensor& x, double tau, const uint8_t* Q, const float* ST, const float* MT,
+View q4g_cols(const Alloc& alloc, const View& x, double tau, const uint8_t* Q, const float* ST, const float* MT,
                        int64_t K, int64_t N) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous() && x.numel() == K && K % 32 == 0,
+  ATTNLAB_CHECK(x.scalar_type() == attnlab::kFloat && x.is_contiguous() && x.numel() == K && K % 32 == 0,
               "x must be a contiguous float32 vector of size ", K, " (a multiple of 32)");
   const Active act(x.data_ptr<float>(), K, static_cast<float>(tau));
   // per group with active channels: its first channel in act, its count, d, the sum of its rounded values, and
@@ -286,7 +289,7 @@ torch::Tensor q4g_cols(const torch::Tensor& x, double tau, const uint8_t* Q, con
     // rows of the pairs: stored beside, in act order (a lone last channel pairs with itself, coefficient 0)
     t = e;
   }
-  auto out = torch::zeros({N}, x.options());
+  auto out = alloc({N}, attnlab::kFloat, Alloc::ZEROED);
   float* O = out.data_ptr<float>();
   const int64_t nb = N / 32, ng = static_cast<int64_t>(gid.size());
   // the act position of each group's first channel (gstart counts pairs)
@@ -326,55 +329,43 @@ torch::Tensor q4g_cols(const torch::Tensor& x, double tau, const uint8_t* Q, con
       }
     }
   };
-  if (at::get_num_threads() == 1 || act.k * N < (1 << 16)) run(0, nb); else at::parallel_for(0, nb, 4, run);
+  if (attnlab::num_threads() == 1 || act.k * N < (1 << 16)) run(0, nb); else attnlab::parallel_for(0, nb, 4, run);
   return out;
 }
 
 }  // namespace
 
 // x [K] fp32, tau: drop |x_j| <= tau (negative: keep all); wt [K, N] fp32 -> [N] = wt^T (x masked)
-torch::Tensor f32_cols_mv(torch::Tensor x, double tau, torch::Tensor wt) {
-  TORCH_CHECK(wt.scalar_type() == torch::kFloat && wt.is_contiguous() && wt.dim() == 2, "wt must be contiguous float32 [K, N]");
+View attnlab::f32_cols_mv(const Alloc& alloc, const View& x, double tau, const View& wt) {
+  ATTNLAB_CHECK(wt.scalar_type() == attnlab::kFloat && wt.is_contiguous() && wt.dim() == 2, "wt must be contiguous float32 [K, N]");
   const int64_t K = wt.size(0), N = wt.size(1);
-  return cols(x, tau, K, N, F32{wt.data_ptr<float>(), N});
+  return cols(alloc, x, tau, K, N, F32{wt.data_ptr<float>(), N});
 }
 
 // q [K, N] int8, scale [K, N/32] fp32
-torch::Tensor q8_cols_mv(torch::Tensor x, double tau, torch::Tensor q, torch::Tensor scale, int64_t group) {
-  TORCH_CHECK(q.scalar_type() == torch::kChar, "q must be int8 [K, N]");
+View attnlab::q8_cols_mv(const Alloc& alloc, const View& x, double tau, const View& q, const View& scale, int64_t group) {
+  ATTNLAB_CHECK(q.scalar_type() == attnlab::kChar, "q must be int8 [K, N]");
   const int64_t K = q.size(0), N = q.size(1);
   check_scales(q, K, N, group, {scale});
-  return cols(x, tau, K, N, Q8{q.data_ptr<int8_t>(), scale.data_ptr<float>(), N});
+  return cols(alloc, x, tau, K, N, Q8{q.data_ptr<int8_t>(), scale.data_ptr<float>(), N});
 }
 
 // qs [K, N/2] uint8, scale and min [K, N/32] fp32
-torch::Tensor q4_cols_mv(torch::Tensor x, double tau, torch::Tensor qs, torch::Tensor scale, torch::Tensor min,
+View attnlab::q4_cols_mv(const Alloc& alloc, const View& x, double tau, const View& qs, const View& scale, const View& min,
                          int64_t group) {
-  TORCH_CHECK(qs.scalar_type() == torch::kByte, "qs must be uint8 [K, N/2]");
+  ATTNLAB_CHECK(qs.scalar_type() == attnlab::kByte, "qs must be uint8 [K, N/2]");
   const int64_t K = qs.size(0), N = qs.size(1) * 2;
   check_scales(qs, K, N, group, {scale, min});
-  return q4_cols_int(x, tau, qs.data_ptr<uint8_t>(), scale.data_ptr<float>(), min.data_ptr<float>(), K, N);
+  return q4_cols_int(alloc, x, tau, qs.data_ptr<uint8_t>(), scale.data_ptr<float>(), min.data_ptr<float>(), K, N);
 }
 
 // ct [K, N/2] uint8, st and mt [K/32, N] fp32: the model's int4 weight (groups of 32 inputs) by columns
-torch::Tensor q4g_cols_mv(torch::Tensor x, double tau, torch::Tensor ct, torch::Tensor st, torch::Tensor mt) {
-  TORCH_CHECK(ct.scalar_type() == torch::kByte && ct.is_contiguous() && ct.dim() == 2, "ct must be contiguous uint8 [K, N/2]");
+View attnlab::q4g_cols_mv(const Alloc& alloc, const View& x, double tau, const View& ct, const View& st, const View& mt) {
+  ATTNLAB_CHECK(ct.scalar_type() == attnlab::kByte && ct.is_contiguous() && ct.dim() == 2, "ct must be contiguous uint8 [K, N/2]");
   const int64_t K = ct.size(0), N = ct.size(1) * 2;
-  TORCH_CHECK(N % 32 == 0, "the output size must be a multiple of 32, got ", N);
-  for (const auto& p : {st, mt})
-    TORCH_CHECK(p.scalar_type() == torch::kFloat && p.is_contiguous() && p.numel() == (K / 32) * N,
+  ATTNLAB_CHECK(N % 32 == 0, "the output size must be a multiple of 32, got ", N);
+  for (const View* p : {&st, &mt})
+    ATTNLAB_CHECK(p->scalar_type() == attnlab::kFloat && p->is_contiguous() && p->numel() == (K / 32) * N,
                 "st and mt must be contiguous float32 [K/32, N]");
-  return q4g_cols(x, tau, ct.data_ptr<uint8_t>(), st.data_ptr<float>(), mt.data_ptr<float>(), K, N);
-}
-
-TORCH_LIBRARY_FRAGMENT(attnlab, m) {
-  m.def("q4g_cols_mv(Tensor x, float tau, Tensor ct, Tensor st, Tensor mt) -> Tensor");
-  m.def("f32_cols_mv(Tensor x, float tau, Tensor wt) -> Tensor");
-  m.def("q8_cols_mv(Tensor x, float tau, Tensor q, Tensor scale, int group) -> Tensor");
-  m.def("q4_cols_mv(Tensor x, float tau, Tensor qs, Tensor scale, Tensor min, int group) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(attnlab, CPU, m) {
-  m.impl("f32_cols_mv", &f32_cols_mv), m.impl("q8_cols_mv", &q8_cols_mv), m.impl("q4_cols_mv", &q4_cols_mv);
-  m.impl("q4g_cols_mv", &q4g_cols_mv);
+  return q4g_cols(alloc, x, tau, ct.data_ptr<uint8_t>(), st.data_ptr<float>(), mt.data_ptr<float>(), K, N);
 }

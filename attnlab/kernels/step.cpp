@@ -1,4 +1,4 @@
-// The decode step of a Llama-family network in one native call (`attnlab::DecodeStep`): one token each for B
+// The decode step of a Llama-family network in one native call (`attnlab::DecodeStep`; state: step.h, torch class: bind.cpp): one token each for B
 // conversations, every one over its own cache (continuous batching; B = 1 is the single-stream step).
 //
 // Why: a decode step of SmolLM2-135M is ~150 kernel calls of a few microseconds to a millisecond
@@ -28,9 +28,6 @@
 // The Python side (`attnlab/model/native.py`) decides which steps come here (one token per conversation, no
 // padding, float32 activations, float32 / float16 / int8 caches) and keeps the caches' bookkeeping
 // (positions, growth, eviction) around the call.
-#include <torch/extension.h>
-#include <torch/custom_class.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -39,37 +36,18 @@
 #include <chrono>
 #include <cmath>
 #include <exception>
-#include <optional>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include "attend.h"
 #include "kernels_simd.h"
 #include "quest.h"
+#include "step.h"
+
+using attnlab::View;
+using attnlab_step::Step;
 
 namespace {
-
-// y = x W^T (+ b) over output rows [row0, row0 + rows), run by team thread `thread`: a dispatcher op with
-// its operands after x (a quantized layer's `kernel(rows=...)`), or a float weight's rows through at::linear.
-struct Linear {
-  int64_t row0 = 0, rows = 0, thread = 0;
-  std::optional<c10::OperatorHandle> op;
-  std::vector<c10::IValue> args;
-  at::Tensor weight, bias;
-
-  at::Tensor operator()(const at::Tensor& x) const {
-    if (!op) return at::linear(x, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt);
-    torch::jit::Stack stack;
-    stack.reserve(args.size() + 1);
-    stack.emplace_back(x);
-    stack.insert(stack.end(), args.begin(), args.end());
-    op->callBoxed(stack);
-    at::Tensor y = stack[0].toTensor();
-    if (bias.defined()) y.add_(bias);
-    return y;
-  }
-};
 
 using attnlab_simd::rms_norm;
 
@@ -83,502 +61,423 @@ void rope(float* x, const float* rot, int64_t heads, int64_t D) {
     }
 }
 
+void add(float* x, const float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] += y[i];
+}
+
+// Layer l of a bound cache, by pointers (attend.h), and its page summaries (quest.h).
+attnlab_attend::Cache cache_of(const Step::Bound& c, int64_t l) {
+  const View &K = c.k[l], &V = c.v[l];
+  const bool int8 = !c.k_scale.empty();
+  const int dtype = K.scalar_type() == attnlab::kFloat ? 0 : K.scalar_type() == attnlab::kHalf ? 1 : 2;
+  return {K.data_ptr(), V.data_ptr(), int8 ? c.k_scale[l].data_ptr<float>() : nullptr,
+          int8 ? c.v_scale[l].data_ptr<float>() : nullptr, K.stride(2), K.stride(1),
+          int8 ? c.k_scale[l].stride(2) : 0, int8 ? c.k_scale[l].stride(1) : 0, dtype};
+}
+attnlab_quest::Pages pages_of(const Step::Bound& c, int64_t l) {
+  attnlab_quest::Pages pg{static_cast<uint16_t*>(c.page_min[l].data_ptr()),
+                          static_cast<uint16_t*>(c.page_max[l].data_ptr()), c.page_min[l].stride(1), c.page};
+  if (!c.keys_t.empty())
+    pg.keys_t = c.keys_t[l].data_ptr<int8_t>(), pg.t_head = c.keys_t[l].stride(1), pg.t_row = c.keys_t[l].stride(2),
+    pg.keys_s = c.keys_s[l].data_ptr<float>(), pg.s_head = c.keys_s[l].stride(1);
+  return pg;
+}
+
 }  // namespace
 
-struct DecodeStep : torch::CustomClassHolder {
-  int64_t dim, n_heads, n_kv, head_dim, hidden, threads;
-  double eps, scale;
-  at::Tensor embed_w, embed_scale;  // float32 [V, dim], or int8 codes [V, dim] with scales [V, dim / group]
-  int64_t embed_group = 0;
-  std::vector<at::Tensor> norms;    // attn_norm, mlp_norm per layer, then the final norm
-  std::vector<std::vector<Linear>> linears;  // wqkv, wo, w13, w2 per layer, then the head: segments in row order
-  struct Bound {  // one conversation's cache: per-layer buffers (Quest's page summaries where it keeps them)
-    std::vector<at::Tensor> k, v, k_scale, v_scale, pos, page_min, page_max, keys_t, keys_s;
-    int64_t page = 0;
-  };
-  int64_t quest_budget = 0, quest_dense = 0, quest_channels = 0;  // Quest: tokens read per step (0: all), layers before quest_dense read all
-  std::vector<Bound> bound;  // row b of a batch reads bound[b]
-  // Phase timings when profiling (`profile(true)`): seconds per thread and phase of its own work ("busy"), and
-  // of the phase until its barrier released thread 0 ("wall"), summed over the calls since.
-  static constexpr const char* kPhases[] = {"wqkv", "attention", "wo", "w13", "silu", "w2", "head"};
-  static constexpr int kNPhases = 7;
-  bool profiling = false;
-  std::vector<double> busy, wall;
-  int64_t profiled = 0;
-  // attend.cpp's int8 rounding, called boxed: by schema, whatever C++ signature its kernel has (attention itself
-  // by pointers: attend.h)
-  c10::OperatorHandle quantize_kv = c10::Dispatcher::singleton().findSchemaOrThrow("attnlab::quantize_kv", "");
+constexpr const char* Step::kPhases[];
 
-  DecodeStep(int64_t dim, int64_t n_heads, int64_t n_kv, int64_t head_dim, int64_t hidden, double eps, int64_t threads)
-      : dim(dim), n_heads(n_heads), n_kv(n_kv), head_dim(head_dim), hidden(hidden), threads(threads), eps(eps),
-        scale(1.0 / std::sqrt(static_cast<double>(head_dim))) {
-    TORCH_CHECK(threads >= 1 && (threads == 1 || openmp()), "threads must be >= 1 (1 in a build without OpenMP)");
+Step::Step(int64_t dim, int64_t n_heads, int64_t n_kv, int64_t head_dim, int64_t hidden, double eps, int64_t threads)
+    : dim(dim), n_heads(n_heads), n_kv(n_kv), head_dim(head_dim), hidden(hidden), threads(threads), eps(eps),
+      scale(1.0 / std::sqrt(static_cast<double>(head_dim))) {
+  ATTNLAB_CHECK(threads >= 1 && (threads == 1 || openmp()), "threads must be >= 1 (1 in a build without OpenMP)");
+}
+
+// Start (or stop) timing the phases; returns {phase: [wall, busy thread 0, busy thread 1, ...]} in seconds
+// per step, averaged over the steps since the last call.
+std::vector<std::pair<std::string, std::vector<double>>> Step::profile(bool on) {
+  std::vector<std::pair<std::string, std::vector<double>>> out;
+  for (int p = 0; p < kNPhases && profiled; ++p) {
+    std::vector<double> row{wall[p] / profiled};
+    for (int64_t t = 0; t < threads; ++t) row.push_back(busy[t * kNPhases + p] / profiled);
+    out.emplace_back(kPhases[p], row);
   }
+  profiling = on, profiled = 0;
+  busy.assign(threads * kNPhases, 0.0), wall.assign(kNPhases, 0.0);
+  return out;
+}
 
-  // Start (or stop) timing the phases; returns {phase: [wall, busy thread 0, busy thread 1, ...]} in seconds
-  // per step, averaged over the steps since the last call.
-  c10::Dict<std::string, std::vector<double>> profile(bool on) {
-    c10::Dict<std::string, std::vector<double>> out;
-    for (int p = 0; p < kNPhases && profiled; ++p) {
-      std::vector<double> row{wall[p] / profiled};
-      for (int64_t t = 0; t < threads; ++t) row.push_back(busy[t * kNPhases + p] / profiled);
-      out.insert(kPhases[p], row);
-    }
-    profiling = on, profiled = 0;
-    busy.assign(threads * kNPhases, 0.0), wall.assign(kNPhases, 0.0);
-    return out;
-  }
-
-  static bool openmp() {
+bool Step::openmp() {
 #ifdef _OPENMP
-    return true;
+  return true;
 #else
-    return false;
+  return false;
 #endif
-  }
+}
 
-  void set_embedding(at::Tensor w, std::optional<at::Tensor> scale, int64_t group) {
-    TORCH_CHECK(w.dim() == 2 && w.size(1) == dim && w.is_contiguous(), "embedding must be contiguous [V, dim]");
-    TORCH_CHECK(scale ? w.scalar_type() == at::kChar && group > 0 && dim % group == 0 && scale->is_contiguous()
-                      : w.scalar_type() == at::kFloat, "embedding: float32 rows, or int8 codes with scales");
-    embed_w = w, embed_scale = scale ? *scale : at::Tensor(), embed_group = group;
-  }
+void Step::set_embedding(const View& w, const View& scale, int64_t group) {
+  ATTNLAB_CHECK(w.dim() == 2 && w.size(1) == dim && w.is_contiguous(), "embedding must be contiguous [V, dim]");
+  ATTNLAB_CHECK(scale ? w.scalar_type() == attnlab::kChar && group > 0 && dim % group == 0 && scale.is_contiguous()
+                      : w.scalar_type() == attnlab::kFloat, "embedding: float32 rows, or int8 codes with scales");
+  embed_w = w, embed_scale = scale, embed_group = group;
+}
 
-  void add_norm(at::Tensor w) {
-    TORCH_CHECK(w.scalar_type() == at::kFloat && w.numel() == dim && w.is_contiguous(), "norm weight: float32 [dim]");
-    norms.push_back(w);
-  }
+void Step::add_norm(const View& w) {
+  ATTNLAB_CHECK(w.scalar_type() == attnlab::kFloat && w.numel() == dim && w.is_contiguous(), "norm weight: float32 [dim]");
+  norms.push_back(w);
+}
 
-  // One segment of a linear layer: output rows [row0, row0 + rows), run by team thread `thread` (row0 == 0
-  // starts the next layer). op: an attnlab op name ("" = float weight rows tensors[0]); its operands after x
-  // are filled in the order of the op's schema from tensors, ints and floats; bias: the segment's rows.
-  void add_linear(const std::string& op, std::vector<at::Tensor> tensors, std::vector<int64_t> ints,
-                  std::vector<double> floats, std::optional<at::Tensor> bias, int64_t row0, int64_t rows,
-                  int64_t thread) {
-    TORCH_CHECK(row0 >= 0 && rows > 0, "rows of a segment: row0 >= 0, rows > 0");
-    TORCH_CHECK(thread >= 0 && thread < threads, "thread ", thread, " of a team of ", threads);
-    if (row0 == 0) linears.emplace_back();
-    TORCH_CHECK(!linears.empty() &&
+// One segment of a linear layer: output rows [row0, row0 + rows), run by team thread `thread` (row0 == 0
+// starts the next layer).
+attnlab_step::Linear& Step::add_linear(int64_t row0, int64_t rows, int64_t thread) {
+  ATTNLAB_CHECK(row0 >= 0 && rows > 0, "rows of a segment: row0 >= 0, rows > 0");
+  ATTNLAB_CHECK(thread >= 0 && thread < threads, "thread ", thread, " of a team of ", threads);
+  if (row0 == 0) linears.emplace_back();
+  ATTNLAB_CHECK(!linears.empty() &&
                 (linears.back().empty() ? row0 == 0 : row0 == linears.back().back().row0 + linears.back().back().rows),
                 "segments of a layer come in row order, each starting where the last ended");
-    Linear l;
-    l.row0 = row0, l.rows = rows, l.thread = thread;
-    if (bias) {
-      TORCH_CHECK(bias->numel() == rows, "bias: the segment's rows");
-      l.bias = bias->contiguous();
-    }
-    if (op.empty()) {
-      TORCH_CHECK(tensors.size() == 1 && tensors[0].scalar_type() == at::kFloat && tensors[0].size(0) == rows,
-                  "a float linear takes its weight's rows");
-      l.weight = tensors[0];
-      linears.back().push_back(std::move(l));
-      return;
-    }
-    auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(("attnlab::" + op).c_str(), "");
-    const auto& schema = handle.schema();
-    size_t t = 0, i = 0, f = 0;
-    for (size_t a = 1; a < schema.arguments().size(); ++a) {
-      switch (schema.arguments()[a].type()->kind()) {
-        case c10::TypeKind::TensorType:
-          TORCH_CHECK(t < tensors.size(), op, ": too few tensors"); l.args.emplace_back(tensors[t++]); break;
-        case c10::TypeKind::IntType:
-          TORCH_CHECK(i < ints.size(), op, ": too few ints"); l.args.emplace_back(ints[i++]); break;
-        case c10::TypeKind::BoolType:
-          TORCH_CHECK(i < ints.size(), op, ": too few ints"); l.args.emplace_back(ints[i++] != 0); break;
-        case c10::TypeKind::FloatType:
-          TORCH_CHECK(f < floats.size(), op, ": too few floats"); l.args.emplace_back(floats[f++]); break;
-        default:
-          TORCH_CHECK(false, op, ": argument ", schema.arguments()[a].name(), " has a type the step cannot pass");
-      }
-    }
-    TORCH_CHECK(t == tensors.size() && i == ints.size() && f == floats.size(), op, ": more operands than its schema");
-    l.op = handle;
-    linears.back().push_back(std::move(l));
-  }
+  Linear l;
+  l.row0 = row0, l.rows = rows, l.thread = thread;
+  linears.back().push_back(std::move(l));
+  return linears.back().back();
+}
 
-  // Conversation b's cache buffers per layer (row b of the next batches): k, v [1, Hkv, C, D] float32 / float16 /
-  // int8, pos [1, Hkv, C] int64, and for int8 the scales [1, Hkv, C, D/32] float32 (empty lists otherwise).
-  void bind_rows(int64_t row, std::vector<at::Tensor> k_, std::vector<at::Tensor> v_, std::vector<at::Tensor> ks,
-                 std::vector<at::Tensor> vs, std::vector<at::Tensor> p) {
-    TORCH_CHECK(row >= 0 && row <= static_cast<int64_t>(bound.size()), "bind rows in order: row ", row, " after ",
+// Conversation b's cache buffers per layer (row b of the next batches): k, v [1, Hkv, C, D] float32 / float16 /
+// int8, pos [1, Hkv, C] int64, and for int8 the scales [1, Hkv, C, D/32] float32 (empty lists otherwise).
+void Step::bind_rows(int64_t row, std::vector<View> k_, std::vector<View> v_, std::vector<View> ks,
+                     std::vector<View> vs, std::vector<View> p) {
+  ATTNLAB_CHECK(row >= 0 && row <= static_cast<int64_t>(bound.size()), "bind rows in order: row ", row, " after ",
                 bound.size());
-    const size_t L = norms.size() / 2;
-    TORCH_CHECK(k_.size() == L && v_.size() == L && p.size() == L, "one k, v and pos buffer per layer");
-    const auto dt = k_[0].scalar_type();
-    TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kChar, "cache dtype must be float32, float16 or int8");
-    TORCH_CHECK(dt == at::kChar ? ks.size() == L && vs.size() == L : ks.empty() && vs.empty(),
+  const size_t L = norms.size() / 2;
+  ATTNLAB_CHECK(k_.size() == L && v_.size() == L && p.size() == L, "one k, v and pos buffer per layer");
+  const auto dt = k_[0].scalar_type();
+  ATTNLAB_CHECK(dt == attnlab::kFloat || dt == attnlab::kHalf || dt == attnlab::kChar,
+                "cache dtype must be float32, float16 or int8");
+  ATTNLAB_CHECK(dt == attnlab::kChar ? ks.size() == L && vs.size() == L : ks.empty() && vs.empty(),
                 "an int8 cache binds its scales, no other does");
-    for (size_t i = 0; i < L; ++i) {
-      for (const auto& t : {k_[i], v_[i]})
-        TORCH_CHECK(t.dim() == 4 && t.size(0) == 1 && t.size(1) == n_kv && t.size(3) == head_dim &&
-                    t.scalar_type() == dt && t.is_contiguous() && t.sizes() == k_[i].sizes(),
+  for (size_t i = 0; i < L; ++i) {
+    for (const View* t : {&k_[i], &v_[i]})
+      ATTNLAB_CHECK(t->dim() == 4 && t->size(0) == 1 && t->size(1) == n_kv && t->size(3) == head_dim &&
+                        t->scalar_type() == dt && t->is_contiguous() && t->sizes() == k_[i].sizes(),
                     "cache buffers: contiguous [1, Hkv, C, D], k and v alike");
-      TORCH_CHECK(p[i].scalar_type() == at::kLong && p[i].is_contiguous() && p[i].size(2) == k_[i].size(2),
+    ATTNLAB_CHECK(p[i].scalar_type() == attnlab::kLong && p[i].is_contiguous() && p[i].size(2) == k_[i].size(2),
                   "pos: int64 [1, Hkv, C]");
-      if (dt == at::kChar)
-        TORCH_CHECK(ks[i].is_contiguous() && vs[i].is_contiguous() && ks[i].dim() == 4 && ks[i].size(1) == n_kv &&
-                    ks[i].size(2) == k_[i].size(2) && ks[i].size(3) == head_dim / 32 && vs[i].sizes() == ks[i].sizes() &&
-                    ks[i].scalar_type() == at::kFloat && vs[i].scalar_type() == at::kFloat,
+    if (dt == attnlab::kChar)
+      ATTNLAB_CHECK(ks[i].is_contiguous() && vs[i].is_contiguous() && ks[i].dim() == 4 && ks[i].size(1) == n_kv &&
+                        ks[i].size(2) == k_[i].size(2) && ks[i].size(3) == head_dim / 32 &&
+                        vs[i].sizes() == ks[i].sizes() && ks[i].scalar_type() == attnlab::kFloat &&
+                        vs[i].scalar_type() == attnlab::kFloat,
                     "scales: contiguous float32 [1, Hkv, C, D/32], k and v alike");
-    }
-    if (row == static_cast<int64_t>(bound.size())) bound.emplace_back();
-    bound[row] = Bound{std::move(k_), std::move(v_), std::move(ks), std::move(vs), std::move(p), {}, {}, {}, {}, 0};
   }
+  if (row == static_cast<int64_t>(bound.size())) bound.emplace_back();
+  bound[row] = Bound{std::move(k_), std::move(v_), std::move(ks), std::move(vs), std::move(p), {}, {}, {}, {}, 0};
+}
 
-  // Quest's page summaries of bound row b's cache per layer (after its bind_rows): lo, hi contiguous float16
-  // [1, Hkv, capacity / page rounded up, D]; the step reads them to select pages and keeps them up to date.
-  // keys_t, keys_s: none, or per layer the keys channel-major, contiguous int8 [1, Hkv, D, capacity], and each key's
-  // scale, contiguous float32 [1, Hkv, capacity] (Quest's CHANNELS).
-  void bind_pages(int64_t row, int64_t page, std::vector<at::Tensor> lo, std::vector<at::Tensor> hi,
-                  std::vector<at::Tensor> keys_t, std::vector<at::Tensor> keys_s) {
-    TORCH_CHECK(row >= 0 && row < static_cast<int64_t>(bound.size()), "bind_pages after bind_rows of row ", row);
-    Bound& c = bound[row];
-    TORCH_CHECK(page > 0 && lo.size() == c.k.size() && hi.size() == c.k.size(), "one page_min and page_max per layer");
-    for (size_t i = 0; i < lo.size(); ++i)
-      for (const auto& t : {lo[i], hi[i]})
-        TORCH_CHECK(t.scalar_type() == at::kHalf && t.is_contiguous() && t.dim() == 4 && t.size(1) == n_kv &&
-                    t.size(3) == head_dim && t.size(2) * page >= c.k[i].size(2),
+// Quest's page summaries of bound row b's cache per layer (after its bind_rows): lo, hi contiguous float16
+// [1, Hkv, capacity / page rounded up, D]; the step reads them to select pages and keeps them up to date.
+// keys_t, keys_s: none, or per layer the keys channel-major, contiguous int8 [1, Hkv, D, capacity], and each key's
+// scale, contiguous float32 [1, Hkv, capacity] (Quest's CHANNELS).
+void Step::bind_pages(int64_t row, int64_t page, std::vector<View> lo, std::vector<View> hi, std::vector<View> keys_t,
+                      std::vector<View> keys_s) {
+  ATTNLAB_CHECK(row >= 0 && row < static_cast<int64_t>(bound.size()), "bind_pages after bind_rows of row ", row);
+  Bound& c = bound[row];
+  ATTNLAB_CHECK(page > 0 && lo.size() == c.k.size() && hi.size() == c.k.size(), "one page_min and page_max per layer");
+  for (size_t i = 0; i < lo.size(); ++i)
+    for (const View* t : {&lo[i], &hi[i]})
+      ATTNLAB_CHECK(t->scalar_type() == attnlab::kHalf && t->is_contiguous() && t->dim() == 4 && t->size(1) == n_kv &&
+                        t->size(3) == head_dim && t->size(2) * page >= c.k[i].size(2),
                     "page summaries: contiguous float16 [1, Hkv, capacity / page, D]");
-    TORCH_CHECK((keys_t.empty() || keys_t.size() == c.k.size()) && keys_s.size() == keys_t.size(),
+  ATTNLAB_CHECK((keys_t.empty() || keys_t.size() == c.k.size()) && keys_s.size() == keys_t.size(),
                 "keys_t and keys_s: none or one each per layer");
-    for (size_t i = 0; i < keys_t.size(); ++i) {
-      TORCH_CHECK(keys_t[i].scalar_type() == at::kChar && keys_t[i].is_contiguous() && keys_t[i].dim() == 4 &&
+  for (size_t i = 0; i < keys_t.size(); ++i) {
+    ATTNLAB_CHECK(keys_t[i].scalar_type() == attnlab::kChar && keys_t[i].is_contiguous() && keys_t[i].dim() == 4 &&
                       keys_t[i].size(1) == n_kv && keys_t[i].size(2) == head_dim && keys_t[i].size(3) == c.k[i].size(2),
                   "keys_t: contiguous int8 [1, Hkv, D, capacity]");
-      TORCH_CHECK(keys_s[i].scalar_type() == at::kFloat && keys_s[i].is_contiguous() && keys_s[i].dim() == 3 &&
+    ATTNLAB_CHECK(keys_s[i].scalar_type() == attnlab::kFloat && keys_s[i].is_contiguous() && keys_s[i].dim() == 3 &&
                       keys_s[i].size(1) == n_kv && keys_s[i].size(2) == c.k[i].size(2),
                   "keys_s: contiguous float32 [1, Hkv, capacity]");
-    }
-    c.page_min = std::move(lo), c.page_max = std::move(hi), c.keys_t = std::move(keys_t), c.keys_s = std::move(keys_s);
-    c.page = page;
   }
+  c.page_min = std::move(lo), c.page_max = std::move(hi), c.keys_t = std::move(keys_t), c.keys_s = std::move(keys_s);
+  c.page = page;
+}
 
-  // Quest for the next calls: each step reads `budget` tokens of a row with page summaries (whole pages: the
-  // first, the most recent, the highest bounds), from layer `dense` on; budget 0 reads every slot. channels > 0:
-  // pages ranked by their best key's q.k on that many channels (rows bound with keys_t), not by the bound.
-  void set_quest(int64_t budget, int64_t dense, int64_t channels) {
-    TORCH_CHECK(budget >= 0 && dense >= 0 && channels >= 0 && channels <= head_dim,
+// Quest for the next calls: each step reads `budget` tokens of a row with page summaries (whole pages: the
+// first, the most recent, the highest bounds), from layer `dense` on; budget 0 reads every slot. channels > 0:
+// pages ranked by their best key's q.k on that many channels (rows bound with keys_t), not by the bound.
+void Step::set_quest(int64_t budget, int64_t dense, int64_t channels) {
+  ATTNLAB_CHECK(budget >= 0 && dense >= 0 && channels >= 0 && channels <= head_dim,
                 "quest budget and dense layers must be >= 0, channels in 0 .. head size");
-    quest_budget = budget, quest_dense = dense, quest_channels = channels;
-  }
+  quest_budget = budget, quest_dense = dense, quest_channels = channels;
+}
 
-  // One token at cache slot `slot` (absolute position `position`), attending to slots [first, slot] of bound row
-  // 0: the batch of one (see run_batch).
-  at::Tensor run(int64_t token, int64_t slot, int64_t position, int64_t first, at::Tensor rot,
-                 std::optional<at::Tensor> embedded) {
-    return run_batch({token}, {slot}, {position}, {first}, rot,
-                     embedded ? std::optional<at::Tensor>(embedded->view({1, -1})) : std::nullopt);
-  }
+int64_t Step::vocab() const {
+  ATTNLAB_CHECK(!linears.empty() && !linears.back().empty(), "step not built");
+  return linears.back().back().row0 + linears.back().back().rows;
+}
 
-  // B conversations, one token each: row b's token at its cache's slot slots[b] (absolute position positions[b]),
-  // attending to slots [firsts[b], slots[b]] of bound row b. rots: the rows' RoPE rows as (cos, sin) pairs
-  // [B, D/2, 2] float32; embedded: the tokens' embedding rows [B, dim] float32 where no table was set (a head
-  // repacked by the kernels looks its rows up in Python, see `QuantLinear.embed_rows`). Returns logits [B, 1, V].
-  at::Tensor run_batch(std::vector<int64_t> tokens, std::vector<int64_t> slots, std::vector<int64_t> positions,
-                       std::vector<int64_t> firsts, at::Tensor rots, std::optional<at::Tensor> embedded) {
-    const int64_t L = static_cast<int64_t>(norms.size() / 2), B = static_cast<int64_t>(tokens.size());
-    TORCH_CHECK(L > 0 && static_cast<int64_t>(linears.size()) == 4 * L + 1, "step not built");
-    TORCH_CHECK(B >= 1 && static_cast<int64_t>(slots.size()) == B && static_cast<int64_t>(positions.size()) == B &&
-                static_cast<int64_t>(firsts.size()) == B, "one token, slot, position and first per row");
-    TORCH_CHECK(B <= static_cast<int64_t>(bound.size()), "rows ", bound.size(), " to ", B - 1, " have no cache bound");
-    TORCH_CHECK(embedded ? embedded->scalar_type() == at::kFloat && embedded->is_contiguous() &&
-                           embedded->numel() == B * dim
-                         : embed_w.defined(), "no embedding table: pass the tokens' embedding rows, float32 [B, dim]");
-    for (int64_t r = 0; r < B; ++r) {
-      TORCH_CHECK(slots[r] >= 0 && slots[r] < bound[r].k[0].size(2) && firsts[r] >= 0 && firsts[r] <= slots[r],
-                  "row ", r, ": slot outside its cache");
-      TORCH_CHECK(embedded || (tokens[r] >= 0 && tokens[r] < embed_w.size(0)), "row ", r, ": token id out of range");
-    }
-    TORCH_CHECK(rots.scalar_type() == at::kFloat && rots.is_contiguous() && rots.numel() == B * head_dim,
-                "rots: float32 (cos, sin) [B, D/2, 2]");
-    const auto f32 = at::TensorOptions().dtype(at::kFloat);
-    const int64_t V = linears.back().back().row0 + linears.back().back().rows, HD = n_heads * head_dim;
-    Buffers b{at::empty({B, dim}, f32), at::empty({B, (n_heads + 2 * n_kv) * head_dim}, f32),
-              at::empty({B, 2 * hidden}, f32), at::empty({B, hidden}, f32), at::empty({B, 1, V}, f32),
-              at::empty({threads, B, dim}, f32), at::empty({threads, B, HD}, f32),
-              at::empty({threads, B, (n_heads + n_kv) * head_dim}, f32), at::empty({threads, B, HD}, f32),
-              at::empty({threads, B, n_heads}, f32), at::Tensor()};
-    int64_t most = 0;  // Quest: the most pages of a row, the bounds' row length
-    for (int64_t r = 0; r < B && quest_budget; ++r) {
-      const Bound& c = bound[r];
-      if (!c.page) continue;
-      TORCH_CHECK(c.page_min[0].size(2) * c.page > slots[r], "row ", r, ": page summaries smaller than its cache");
-      TORCH_CHECK(!quest_channels || !c.keys_t.empty(), "row ", r, ": quest channels need its keys_t bound");
-      most = std::max(most, slots[r] / c.page + 1);
-    }
-    if (most) b.bounds = at::empty({B, n_kv, most}, f32);
-    float* X = b.x.data_ptr<float>();
-    for (int64_t r = 0; r < B; ++r, X += dim) {
-      const int64_t token = tokens[r];
-      if (embedded) {
-        std::copy_n(embedded->data_ptr<float>() + r * dim, dim, X);
-      } else if (embed_scale.defined()) {
-        const int8_t* q = embed_w.data_ptr<int8_t>() + token * dim;
-        const float* s = embed_scale.data_ptr<float>() + token * (dim / embed_group);
-        for (int64_t i = 0; i < dim; ++i) X[i] = static_cast<float>(q[i]) * s[i / embed_group];
-      } else {
-        std::copy_n(embed_w.data_ptr<float>() + token * dim, dim, X);
-      }
-    }
-    const Rows rows{B, slots.data(), positions.data(), firsts.data(), rots.data_ptr<float>()};
-    std::atomic<bool> failed{false};
-    std::exception_ptr error;
-    if (threads == 1) {
-      body(b, 0, rows, failed, error);
-    } else {
-#ifdef _OPENMP
-#pragma omp parallel num_threads(threads)
-      {
-        c10::InferenceMode guard;
-        body(b, omp_get_thread_num(), rows, failed, error);
-      }
-#endif
-    }
-    if (error) std::rethrow_exception(error);
-    profiled += profiling;
-    return b.logits;
-  }
-
- private:
-  struct Buffers {
-    at::Tensor x, qkv, gu, act, logits;  // shared by the team, one row per conversation
-    at::Tensor h, o, qk, part, lse;      // per thread: normed inputs and merged attention [B, ..], each row's rotated
-                                         // q and k, each row's stretch out + lse
-    at::Tensor bounds;                   // Quest: [B, Hkv, most pages] upper bounds, shared
-  };
-  struct Rows {  // what differs per conversation
-    int64_t n;
-    const int64_t *slot, *position, *first;
-    const float* rot;  // [n, D/2, 2]
-  };
-  // Quest's pages of row r in layer l: (pages P, pages read k), k = 0 where it reads every slot.
-  std::pair<int64_t, int64_t> quest_pages(const Rows& rows, int64_t r, int64_t l) const {
-    const Bound& c = bound[r];
-    if (!quest_budget || !c.page || l < quest_dense || rows.first[r] != 0) return {0, 0};
-    const int64_t P = rows.slot[r] / c.page + 1, k = quest_budget / c.page;
-    return {P, P > k && k >= 2 ? k : 0};
-  }
-
-  // The step as thread tid of a team of `threads` (alone: tid 0 of 1). Phases are separated by barriers
-  // (an orphaned `omp barrier` is a no-op outside a parallel region); after an error every thread still
-  // reaches every barrier, doing no more work, so the team never waits forever.
-  void body(Buffers& b, int64_t tid, const Rows& rows, std::atomic<bool>& failed, std::exception_ptr& error) {
-    const int64_t L = static_cast<int64_t>(norms.size() / 2), D = head_dim, HD = n_heads * D, B = rows.n;
-    const int64_t QKV_N = (n_heads + 2 * n_kv) * D;
-    using clock = std::chrono::steady_clock;
-    auto phase = [&](int id, auto&& work) {
-      const auto t0 = profiling ? clock::now() : clock::time_point();
-      if (!failed.load(std::memory_order_relaxed)) {
-        try {
-          work();
-        } catch (...) {
-#pragma omp critical(attnlab_step_error)
-          if (!failed.exchange(true)) error = std::current_exception();
-        }
-      }
-      if (profiling) busy[tid * kNPhases + id] += std::chrono::duration<double>(clock::now() - t0).count();
-#pragma omp barrier
-      if (profiling && tid == 0) wall[id] += std::chrono::duration<double>(clock::now() - t0).count();
-    };
-    float* X = b.x.data_ptr<float>();
-    float* QKV = b.qkv.data_ptr<float>();
-    float* GU = b.gu.data_ptr<float>();
-    float* A = b.act.data_ptr<float>();
-    at::Tensor h = b.h[tid], o = b.o[tid];
-    float* H = h.data_ptr<float>();
-    auto norm_rows = [&](const at::Tensor& w) {  // every thread its own copy of the B normed rows
-      for (int64_t r = 0; r < B; ++r) rms_norm(X + r * dim, w.data_ptr<float>(), H + r * dim, dim, eps);
-    };
-    for (int64_t l = 0; l < L; ++l) {
-      phase(0, [&] {
-        norm_rows(norms[2 * l]);
-        linear(4 * l, tid, h, QKV, QKV_N, false);  // [B, (Hq + 2 Hkv) D]: q heads, k heads, v heads
-      });
-      // RoPE, the K/V write and attention in one phase (a barrier fewer per layer, no thread idle while one
-      // rotates): every thread rotates its own copy of q, and the last one, whose stretch holds the new slot
-      // (and alone reads it), rotates k and writes the slot before attending
-      // Quest: a row that selects pages computes, in this phase, its share of the pages' bounds instead, and
-      // reads its pages after a barrier (every thread then sees every bound)
-      bool selecting = false;  // the same on every thread: a phase more (its barrier) or not
-      for (int64_t r = 0; r < B; ++r) selecting |= quest_pages(rows, r, l).second > 0;
-      phase(1, [&] {
-        const bool last = tid == threads - 1;
-        const int64_t heads = last ? n_heads + n_kv : n_heads;  // q and k heads are adjacent
-        for (int64_t r = 0; r < B; ++r) {
-          float* Q = b.qk[tid][r].data_ptr<float>();
-          const float* row = QKV + r * QKV_N;
-          std::copy_n(row, heads * D, Q);
-          rope(Q, rows.rot + r * D, heads, D);
-          if (last) write_kv(bound[r], l, rows.slot[r], rows.position[r], Q + HD, row + HD + n_kv * D);
-          const auto [P, k] = quest_pages(rows, r, l);
-          if (!k) {
-            attend_stretch(b, bound[r], l, tid, r, rows.first[r], rows.slot[r] + 1, Q);
-            continue;
-          }
-          const int64_t most = b.bounds.size(2);
-          float* scores = b.bounds.data_ptr<float>() + r * n_kv * most;
-          if (quest_channels)
-            attnlab_quest::score_share(Q, pages_of(bound[r], l), n_kv, n_heads / n_kv, D, P, quest_channels, tid,
-                                       threads, scores, most);
-          else
-            attnlab_quest::bound_share(Q, pages_of(bound[r], l), n_kv, n_heads / n_kv, D, P, tid, threads, scores,
-                                       most);
-        }
-      });
-      if (selecting) phase(1, [&] {
-        for (int64_t r = 0; r < B; ++r) {
-          const auto [P, k] = quest_pages(rows, r, l);
-          if (!k) continue;
-          const int64_t most = b.bounds.size(2);
-          attnlab_quest::attend_share(b.qk[tid][r].data_ptr<float>(), cache_of(bound[r], l),
-                                      b.bounds.data_ptr<float>() + r * n_kv * most, most, n_kv, n_heads / n_kv, D, P,
-                                      k, bound[r].page, rows.slot[r] + 1, tid, threads, static_cast<float>(scale),
-                                      b.part[tid][r].data_ptr<float>(), b.lse[tid][r].data_ptr<float>());
-        }
-      });
-      phase(2, [&] {
-        for (int64_t r = 0; r < B; ++r) merge(b, r, o.data_ptr<float>() + r * HD);
-        linear(4 * l + 1, tid, o, X, dim, true);
-      });
-      phase(3, [&] {
-        norm_rows(norms[2 * l + 1]);
-        linear(4 * l + 2, tid, h, GU, 2 * hidden, false);  // [B, 2 hidden]: gate, then up
-      });
-      phase(4, [&] {  // SiLU(gate) x up, 8 at a time, in slices of 8 per thread
-        const int64_t i0 = hidden / 8 * tid / threads * 8, i1 = tid + 1 == threads ? hidden : hidden / 8 * (tid + 1) / threads * 8;
-        for (int64_t r = 0; r < B; ++r) attnlab_simd::silu_mul_row(GU + r * 2 * hidden, A + r * hidden, i0, i1, hidden);
-      });
-      phase(5, [&] { linear(4 * l + 3, tid, b.act, X, dim, true); });
-    }
-    phase(6, [&] {
-      norm_rows(norms[2 * L]);
-      linear(4 * L, tid, h, b.logits.data_ptr<float>(), b.logits.size(2), false);
-    });
-  }
-
-  // Thread tid's segments of linear i over the B rows of x: out[r, rows] = (or +=) x[r] W[rows]^T (+ b[rows]),
-  // each segment at its own rows; out's rows are N apart.
-  void linear(size_t i, int64_t tid, const at::Tensor& x, float* out, int64_t N, bool accumulate) const {
-    for (const Linear& seg : linears[i]) {
-      if (seg.thread != tid) continue;
-      const at::Tensor y = seg(x).contiguous();  // [B, seg.rows]
-      const float* Y = y.data_ptr<float>();
-      for (int64_t r = 0; r < x.size(0); ++r, Y += seg.rows) {
-        float* O = out + r * N + seg.row0;
-        if (accumulate) add(O, Y, seg.rows);
-        else std::copy_n(Y, seg.rows, O);
-      }
-    }
-  }
-
-  // Thread tid's stretch of the cache slots [first, n) for the rotated queries q: its attention output and
-  // log-sum-exp per query head. The last thread's stretch ends at the new slot n - 1 (the others' before it).
-  void attend_stretch(Buffers& b, const Bound& c_, int64_t l, int64_t tid, int64_t r, int64_t first, int64_t n,
-                      const float* q) {
-    const int64_t s0 = first + (n - first) * tid / threads, s1 = first + (n - first) * (tid + 1) / threads;
-    float* lse = b.lse[tid][r].data_ptr<float>();
-    if (s1 <= s0) {
-      std::fill_n(lse, n_heads, -INFINITY);
-      return;
-    }
-    attnlab_attend::stretch(q, cache_of(c_, l), n_kv, n_heads / n_kv, head_dim, s0, s1,
-                            static_cast<float>(scale), b.part[tid][r].data_ptr<float>(), lse);
-  }
-
-  // Layer l of a bound cache, by pointers (attend.h), and its page summaries (quest.h).
-  static attnlab_attend::Cache cache_of(const Bound& c, int64_t l) {
-    const at::Tensor &K = c.k[l], &V = c.v[l];
-    const bool int8 = !c.k_scale.empty();
-    const int dtype = K.scalar_type() == at::kFloat ? 0 : K.scalar_type() == at::kHalf ? 1 : 2;
-    return {K.data_ptr(), V.data_ptr(), int8 ? c.k_scale[l].data_ptr<float>() : nullptr,
-            int8 ? c.v_scale[l].data_ptr<float>() : nullptr, K.stride(2), K.stride(1),
-            int8 ? c.k_scale[l].stride(2) : 0, int8 ? c.k_scale[l].stride(1) : 0, dtype};
-  }
-  static attnlab_quest::Pages pages_of(const Bound& c, int64_t l) {
-    attnlab_quest::Pages pg{static_cast<uint16_t*>(c.page_min[l].data_ptr()),
-                            static_cast<uint16_t*>(c.page_max[l].data_ptr()), c.page_min[l].stride(1), c.page};
-    if (!c.keys_t.empty())
-      pg.keys_t = c.keys_t[l].data_ptr<int8_t>(), pg.t_head = c.keys_t[l].stride(1), pg.t_row = c.keys_t[l].stride(2),
-      pg.keys_s = c.keys_s[l].data_ptr<float>(), pg.s_head = c.keys_s[l].stride(1);
-    return pg;
-  }
-
-  // Row r's stretch outputs merged per query head, weighted by e^(lse_t - max lse) (every thread, into its own o).
-  void merge(const Buffers& b, int64_t r, float* o) const {
-    const int64_t D = head_dim, B = b.x.size(0);
-    const float* part = b.part.data_ptr<float>() + r * n_heads * D;  // thread t's row r at t * B * n_heads * D
-    const float* lse = b.lse.data_ptr<float>() + r * n_heads;
-    if (threads == 1) {
-      std::copy_n(part, n_heads * D, o);
-      return;
-    }
-    for (int64_t g = 0; g < n_heads; ++g) {
-      float top = -INFINITY, total = 0.f;
-      for (int64_t t = 0; t < threads; ++t) top = std::max(top, lse[t * B * n_heads + g]);
-      std::fill_n(o + g * D, D, 0.f);
-      for (int64_t t = 0; t < threads; ++t) {
-        if (lse[t * B * n_heads + g] == -INFINITY) continue;
-        const float w = std::exp(lse[t * B * n_heads + g] - top);
-        total += w;
-        const float* p = part + (t * B * n_heads + g) * D;
-        for (int64_t d = 0; d < D; ++d) o[g * D + d] += w * p[d];
-      }
-      for (int64_t d = 0; d < D; ++d) o[g * D + d] /= total;
-    }
-  }
-
-  static void add(float* x, const float* y, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) x[i] += y[i];
-  }
-
-  // The new key (already rotated) and value into layer l's slot, in the cache's dtype, as LayerKV.update stores them.
-  void write_kv(Bound& c, int64_t l, int64_t slot, int64_t position, const float* K, const float* V) {
-    auto &k = c.k, &v = c.v, &pos = c.pos, &k_scale = c.k_scale, &v_scale = c.v_scale;
-    const int64_t C = k[l].size(2), D = head_dim;
-    int64_t* P = pos[l].data_ptr<int64_t>();
-    for (int64_t h = 0; h < n_kv; ++h) P[h * C + slot] = position;
-    switch (k[l].scalar_type()) {
-      case at::kFloat:
-        for (int64_t h = 0; h < n_kv; ++h) {
-          std::copy_n(K + h * D, D, k[l].data_ptr<float>() + (h * C + slot) * D);
-          std::copy_n(V + h * D, D, v[l].data_ptr<float>() + (h * C + slot) * D);
-        }
-        break;
-      case at::kHalf:
-        for (int64_t h = 0; h < n_kv; ++h) {
-          at::Half* kd = k[l].data_ptr<at::Half>() + (h * C + slot) * D;
-          at::Half* vd = v[l].data_ptr<at::Half>() + (h * C + slot) * D;
-          for (int64_t i = 0; i < D; ++i) kd[i] = at::Half(K[h * D + i]), vd[i] = at::Half(V[h * D + i]);
-        }
-        break;
-      default: {  // int8 codes + a scale per 32 dimensions: attend.cpp's quantize_kv, bit for bit the cache's rule
-        const auto f32 = at::TensorOptions().dtype(at::kFloat);
-        const float* src[2] = {K, V};
-        at::Tensor* codes[2] = {&k[l], &v[l]};
-        at::Tensor* scales[2] = {&k_scale[l], &v_scale[l]};
-        for (int w = 0; w < 2; ++w) {
-          torch::jit::Stack stack{at::from_blob(const_cast<float*>(src[w]), {n_kv, D}, f32)};
-          quantize_kv.callBoxed(stack);
-          (*codes[w])[0].select(1, slot).copy_(stack[0].toTensor());
-          (*scales[w])[0].select(1, slot).copy_(stack[1].toTensor());
-        }
-      }
-    }
-    if (c.page) attnlab_quest::add_key(pages_of(c, l), cache_of(c, l), n_kv, slot, D);
-  }
+struct Step::Buffers {  // [B, ..]: shared by the team, one row per conversation; [threads, B, ..]: per thread
+  int64_t B;
+  attnlab::Scratch<float> x, qkv, gu, act;
+  float* logits;
+  attnlab::Scratch<float> h, o, qk, part, lse;  // per thread: normed inputs and merged attention, each row's rotated q and
+                                           // k, each row's stretch out + lse
+  attnlab::Scratch<float> bounds;               // Quest: [B, Hkv, most pages] upper bounds, shared
+  int64_t most = 0;
+};
+struct Step::Rows {  // what differs per conversation
+  int64_t n;
+  const int64_t *slot, *position, *first;
+  const float* rot;  // [n, D/2, 2]
 };
 
-TORCH_LIBRARY_FRAGMENT(attnlab, m) {
-  m.class_<DecodeStep>("DecodeStep")
-      .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t>())
-      .def_static("openmp", &DecodeStep::openmp)
-      .def("profile", &DecodeStep::profile)
-      .def("set_embedding", &DecodeStep::set_embedding)
-      .def("add_norm", &DecodeStep::add_norm)
-      .def("add_linear", &DecodeStep::add_linear)
-      .def("bind_rows", &DecodeStep::bind_rows)
-      .def("bind_pages", &DecodeStep::bind_pages)
-      .def("set_quest", &DecodeStep::set_quest)
-      .def("run", &DecodeStep::run)
-      .def("run_batch", &DecodeStep::run_batch);
+// B conversations, one token each: row b's token at its cache's slot slots[b] (absolute position positions[b]),
+// attending to slots [firsts[b], slots[b]] of bound row b. rots: the rows' RoPE rows as (cos, sin) pairs
+// [B, D/2, 2] float32; embedded: the tokens' embedding rows [B, dim] float32 where no table was set (a head
+// repacked by the kernels looks its rows up in Python, see `QuantLinear.embed_rows`). Writes logits [B, vocab].
+void Step::run_batch(const std::vector<int64_t>& tokens, const std::vector<int64_t>& slots,
+                     const std::vector<int64_t>& positions, const std::vector<int64_t>& firsts, const View& rots,
+                     const View& embedded, float* logits) {
+  const int64_t L = static_cast<int64_t>(norms.size() / 2), B = static_cast<int64_t>(tokens.size());
+  ATTNLAB_CHECK(L > 0 && static_cast<int64_t>(linears.size()) == 4 * L + 1, "step not built");
+  ATTNLAB_CHECK(B >= 1 && static_cast<int64_t>(slots.size()) == B && static_cast<int64_t>(positions.size()) == B &&
+                static_cast<int64_t>(firsts.size()) == B, "one token, slot, position and first per row");
+  ATTNLAB_CHECK(B <= static_cast<int64_t>(bound.size()), "rows ", bound.size(), " to ", B - 1, " have no cache bound");
+  ATTNLAB_CHECK(embedded ? embedded.scalar_type() == attnlab::kFloat && embedded.is_contiguous() &&
+                           embedded.numel() == B * dim
+                         : embed_w.defined(), "no embedding table: pass the tokens' embedding rows, float32 [B, dim]");
+  for (int64_t r = 0; r < B; ++r) {
+    ATTNLAB_CHECK(slots[r] >= 0 && slots[r] < bound[r].k[0].size(2) && firsts[r] >= 0 && firsts[r] <= slots[r],
+                  "row ", r, ": slot outside its cache");
+    ATTNLAB_CHECK(embedded || (tokens[r] >= 0 && tokens[r] < embed_w.size(0)), "row ", r, ": token id out of range");
+  }
+  ATTNLAB_CHECK(rots.scalar_type() == attnlab::kFloat && rots.is_contiguous() && rots.numel() == B * head_dim,
+                "rots: float32 (cos, sin) [B, D/2, 2]");
+  const int64_t HD = n_heads * head_dim;
+  Buffers b{B, attnlab::Scratch<float>(B * dim), attnlab::Scratch<float>(B * (n_heads + 2 * n_kv) * head_dim),
+            attnlab::Scratch<float>(B * 2 * hidden), attnlab::Scratch<float>(B * hidden), logits,
+            attnlab::Scratch<float>(threads * B * dim), attnlab::Scratch<float>(threads * B * HD),
+            attnlab::Scratch<float>(threads * B * (n_heads + n_kv) * head_dim), attnlab::Scratch<float>(threads * B * HD),
+            attnlab::Scratch<float>(threads * B * n_heads), {}, 0};
+  int64_t most = 0;  // Quest: the most pages of a row, the bounds' row length
+  for (int64_t r = 0; r < B && quest_budget; ++r) {
+    const Bound& c = bound[r];
+    if (!c.page) continue;
+    ATTNLAB_CHECK(c.page_min[0].size(2) * c.page > slots[r], "row ", r, ": page summaries smaller than its cache");
+    ATTNLAB_CHECK(!quest_channels || !c.keys_t.empty(), "row ", r, ": quest channels need its keys_t bound");
+    most = std::max(most, slots[r] / c.page + 1);
+  }
+  if (most) b.bounds.resize(B * n_kv * most), b.most = most;
+  float* X = b.x.data();
+  for (int64_t r = 0; r < B; ++r, X += dim) {
+    const int64_t token = tokens[r];
+    if (embedded) {
+      std::copy_n(embedded.data_ptr<float>() + r * dim, dim, X);
+    } else if (embed_scale.defined()) {
+      const int8_t* q = embed_w.data_ptr<int8_t>() + token * dim;
+      const float* s = embed_scale.data_ptr<float>() + token * (dim / embed_group);
+      for (int64_t i = 0; i < dim; ++i) X[i] = static_cast<float>(q[i]) * s[i / embed_group];
+    } else {
+      std::copy_n(embed_w.data_ptr<float>() + token * dim, dim, X);
+    }
+  }
+  const Rows rows{B, slots.data(), positions.data(), firsts.data(), rots.data_ptr<float>()};
+  std::atomic<bool> failed{false};
+  std::exception_ptr error;
+  if (threads == 1) {
+    body(b, 0, rows, failed, error);
+  } else {
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads)
+    body(b, omp_get_thread_num(), rows, failed, error);
+#endif
+  }
+  if (error) std::rethrow_exception(error);
+  profiled += profiling;
+}
+
+// Quest's pages of row r in layer l: (pages P, pages read k), k = 0 where it reads every slot.
+std::pair<int64_t, int64_t> Step::quest_pages(const Rows& rows, int64_t r, int64_t l) const {
+  const Bound& c = bound[r];
+  if (!quest_budget || !c.page || l < quest_dense || rows.first[r] != 0) return {0, 0};
+  const int64_t P = rows.slot[r] / c.page + 1, k = quest_budget / c.page;
+  return {P, P > k && k >= 2 ? k : 0};
+}
+
+// The step as thread tid of a team of `threads` (alone: tid 0 of 1). Phases are separated by barriers
+// (an orphaned `omp barrier` is a no-op outside a parallel region); after an error every thread still
+// reaches every barrier, doing no more work, so the team never waits forever.
+void Step::body(Buffers& b, int64_t tid, const Rows& rows, std::atomic<bool>& failed, std::exception_ptr& error) {
+  const int64_t L = static_cast<int64_t>(norms.size() / 2), D = head_dim, HD = n_heads * D, B = rows.n;
+  const int64_t QKV_N = (n_heads + 2 * n_kv) * D, QK_N = (n_heads + n_kv) * D;
+  using clock = std::chrono::steady_clock;
+  auto phase = [&](int id, auto&& work) {
+    const auto t0 = profiling ? clock::now() : clock::time_point();
+    if (!failed.load(std::memory_order_relaxed)) {
+      try {
+        work();
+      } catch (...) {
+#pragma omp critical(attnlab_step_error)
+        if (!failed.exchange(true)) error = std::current_exception();
+      }
+    }
+    if (profiling) busy[tid * kNPhases + id] += std::chrono::duration<double>(clock::now() - t0).count();
+#pragma omp barrier
+    if (profiling && tid == 0) wall[id] += std::chrono::duration<double>(clock::now() - t0).count();
+  };
+  float* X = b.x.data();
+  float* QKV = b.qkv.data();
+  float* GU = b.gu.data();
+  float* A = b.act.data();
+  float* H = b.h.data() + tid * B * dim;
+  float* O = b.o.data() + tid * B * HD;
+  auto qk = [&](int64_t r) { return b.qk.data() + (tid * B + r) * QK_N; };
+  auto norm_rows = [&](const View& w) {  // every thread its own copy of the B normed rows
+    for (int64_t r = 0; r < B; ++r) rms_norm(X + r * dim, w.data_ptr<float>(), H + r * dim, dim, eps);
+  };
+  for (int64_t l = 0; l < L; ++l) {
+    phase(0, [&] {
+      norm_rows(norms[2 * l]);
+      linear(4 * l, tid, H, dim, B, QKV, QKV_N, false);  // [B, (Hq + 2 Hkv) D]: q heads, k heads, v heads
+    });
+    // RoPE, the K/V write and attention in one phase (a barrier fewer per layer, no thread idle while one
+    // rotates): every thread rotates its own copy of q, and the last one, whose stretch holds the new slot
+    // (and alone reads it), rotates k and writes the slot before attending
+    // Quest: a row that selects pages computes, in this phase, its share of the pages' bounds instead, and
+    // reads its pages after a barrier (every thread then sees every bound)
+    bool selecting = false;  // the same on every thread: a phase more (its barrier) or not
+    for (int64_t r = 0; r < B; ++r) selecting |= quest_pages(rows, r, l).second > 0;
+    phase(1, [&] {
+      const bool last = tid == threads - 1;
+      const int64_t heads = last ? n_heads + n_kv : n_heads;  // q and k heads are adjacent
+      for (int64_t r = 0; r < B; ++r) {
+        float* Q = qk(r);
+        const float* row = QKV + r * QKV_N;
+        std::copy_n(row, heads * D, Q);
+        rope(Q, rows.rot + r * D, heads, D);
+        if (last) write_kv(bound[r], l, rows.slot[r], rows.position[r], Q + HD, row + HD + n_kv * D);
+        const auto [P, k] = quest_pages(rows, r, l);
+        if (!k) {
+          attend_stretch(b, bound[r], l, tid, r, rows.first[r], rows.slot[r] + 1, Q);
+          continue;
+        }
+        float* scores = b.bounds.data() + r * n_kv * b.most;
+        if (quest_channels)
+          attnlab_quest::score_share(Q, pages_of(bound[r], l), n_kv, n_heads / n_kv, D, P, quest_channels, tid,
+                                     threads, scores, b.most);
+        else
+          attnlab_quest::bound_share(Q, pages_of(bound[r], l), n_kv, n_heads / n_kv, D, P, tid, threads, scores,
+                                     b.most);
+      }
+    });
+    if (selecting) phase(1, [&] {
+      for (int64_t r = 0; r < B; ++r) {
+        const auto [P, k] = quest_pages(rows, r, l);
+        if (!k) continue;
+        attnlab_quest::attend_share(qk(r), cache_of(bound[r], l), b.bounds.data() + r * n_kv * b.most, b.most, n_kv,
+                                    n_heads / n_kv, D, P, k, bound[r].page, rows.slot[r] + 1, tid, threads,
+                                    static_cast<float>(scale), b.part.data() + (tid * B + r) * HD,
+                                    b.lse.data() + (tid * B + r) * n_heads);
+      }
+    });
+    phase(2, [&] {
+      for (int64_t r = 0; r < B; ++r) merge(b, r, O + r * HD);
+      linear(4 * l + 1, tid, O, HD, B, X, dim, true);
+    });
+    phase(3, [&] {
+      norm_rows(norms[2 * l + 1]);
+      linear(4 * l + 2, tid, H, dim, B, GU, 2 * hidden, false);  // [B, 2 hidden]: gate, then up
+    });
+    phase(4, [&] {  // SiLU(gate) x up, 8 at a time, in slices of 8 per thread
+      const int64_t i0 = hidden / 8 * tid / threads * 8, i1 = tid + 1 == threads ? hidden : hidden / 8 * (tid + 1) / threads * 8;
+      for (int64_t r = 0; r < B; ++r) attnlab_simd::silu_mul_row(GU + r * 2 * hidden, A + r * hidden, i0, i1, hidden);
+    });
+    phase(5, [&] { linear(4 * l + 3, tid, A, hidden, B, X, dim, true); });
+  }
+  phase(6, [&] {
+    norm_rows(norms[2 * L]);
+    linear(4 * L, tid, H, dim, B, b.logits, vocab(), false);
+  });
+}
+
+// Thread tid's segments of linear i over the B rows of x [B, K]: out[r, rows] = (or +=) x[r] W[rows]^T (+ b[rows]),
+// each segment at its own rows; out's rows are N apart.
+void Step::linear(size_t i, int64_t tid, const float* x, int64_t K, int64_t B, float* out, int64_t N,
+                  bool accumulate) const {
+  for (const Linear& seg : linears[i]) {
+    if (seg.thread != tid) continue;
+    const float* Y = seg.run(x, B, K);  // [B, seg.rows]
+    for (int64_t r = 0; r < B; ++r, Y += seg.rows) {
+      float* o = out + r * N + seg.row0;
+      if (accumulate) add(o, Y, seg.rows);
+      else std::copy_n(Y, seg.rows, o);
+    }
+  }
+}
+
+// Thread tid's stretch of the cache slots [first, n) for the rotated queries q: its attention output and
+// log-sum-exp per query head. The last thread's stretch ends at the new slot n - 1 (the others' before it).
+void Step::attend_stretch(Buffers& b, const Bound& c, int64_t l, int64_t tid, int64_t r, int64_t first, int64_t n,
+                          const float* q) {
+  const int64_t s0 = first + (n - first) * tid / threads, s1 = first + (n - first) * (tid + 1) / threads;
+  float* lse = b.lse.data() + (tid * b.B + r) * n_heads;
+  if (s1 <= s0) {
+    std::fill_n(lse, n_heads, -INFINITY);
+    return;
+  }
+  attnlab_attend::stretch(q, cache_of(c, l), n_kv, n_heads / n_kv, head_dim, s0, s1, static_cast<float>(scale),
+                          b.part.data() + (tid * b.B + r) * n_heads * head_dim, lse);
+}
+
+// Row r's stretch outputs merged per query head, weighted by e^(lse_t - max lse) (every thread, into its own o).
+void Step::merge(const Buffers& b, int64_t r, float* o) const {
+  const int64_t D = head_dim, B = b.B;
+  const float* part = b.part.data() + r * n_heads * D;  // thread t's row r at t * B * n_heads * D
+  const float* lse = b.lse.data() + r * n_heads;
+  if (threads == 1) {
+    std::copy_n(part, n_heads * D, o);
+    return;
+  }
+  for (int64_t g = 0; g < n_heads; ++g) {
+    float top = -INFINITY, total = 0.f;
+    for (int64_t t = 0; t < threads; ++t) top = std::max(top, lse[t * B * n_heads + g]);
+    std::fill_n(o + g * D, D, 0.f);
+    for (int64_t t = 0; t < threads; ++t) {
+      if (lse[t * B * n_heads + g] == -INFINITY) continue;
+      const float w = std::exp(lse[t * B * n_heads + g] - top);
+      total += w;
+      const float* p = part + (t * B * n_heads + g) * D;
+      for (int64_t d = 0; d < D; ++d) o[g * D + d] += w * p[d];
+    }
+    for (int64_t d = 0; d < D; ++d) o[g * D + d] /= total;
+  }
+}
+
+// The new key (already rotated) and value into layer l's slot, in the cache's dtype, as LayerKV.update stores them.
+void Step::write_kv(Bound& c, int64_t l, int64_t slot, int64_t position, const float* K, const float* V) {
+  const int64_t C = c.k[l].size(2), D = head_dim;
+  int64_t* P = c.pos[l].data_ptr<int64_t>();
+  for (int64_t h = 0; h < n_kv; ++h) P[h * C + slot] = position;
+  switch (c.k[l].scalar_type()) {
+    case attnlab::kFloat:
+      for (int64_t h = 0; h < n_kv; ++h) {
+        std::copy_n(K + h * D, D, c.k[l].data_ptr<float>() + (h * C + slot) * D);
+        std::copy_n(V + h * D, D, c.v[l].data_ptr<float>() + (h * C + slot) * D);
+      }
+      break;
+    case attnlab::kHalf:
+      for (int64_t h = 0; h < n_kv; ++h) {
+        attnlab::Half* kd = c.k[l].data_ptr<attnlab::Half>() + (h * C + slot) * D;
+        attnlab::Half* vd = c.v[l].data_ptr<attnlab::Half>() + (h * C + slot) * D;
+        for (int64_t i = 0; i < D; ++i) kd[i] = attnlab::Half(K[h * D + i]), vd[i] = attnlab::Half(V[h * D + i]);
+      }
+      break;
+    default:  // int8 codes + a scale per 32 dimensions: attend.cpp's quantize_kv, bit for bit the cache's rule
+      for (int64_t h = 0; h < n_kv; ++h) {
+        attnlab_attend::quantize(K + h * D, D / 32, c.k[l].data_ptr<int8_t>() + (h * C + slot) * D,
+                                 c.k_scale[l].data_ptr<float>() + (h * C + slot) * (D / 32));
+        attnlab_attend::quantize(V + h * D, D / 32, c.v[l].data_ptr<int8_t>() + (h * C + slot) * D,
+                                 c.v_scale[l].data_ptr<float>() + (h * C + slot) * (D / 32));
+      }
+  }
+  if (c.page) attnlab_quest::add_key(pages_of(c, l), cache_of(c, l), n_kv, slot, D);
 }

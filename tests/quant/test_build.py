@@ -63,3 +63,15 @@ def test_the_build_choice():
     with pytest.raises(ValueError, match="sse"):
         isa.to_build("sse")
     assert set(isa.to_build("auto")) <= set(build.built())  # what an install built by default is there
+
+
+def test_only_the_binding_file_includes_torch():
+    """Setup time: each source that includes torch's headers spends ~30 s of a 2-core machine per ISA variant parsing
+    them, so the kernels are plain C++ and one file, bind.cpp, turns tensors into their Views (ops.h)."""
+    kernels = ROOT / "attnlab" / "kernels"
+    sources = set(isa.SOURCES) | set(isa.HEADERS)
+    assert sources == {p.name for p in kernels.glob("*.cpp")} | {p.name for p in kernels.glob("*.h")}
+    torch_users = {name for name in sources
+                   if any(line.strip().startswith("#include") and any(t in line for t in ("<torch/", "<ATen/", "<c10/"))
+                          for line in (kernels / name).read_text().splitlines())}
+    assert torch_users == {"bind.cpp"}
