@@ -81,7 +81,7 @@ class LM:
         cannot run (bfloat16, unfused quantized layers, no C++ kernels) it warns once and decodes eagerly."""
         from attnlab.model.native import NativeStep
         try:
-            self.compiled = NativeStep(self.model, self.threads)
+            self.compiled = NativeStep(self.model, self.threads, self.sparsity if self._native_plan() else None)
         except ValueError as e:
             self.compiled = None
             warnings.warn(f"attnlab: the native decode step cannot run {e}; decoding eagerly (--eager / compile=False "
@@ -115,7 +115,13 @@ class LM:
         """The same weights, cache settings and tokenizer under another sparsity plan (None = dense)."""
         view = copy.copy(self)
         view.sparsity = plan
+        if self.compiled is not None and (self._native_plan() or view._native_plan()):
+            view.compile_decode()  # the native step runs the plan's projections (TEAL)
         return view
+
+    def _native_plan(self) -> bool:
+        """Whether the native step runs this engine's sparsity plan (TEAL's columns) rather than leaving it eager."""
+        return self.sparsity is not None and self.sparsity.native_step()
 
     @property
     def config(self) -> ModelConfig:
@@ -176,7 +182,8 @@ class LM:
         fitted = [self._fit(r) for r in batch.rows]
         rows = [r for r, _ in fitted]
         plain = [self.compiled is not None and (r.tokens == 1 or r.verify) and not r.prompt and not r.observers
-                 and not r.cache.observers and self.sparsity is None for r in rows]  # what the native step may cover
+                 and not r.cache.observers and (self.sparsity is None or self._native_plan() and r.tokens == 1)
+                 for r in rows]  # what the native step may cover
         fast = [p and (r.single or r.verify) for p, r in zip(plain, rows)]
         steps = [r.cache.begin(r.tokens, rope, real=f) for r, f in zip(rows, fast)]
         units = [u for i, r in enumerate(rows) for u in units_of(i, r, steps[i], self.sparsity is None)]

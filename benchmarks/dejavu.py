@@ -95,9 +95,10 @@ def ops_bench(threads: int = 1) -> list[dict]:
     import torch.nn.functional as F
 
     from attnlab.kernels import ops
-    from attnlab.kernels.reference import pack4, unpack4
-    from attnlab.quant.kinds import FLOAT32, KINDS
     from attnlab.quant import QuantSpec
+    from attnlab.quant.kinds import FLOAT32
+    from attnlab.quant.linear import QuantLinear
+    from attnlab.sparsity.columns import _own
     ops.load()
     torch.set_num_threads(threads)
 
@@ -115,13 +116,15 @@ def ops_bench(threads: int = 1) -> list[dict]:
         g = torch.Generator().manual_seed(K + N)
         W, x = torch.randn(N, K, generator=g), torch.randn(1, K, generator=g)
         p = QuantSpec.parse("int4:32").quantize(W)
-        WT, ct, st, mt = W.T.contiguous(), pack4(unpack4(p.qs).T.contiguous()), p.scale.T.contiguous(), p.min.T.contiguous()
+        WT, piece = W.T.contiguous(), _own(p, 0)  # the column layout in the weight's own groups
+        op, operands = QuantLinear(p).kernel()  # the dense kernel the native step calls (repacked where it repacks)
+        dense = getattr(torch.ops.attnlab, op)
         row = {"proj": name, "K": K, "N": N, "f32_dense_us": t(lambda: F.linear(x, W)),
-               "q4_dense_us": t(lambda: ops.q4_mm(x, p.qs, p.scale, p.min, 32))}
+               "q4_dense_us": t(lambda: dense(x, *operands)), "q4_dense_op": op}
         for sp in (0.0, 0.3, 0.4, 0.5):
             tau = float(x.abs().quantile(sp)) if sp else -1.0
             row[f"f32_cols_{sp:.0%}_us"] = t(lambda: ops.cols_mv(FLOAT32, x[0], tau, (WT,)))
-            row[f"q4g_cols_{sp:.0%}_us"] = t(lambda: ops.cols_mv(KINDS["int4"].own_columns, x[0], tau, (ct, st, mt)))
+            row[f"q4_cols_{sp:.0%}_us"] = t(lambda: piece.mv(x[0], tau))
         rows.append(row)
         print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
     return rows

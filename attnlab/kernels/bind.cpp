@@ -315,7 +315,7 @@ TORCH_LIBRARY(attnlab, m) {
   m.def("repack_q8(Tensor q, Tensor scale, Tensor? min, int group, int fmt) -> Tensor");
   m.def("repack_q4k(Tensor qs, Tensor sc, Tensor m, Tensor d, Tensor dmin) -> Tensor");
   m.def("repack_q6k(Tensor q, Tensor sc, Tensor d) -> Tensor");
-  m.def("q4g_cols_mv(Tensor x, float tau, Tensor ct, Tensor st, Tensor mt) -> Tensor");
+  m.def("qc_cols_mv(Tensor x, float tau, Tensor codes, Tensor scale, Tensor min, int bits, int group) -> Tensor");
   m.def("f32_cols_mv(Tensor x, float tau, Tensor wt) -> Tensor");
   m.def("q8_cols_mv(Tensor x, float tau, Tensor q, Tensor scale, int group) -> Tensor");
   m.def("q4_cols_mv(Tensor x, float tau, Tensor qs, Tensor scale, Tensor min, int group) -> Tensor");
@@ -350,7 +350,7 @@ TORCH_LIBRARY_IMPL(attnlab, CPU, m) {
   m.impl("repack_q4", &Op<&repack_q4>::call), m.impl("repack_q8", &Op<&repack_q8>::call);
   m.impl("repack_q4k", &Op<&repack_q4k>::call), m.impl("repack_q6k", &Op<&repack_q6k>::call);
   m.impl("f32_cols_mv", &Op<&f32_cols_mv>::call), m.impl("q8_cols_mv", &Op<&q8_cols_mv>::call);
-  m.impl("q4_cols_mv", &Op<&q4_cols_mv>::call), m.impl("q4g_cols_mv", &Op<&q4g_cols_mv>::call);
+  m.impl("q4_cols_mv", &Op<&q4_cols_mv>::call), m.impl("qc_cols_mv", &Op<&qc_cols_mv>::call);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}

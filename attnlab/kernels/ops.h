@@ -307,5 +307,6 @@ View f32_cols_mv(const Alloc& out, const View& x, double tau, const View& wt);
 View q8_cols_mv(const Alloc& out, const View& x, double tau, const View& q, const View& scale, int64_t group);
 View q4_cols_mv(const Alloc& out, const View& x, double tau, const View& qs, const View& scale, const View& min,
                 int64_t group);
-View q4g_cols_mv(const Alloc& out, const View& x, double tau, const View& ct, const View& st, const View& mt);
+View qc_cols_mv(const Alloc& out, const View& x, double tau, const View& codes, const View& scale, const View& min,
+                int64_t bits, int64_t group);
 }  // namespace attnlab

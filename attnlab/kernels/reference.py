@@ -101,10 +101,52 @@ def rows_int4(operands: tuple, idx: torch.Tensor) -> torch.Tensor:
     return dequantize_int4(*(t.index_select(0, idx) for t in operands[:-1]), operands[-1])
 
 
-def rows_int4_by_inputs(operands: tuple, idx: torch.Tensor) -> torch.Tensor:
-    """Rows idx (input channels) of an int4 weight stored transposed in its own groups of 32 inputs: codes ct
-    [K, N/2], scale and min st, mt [K/32, N] per (32 inputs, output) -> float32 [k, N]."""
-    ct, st, mt = operands
-    n = ct.shape[1] * 2
-    codes = dequantize_int4(ct.index_select(0, idx), torch.ones(idx.numel(), n // 32), torch.zeros(idx.numel(), n // 32), 32)
-    return codes * st.index_select(0, idx // 32) + mt.index_select(0, idx // 32)
+# TEAL's column layout (`qc_cols_mv` in sparse_cols.cpp): a weight W [N, K] by input channel, in its own groups, so
+# one channel's codes for every output are one row [K, ...] the op skips whole. Codes are permuted within blocks so
+# that four channels' blocks, byte-interleaved by two rounds of unpack, meet VNNI's dot product in output order:
+# 4-bit blocks of 128 outputs in 64 bytes (byte p: low nibble output o(p), high nibble 64 + o(p), o(p) = 16 (p % 16
+# div 4) + 4 (p div 16) + p % 4), a last block of 64 outputs in 32 bytes (low 8 (p % 16 div 4) + 4 (p div 16) + p % 4,
+# high 32 + that); 8-bit blocks of 64 outputs in 64 bytes (byte p: output o(p), code + 128).
+
+def _col_order(N: int, bits: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The output each byte of a column row holds: (low [bytes], high [bytes] or None for 8-bit)."""
+    p = torch.arange(64)
+    o = 16 * (p % 16 // 4) + 4 * (p // 16) + p % 4
+    if bits == 8:
+        return (torch.arange(0, N, 64)[:, None] + o).flatten(), None
+    full = N // 128 * 128
+    base = torch.arange(0, full, 128)[:, None]
+    lo, hi = [(base + o).flatten()], [(base + 64 + o).flatten()]
+    if full < N:
+        t = 8 * (p[:32] % 16 // 4) + 4 * (p[:32] // 16) + p[:32] % 4
+        lo.append(full + t), hi.append(full + 32 + t)
+    return torch.cat(lo), torch.cat(hi)
+
+
+def pack_cols(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """codes [N, K] (0..15 for 4-bit, int8 for 8-bit) -> the column rows [K, N * bits / 8] uint8 (N a multiple of 64)."""
+    ct = codes.T.contiguous()
+    lo, hi = _col_order(codes.shape[0], bits)
+    if hi is None:
+        return (ct[:, lo].int() + 128).to(torch.uint8)
+    return (ct[:, lo] | (ct[:, hi] << 4)).to(torch.uint8)
+
+
+def unpack_cols(rows: torch.Tensor, bits: int) -> torch.Tensor:
+    """Column rows [k, N * bits / 8] -> codes [k, N] (float32: 0..15, or the int8 values)."""
+    N = rows.shape[1] * 8 // bits
+    lo, hi = _col_order(N, bits)
+    out = torch.empty(rows.shape[0], N)
+    if hi is None:
+        out[:, lo] = rows.float() - 128
+    else:
+        out[:, lo], out[:, hi] = (rows & 15).float(), (rows >> 4).float()
+    return out
+
+
+def rows_by_inputs(operands: tuple, idx: torch.Tensor) -> torch.Tensor:
+    """Rows idx (input channels) of a weight in the column layout: (codes [K, N * bits / 8], scale and min [K / group,
+    N] (min empty: none), bits, group) -> float32 [k, N]."""
+    codes, scale, mn, bits, group = operands
+    w = unpack_cols(codes.index_select(0, idx), bits) * scale.index_select(0, idx // group).float()
+    return w + mn.index_select(0, idx // group).float() if mn.numel() else w

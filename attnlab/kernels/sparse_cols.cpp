@@ -18,6 +18,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -255,82 +256,188 @@ View q4_cols_int(const Alloc& alloc, const View& x, double tau, const uint8_t* Q
   return out;
 }
 
-// q4 in the model's own int4 groups (lossless): ct [K, N/2] holds input channel j's codes c[n, j] for every
-// output n (ggml's nibble layout per 32 outputs), st and mt [K/32, N] the scale and min of output n's group of
-// 32 input channels. Per group g of 32 channels, its active values are rounded to int8 with one scale, exactly
-// as the dense q4 kernel rounds x per 32 values (zeroed channels do not change the group's max), so
-// out[n] = sum_g st[g, n] d_g (sum_j q_j c[n, j]) + mt[g, n] d_g sum_j q_j is the dense int4 product of the
-// zeroed input up to summation order. Channels pair up in one maddubs as in q4_cols_int.
-View q4g_cols(const Alloc& alloc, const View& x, double tau, const uint8_t* Q, const float* ST, const float* MT,
-                       int64_t K, int64_t N) {
-  ATTNLAB_CHECK(x.scalar_type() == attnlab::kFloat && x.is_contiguous() && x.numel() == K && K % 32 == 0,
-              "x must be a contiguous float32 vector of size ", K, " (a multiple of 32)");
-  const Active act(x.data_ptr<float>(), K, static_cast<float>(tau));
-  // per group with active channels: its first channel in act, its count, d, the sum of its rounded values, and
-  // per pair of channels the two int8 codes as one int16
-  std::vector<int64_t> gid, gstart, gcount;
-  std::vector<float> gd, gsum;
-  std::vector<int32_t> pairs((act.k + 1) / 2 + K / 32);
-  for (int64_t t = 0, pp = 0; t < act.k;) {
-    const int64_t g = act.idx[t] / 32;
-    int64_t e = t;
-    float amax = 0.f;
-    while (e < act.k && act.idx[e] / 32 == g) amax = std::max(amax, std::fabs(act.a[e])), ++e;
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    gid.push_back(g), gstart.push_back(pp), gcount.push_back(e - t), gd.push_back(amax / 127.f);
-    int32_t qsum = 0;  // the min term sums the rounded values, as the dense kernels do (kernels_simd.h)
-    for (int64_t u = t; u < e; u += 2) {
-      const int32_t q0 = _mm_cvtss_si32(_mm_set_ss(act.a[u] * inv));
-      const int32_t q1 = u + 1 < e ? _mm_cvtss_si32(_mm_set_ss(act.a[u + 1] * inv)) : 0;
-      pairs[pp++] = (q0 & 0xFF) | ((q1 & 0xFF) << 8);
-      qsum += q0 + q1;
-    }
-    gsum.push_back(gd.back() * static_cast<float>(qsum));
-    // rows of the pairs: stored beside, in act order (a lone last channel pairs with itself, coefficient 0)
-    t = e;
-  }
-  auto out = alloc({N}, attnlab::kFloat, Alloc::ZEROED);
-  float* O = out.data_ptr<float>();
-  const int64_t nb = N / 32, ng = static_cast<int64_t>(gid.size());
-  // the act position of each group's first channel (gstart counts pairs)
-  std::vector<int64_t> gfirst(ng);
-  for (int64_t i = 0, t = 0; i < ng; t += gcount[i], ++i) gfirst[i] = t;
-  auto run = [&](int64_t b0, int64_t b1) {
-    for (int64_t i = 0; i < ng; ++i) {
-      const int64_t g = gid[i], n = gcount[i], f = gfirst[i];
-      const __m256 d = _mm256_set1_ps(gd[i]), A = _mm256_set1_ps(gsum[i]);
-      const float* st = ST + g * N;
-      const float* mt = MT + g * N;
-      if (i + 1 < ng) _mm_prefetch(reinterpret_cast<const char*>(Q + act.idx[gfirst[i + 1]] * N / 2 + b0 * 16), _MM_HINT_T0);
-      for (int64_t b = b0; b < b1; ++b) {
-        __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
-        __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
-        int inpass = 0;
-        for (int64_t u = 0; u < n; u += 2) {
-          const uint8_t* r0 = Q + act.idx[f + u] * N / 2 + b * 16;
-          const uint8_t* r1 = u + 1 < n ? Q + act.idx[f + u + 1] * N / 2 + b * 16 : r0;
-          const __m256i coef = _mm256_set1_epi16(static_cast<int16_t>(pairs[gstart[i] + u / 2]));
-          const __m256i C0 = codes32(r0), C1 = codes32(r1);
-          lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(_mm256_unpacklo_epi8(C0, C1), coef));
-          hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(_mm256_unpackhi_epi8(C0, C1), coef));
-          if (++inpass == 8 || u + 2 >= n) {  // 8 pairs: at most 16 * 15 * 127 < 2^15, then widen
-            const __m128i part[4] = {_mm256_castsi256_si128(lo), _mm256_castsi256_si128(hi),
-                                     _mm256_extracti128_si256(lo, 1), _mm256_extracti128_si256(hi, 1)};
-            for (int k = 0; k < 4; ++k) acc[k] = _mm256_add_epi32(acc[k], _mm256_cvtepi16_epi32(part[k]));
-            lo = hi = _mm256_setzero_si256(), inpass = 0;
-          }
+// TEAL's columns in the weight's own groups (qc_cols_mv): W [N, K] by input channel, so a dropped channel's row is
+// never read, with the codes and per-(group, output) scales the file had (lossless). Row j holds channel j's codes
+// for every output, permuted within blocks (`reference.pack_cols`) so that four channels' blocks, byte-interleaved by
+// two rounds of unpack, meet VNNI's dot product (vpdpbusd: four u8 codes x four s8 activations into one int32 per
+// output) in output order: 4-bit blocks of 128 outputs in 64 bytes (a last block of 64 outputs in 32 bytes), 8-bit
+// blocks of 64 outputs in 64 bytes (code + 128). scale, min [K / group, N] float32 or float16 (min: none or
+// as many): w[n, j] = s[j / group, n] c[n, j] + m[j / group, n]. The active channels of each block of 32 are rounded
+// to int8 with one scale, as the dense kernels round x (dropped channels are the smallest, so the block's max, and
+// the rounding of the rest, do not change), grouped per weight group and padded to fours (coefficient 0), so
+// y[n] = sum_g s[g, n] d_g (sum_j q_j c[n, j]) + m[g, n] d_g sum_j q_j is the dense integer product of the zeroed
+// input up to summation order. Groups outer, blocks inner: each active row streams once, in order, and y stays in L1.
+struct ColWeight {
+  const uint8_t* codes;
+  int64_t stride;     // bytes from one channel's row to the next
+  const void* scale;  // [K / group, sstride]
+  const void* min;    // null: none
+  int64_t sstride;
+  int64_t K, N, group;
+  int bits;
+  bool half;
+};
+
+// The active channels of x, per unit (a block of 32 inputs, or a weight group of 16 in it): its scale row, d, the sum
+// of its rounded values, and its quads (four int8 coefficients as one int32, four channel rows).
+struct Quads {
+  std::vector<int64_t> srow, first, row;
+  std::vector<float> d;
+  std::vector<int32_t> qsum, coef;
+
+  Quads(const float* x, int64_t K, int64_t group, float tau) {
+    const int64_t unit = std::min<int64_t>(group, 32);
+    for (int64_t b = 0; b < K; b += 32) {
+      float amax = 0.f;
+      for (int64_t j = b; j < b + 32; ++j)
+        if (std::fabs(x[j]) > tau) amax = std::max(amax, std::fabs(x[j]));
+      if (amax == 0.f) continue;
+      const float inv = 127.f / amax;
+      for (int64_t u = b; u < b + 32; u += unit) {
+        const size_t start = coef.size();
+        int32_t sum = 0;
+        int n = 0;
+        int8_t q4[4] = {0, 0, 0, 0};
+        int64_t r4[4] = {0, 0, 0, 0};
+        auto flush = [&] {
+          for (int t = n; t < 4; ++t) q4[t] = 0, r4[t] = r4[0];  // padding: the first row again, coefficient 0
+          uint32_t c;
+          std::memcpy(&c, q4, 4);
+          coef.push_back(static_cast<int32_t>(c));
+          row.insert(row.end(), r4, r4 + 4);
+          n = 0;
+        };
+        for (int64_t j = u; j < u + unit; ++j) {
+          if (!(std::fabs(x[j]) > tau)) continue;
+          const int32_t q = static_cast<int32_t>(std::nearbyint(x[j] * inv));
+          if (!q) continue;  // rounds to nothing: its row need not be read either
+          q4[n] = static_cast<int8_t>(q), r4[n] = j, sum += q;
+          if (++n == 4) flush();
         }
-        float* o = O + b * 32;
-        for (int k = 0; k < 4; ++k) {  // acc: outputs 0-7, 8-15, 16-23, 24-31
-          const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[k]), d);
-          const __m256 w = _mm256_fmadd_ps(_mm256_loadu_ps(st + b * 32 + 8 * k), v, _mm256_loadu_ps(o + 8 * k));
-          _mm256_storeu_ps(o + 8 * k, _mm256_fmadd_ps(_mm256_loadu_ps(mt + b * 32 + 8 * k), A, w));
+        if (n) flush();
+        if (coef.size() > start)
+          srow.push_back(u / group), first.push_back(static_cast<int64_t>(start)), d.push_back(amax / 127.f),
+              qsum.push_back(sum);
+      }
+    }
+    first.push_back(static_cast<int64_t>(coef.size()));
+  }
+};
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+inline __m512 load16(const void* p, int64_t i, bool half) {
+  return half ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + i)))
+              : _mm512_loadu_ps(static_cast<const float*>(p) + i);
+}
+inline __m256 load8(const void* p, int64_t i, bool half) {
+  return half ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i)))
+              : _mm256_loadu_ps(static_cast<const float*>(p) + i);
+}
+inline __m512i load_block(const uint8_t* p, bool half_block) {
+  return half_block ? _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))
+                    : _mm512_loadu_si512(p);
+}
+
+// acc[8] (4-bit) or acc[4] (8-bit): sum over the unit's quads of coef . codes, block c of 64 bytes (or a 32-byte tail)
+template <int BITS>
+inline void unit_block(const ColWeight& w, const Quads& a, int64_t q0, int64_t q1, int64_t c, bool tail, __m512i* acc) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const uint8_t* base = w.codes + c * 64;
+  for (int64_t q = q0; q < q1; ++q) {
+    const int64_t* r = &a.row[4 * q];
+    const __m512i A = load_block(base + r[0] * w.stride, tail), B = load_block(base + r[1] * w.stride, tail);
+    const __m512i C = load_block(base + r[2] * w.stride, tail), D = load_block(base + r[3] * w.stride, tail);
+    const __m512i abl = _mm512_unpacklo_epi8(A, B), abh = _mm512_unpackhi_epi8(A, B);
+    const __m512i cdl = _mm512_unpacklo_epi8(C, D), cdh = _mm512_unpackhi_epi8(C, D);
+    const __m512i v[4] = {_mm512_unpacklo_epi16(abl, cdl), _mm512_unpackhi_epi16(abl, cdl),
+                          _mm512_unpacklo_epi16(abh, cdh), _mm512_unpackhi_epi16(abh, cdh)};
+    const __m512i cf = _mm512_set1_epi32(a.coef[q]);
+    for (int k = 0; k < 4; ++k) {
+      if (BITS == 8) {
+        acc[k] = _mm512_dpbusd_epi32(acc[k], v[k], cf);
+      } else {
+        acc[k] = _mm512_dpbusd_epi32(acc[k], _mm512_and_si512(v[k], low), cf);
+        acc[4 + k] = _mm512_dpbusd_epi32(acc[4 + k], _mm512_and_si512(_mm512_srli_epi16(v[k], 4), low), cf);
+      }
+    }
+  }
+}
+
+template <int BITS>
+void qc_rows(const ColWeight& w, const Quads& a, float* y) {
+  constexpr int64_t CH = BITS == 4 ? 128 : 64;  // outputs per 64-byte block
+  constexpr int NACC = BITS == 4 ? 8 : 4;
+  for (size_t u = 0; u + 1 < a.first.size(); ++u) {
+    const int64_t g = a.srow[u];
+    const float dq = a.d[u] * static_cast<float>(a.qsum[u]);
+    const __m512i off = _mm512_set1_epi32(BITS == 8 ? 128 * a.qsum[u] : 0);  // codes + 128: take 128 sum q back
+    for (int64_t c = 0; c * CH < w.N; ++c) {
+      const bool tail = (c + 1) * CH > w.N;  // 4-bit: a last block of 64 outputs, accumulators' low halves
+      __m512i acc[NACC];
+      for (auto& v : acc) v = _mm512_setzero_si512();
+      unit_block<BITS>(w, a, a.first[u], a.first[u + 1], c, tail, acc);
+      const void* sr = w.half ? static_cast<const void*>(static_cast<const uint16_t*>(w.scale) + g * w.sstride)
+                              : static_cast<const void*>(static_cast<const float*>(w.scale) + g * w.sstride);
+      const void* mr = !w.min ? nullptr : w.half ? static_cast<const void*>(static_cast<const uint16_t*>(w.min) + g * w.sstride)
+                                                 : static_cast<const void*>(static_cast<const float*>(w.min) + g * w.sstride);
+      for (int k = 0; k < NACC; ++k) {
+        const __m512i s = _mm512_sub_epi32(acc[k], off);
+        if (!tail) {
+          const int64_t n = c * CH + 16 * k;
+          __m512 o = _mm512_fmadd_ps(_mm512_mul_ps(load16(sr, n, w.half), _mm512_set1_ps(a.d[u])), _mm512_cvtepi32_ps(s),
+                                     _mm512_loadu_ps(y + n));
+          if (mr) o = _mm512_fmadd_ps(load16(mr, n, w.half), _mm512_set1_ps(dq), o);
+          _mm512_storeu_ps(y + n, o);
+        } else {
+          const int64_t n = c * CH + 8 * k;
+          __m256 o = _mm256_fmadd_ps(_mm256_mul_ps(load8(sr, n, w.half), _mm256_set1_ps(a.d[u])),
+                                     _mm256_cvtepi32_ps(_mm512_castsi512_si256(s)), _mm256_loadu_ps(y + n));
+          if (mr) o = _mm256_fmadd_ps(load8(mr, n, w.half), _mm256_set1_ps(dq), o);
+          _mm256_storeu_ps(y + n, o);
         }
       }
     }
+  }
+}
+#else
+// Without AVX-512 VNNI: the same layout read one code at a time (correct, not fast; the VNNI builds are the fast path).
+template <int BITS>
+void qc_rows(const ColWeight& w, const Quads& a, float* y) {
+  std::vector<int32_t> acc(w.N);
+  auto scale = [&](const void* p, int64_t i) {
+    return w.half ? static_cast<float>(_cvtsh_ss(static_cast<const uint16_t*>(p)[i]))
+                  : static_cast<const float*>(p)[i];
   };
-  if (attnlab::num_threads() == 1 || act.k * N < (1 << 16)) run(0, nb); else attnlab::parallel_for(0, nb, 4, run);
-  return out;
+  for (size_t u = 0; u + 1 < a.first.size(); ++u) {
+    std::fill(acc.begin(), acc.end(), 0);
+    for (int64_t q = a.first[u]; q < a.first[u + 1]; ++q)
+      for (int t = 0; t < 4; ++t) {
+        const int32_t cf = static_cast<int8_t>(static_cast<uint32_t>(a.coef[q]) >> (8 * t));
+        const uint8_t* r = w.codes + a.row[4 * q + t] * w.stride;
+        for (int64_t p = 0; p < w.N * BITS / 8; ++p) {
+          const int64_t blk = BITS == 4 ? p / 64 * 128 : p / 64 * 64, i = p % 64;
+          const bool tail = BITS == 4 && blk + 128 > w.N;
+          const int64_t o = tail ? 8 * (i % 16 / 4) + 4 * (i / 16) + i % 4 : 16 * (i % 16 / 4) + 4 * (i / 16) + i % 4;
+          if (BITS == 8) {
+            acc[blk + o] += cf * (static_cast<int32_t>(r[p]) - 128);
+          } else {
+            acc[blk + o] += cf * (r[p] & 15);
+            acc[blk + o + (tail ? 32 : 64)] += cf * (r[p] >> 4);
+          }
+        }
+      }
+    const int64_t g = a.srow[u];
+    for (int64_t n = 0; n < w.N; ++n)
+      y[n] += scale(w.scale, g * w.sstride + n) * a.d[u] * static_cast<float>(acc[n]) +
+              (w.min ? scale(w.min, g * w.sstride + n) * a.d[u] * static_cast<float>(a.qsum[u]) : 0.f);
+  }
+}
+#endif
+
+// y [N] = W (x thresholded at tau) for one row x [K]; y zeroed by the caller
+void qc_mv(const float* x, float tau, const ColWeight& w, float* y) {
+  const Quads a(x, w.K, w.group, tau);
+  if (w.bits == 4) qc_rows<4>(w, a, y); else qc_rows<8>(w, a, y);
 }
 
 }  // namespace
@@ -359,13 +466,30 @@ View attnlab::q4_cols_mv(const Alloc& alloc, const View& x, double tau, const Vi
   return q4_cols_int(alloc, x, tau, qs.data_ptr<uint8_t>(), scale.data_ptr<float>(), min.data_ptr<float>(), K, N);
 }
 
-// ct [K, N/2] uint8, st and mt [K/32, N] fp32: the model's int4 weight (groups of 32 inputs) by columns
-View attnlab::q4g_cols_mv(const Alloc& alloc, const View& x, double tau, const View& ct, const View& st, const View& mt) {
-  ATTNLAB_CHECK(ct.scalar_type() == attnlab::kByte && ct.is_contiguous() && ct.dim() == 2, "ct must be contiguous uint8 [K, N/2]");
-  const int64_t K = ct.size(0), N = ct.size(1) * 2;
-  ATTNLAB_CHECK(N % 32 == 0, "the output size must be a multiple of 32, got ", N);
-  for (const View* p : {&st, &mt})
-    ATTNLAB_CHECK(p->scalar_type() == attnlab::kFloat && p->is_contiguous() && p->numel() == (K / 32) * N,
-                "st and mt must be contiguous float32 [K/32, N]");
-  return q4g_cols(alloc, x, tau, ct.data_ptr<uint8_t>(), st.data_ptr<float>(), mt.data_ptr<float>(), K, N);
+// x [B, K] (or [K]) fp32 -> [B, N] (or [N]), each row thresholded on its own; codes [K, N * bits / 8] uint8 rows
+// (a slice of outputs: rows `stride` bytes apart), scale and min [K / group, N] float32 or float16 (min empty: none)
+View attnlab::qc_cols_mv(const Alloc& alloc, const View& x, double tau, const View& codes, const View& scale,
+                         const View& min, int64_t bits, int64_t group) {
+  ATTNLAB_CHECK(bits == 4 || bits == 8, "qc_cols_mv: bits must be 4 or 8, got ", bits);
+  ATTNLAB_CHECK(codes.scalar_type() == attnlab::kByte && codes.dim() == 2 && codes.stride(1) == 1,
+                "codes must be uint8 [K, N * bits / 8] with unit stride along the outputs");
+  const int64_t K = codes.size(0), N = codes.size(1) * 8 / bits;
+  ATTNLAB_CHECK(K % 32 == 0 && N % 64 == 0 && (group % 32 == 0 || group == 16) && K % group == 0,
+                "qc_cols_mv: K a multiple of 32, N of 64, group 16 or a multiple of 32 dividing K; got K ", K, ", N ",
+                N, ", group ", group);
+  ATTNLAB_CHECK(x.scalar_type() == attnlab::kFloat && x.is_contiguous() && x.numel() % K == 0 && x.numel() > 0,
+                "x must be contiguous float32 [B, ", K, "]");
+  const bool half = scale.scalar_type() == attnlab::kHalf;
+  for (const View* t : {&scale, &min})
+    ATTNLAB_CHECK(t == &min && !t->numel() ||
+                      (t->scalar_type() == scale.scalar_type() && (half || t->scalar_type() == attnlab::kFloat) &&
+                       t->dim() == 2 && t->size(0) == K / group && t->size(1) == N && t->stride(1) == 1 &&
+                       t->stride(0) == scale.stride(0)),
+                  "scale and min must be float32 or float16 [K / group, N], alike (min may be empty)");
+  const ColWeight w{codes.data_ptr<uint8_t>(), codes.stride(0), scale.data_ptr(), min.numel() ? min.data_ptr() : nullptr,
+                    scale.stride(0), K, N, group, static_cast<int>(bits), half};
+  const int64_t B = x.numel() / K;
+  auto out = x.dim() == 1 ? alloc({N}, attnlab::kFloat, Alloc::ZEROED) : alloc({B, N}, attnlab::kFloat, Alloc::ZEROED);
+  for (int64_t r = 0; r < B; ++r) qc_mv(x.data_ptr<float>() + r * K, static_cast<float>(tau), w, out.data_ptr<float>() + r * N);
+  return out;
 }

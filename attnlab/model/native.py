@@ -60,11 +60,15 @@ def _slices(layer: nn.Module, threads: int) -> list[tuple[int, int, int]]:
     kernel's row blocks, slice t to thread t (every thread a share of every part), in row order."""
     out = []
     for s0, s1, align in _spans(layer):
-        n = s1 - s0
-        blocks = -(-n // align)
-        cuts = [s0 + min(n, round(blocks * i / threads) * align) for i in range(threads + 1)]
-        out += [(t, a, b) for t, (a, b) in enumerate(zip(cuts, cuts[1:])) if b > a]
+        out += [(t, s0 + a, s0 + b) for t, (a, b) in enumerate(_cuts(s1 - s0, align, threads))]
     return out
+
+
+def _cuts(n: int, align: int, threads: int) -> list[tuple[int, int]]:
+    """[0, n) in at most `threads` near-equal pieces starting on multiples of align (piece t for thread t)."""
+    blocks = -(-n // align)
+    cuts = [min(n, round(blocks * i / threads) * align) for i in range(threads + 1)]
+    return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
 
 
 def unsupported(model: nn.Module) -> str | None:
@@ -104,11 +108,11 @@ class NativeStep:
 
     calls counts steps run natively ("native") and those handed back to eager ("eager")."""
 
-    def __init__(self, model: Transformer, threads: int = 1):
+    def __init__(self, model: Transformer, threads: int = 1, sparsity=None):
         why = unsupported(model)
         if why:
             raise ValueError(why)
-        self.model = model
+        self.model, self.sparsity = model, sparsity  # a plan with `step_columns` (TEAL): its projections by column
         self.calls = {"native": 0, "eager": 0}
         self._build(threads)
 
@@ -138,7 +142,10 @@ class NativeStep:
             self.step.add_norm(b.attn_norm.weight.detach())
             self.step.add_norm(b.mlp_norm.weight.detach())
         self.step.add_norm(model.norm.weight.detach())
-        for layer in _linears(model):
+        for n, layer in enumerate(_linears(model)):
+            if self.sparsity is not None and n < 4 * cfg.n_layers:
+                self._add_columns(*self.sparsity.step_columns(n // 4, n % 4), threads)
+                continue
             for thread, r0, r1 in _slices(layer, threads):
                 op, args, bias = kernel_call(layer, (r0, r1))
                 tensors = [a for a in args if isinstance(a, torch.Tensor)]
@@ -150,6 +157,18 @@ class NativeStep:
                 self.step.add_linear(op, tensors, ints, floats, bias, r0, r1 - r0, thread)
         self._bound: list[tuple] = []  # per row: what its binding holds (`_held`)
         self._quest = (0, 0, 0)  # the step's Quest setting (budget, dense layers, channels)
+
+    def _add_columns(self, cols, tau: float, threads: int) -> None:
+        """A projection by input channel (`attnlab.sparsity.columns`): its column-sparse op per piece, thresholded at
+        tau, each piece cut into one slice of outputs per thread where its layout allows (else thread 0 runs it)."""
+        for piece in cols.pieces:
+            n = piece.r1 - piece.r0
+            for thread, (a, b) in enumerate([(0, n)] if piece.align is None else _cuts(n, piece.align, threads)):
+                args = piece.slice(a, b)
+                tensors = [x for x in args if isinstance(x, torch.Tensor)]
+                ints = [int(x) for x in args if isinstance(x, int)]
+                bias = None if cols.bias is None else cols.bias[piece.r0 + a:piece.r0 + b]
+                self.step.add_linear(piece.sparse.cols_mv, tensors, ints, [tau], bias, piece.r0 + a, b - a, thread)
 
     def __call__(self, ids: torch.Tensor, step, kvs: list, quest=None) -> torch.Tensor | None:
         """Logits [1, 1, vocab] of one token at the cache's step (`KVCache.begin`), or None where not covered."""

@@ -38,7 +38,9 @@ class Sparse:
 
 
 FLOAT32 = Sparse("f32_rows_mv", "f32_rows_axpy", "f32_cols_mv", ref.rows_float, bag=True)  # an nn.Linear's rows
-INT4_BY_INPUTS = Sparse(None, None, "q4g_cols_mv", ref.rows_int4_by_inputs, width=2)  # int4 in its own input groups
+# TEAL's columns in the weight's own groups (`reference.pack_cols`: 4-bit or 8-bit codes by input channel, lossless)
+COLS4 = Sparse(None, None, "qc_cols_mv", ref.rows_by_inputs, width=2)
+COLS8 = Sparse(None, None, "qc_cols_mv", ref.rows_by_inputs, width=1)
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,7 @@ class Kind:
     kscales(wp, N, K) the K-quant factors of a KQ layout; nbytes(N, K, group, has_min, layout).
     batched(K, group): the row layout's matmul reads each weight once for four activation rows.
     sparse: the row layout's `Sparse` ops where rows_ok(group, has_min); columns: TEAL's transposed copy's
-    --quant; own_columns: TEAL's op on the model's own groups of 32 inputs. superblock: the GGUF K-quant the
+    --quant; own_columns: TEAL's op on the weight's own groups, by input channel. superblock: the GGUF K-quant the
     blocks may hold."""
     name: str
     bits: int
@@ -173,7 +175,8 @@ KINDS = {k.name: k for k in (
          unpack=_unpack_int8, block_args=lambda n, group, has_min, layout: (n, group, has_min, layout),
          kscales=repack.kscales_q6k, nbytes=repack.nbytes_q8, batched=lambda K, group: group == 32,
          sparse=Sparse("q8_rows_mv", "q8_rows_axpy", "q8_cols_mv", ref.rows_int8),
-         rows_ok=lambda group, has_min: not has_min and group % 32 == 0, columns="int8:32", superblock="Q6_K"),
+         rows_ok=lambda group, has_min: not has_min and group % 32 == 0, columns="int8:32", own_columns=COLS8,
+         superblock="Q6_K"),
     Kind("int4", 4, lambda w, group, bits: fm.quantize_int4(w, group or 32),
          lambda p: ref.dequantize_int4(p.qs, p.scale, p.min, p.group),
          _parse_group("int4", 4, 32, lambda g: g >= 32 and g % 32 == 0, "a multiple of 32"),
@@ -188,7 +191,7 @@ KINDS = {k.name: k for k in (
          unpack=_unpack_int4, block_args=lambda n, group, has_min, layout: (n, group, layout),
          kscales=repack.kscales_q4k, nbytes=repack.nbytes_q4, batched=lambda K, group: group == 32 and K % 64 == 0,
          sparse=Sparse("q4_rows_mv", "q4_rows_axpy", "q4_cols_mv", ref.rows_int4, width=2), columns="int4:32",
-         own_columns=INT4_BY_INPUTS, superblock="Q4_K"),
+         own_columns=COLS4, superblock="Q4_K"),
     Kind("kmeans", 4, lambda w, group, bits: fm.quantize_kmeans(w, bits, group), _dequantize_kmeans, _parse_kmeans,
          lambda bits, group, fused: f"kmeans{'' if fused else '-naive'}:{bits}" + (f":{group}" if group else ""),
          lambda N, K, group: {"qs": ((N, K // 2), torch.uint8), "codebook": ((N, K // group, 16), None)},

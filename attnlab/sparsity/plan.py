@@ -56,6 +56,10 @@ class Plan:
             raise AttnlabError(f"the {self.method} method chooses MLP neurons only; use oracle or predictor for heads")
         self._prev = None
 
+    def native_step(self) -> bool:
+        """Whether the engine's native step may run this plan's decode rows (TEAL's columns; Deja Vu's rows: no)."""
+        return False
+
     # ------------------------------------------------------------ what a method defines
 
     def scores(self, i: int, ffn, x: torch.Tensor, src: torch.Tensor, act: torch.Tensor | None = None) -> torch.Tensor:

@@ -286,13 +286,8 @@ def measure(lm, plan, ids, window: int = 1024) -> dict:
 from dataclasses import dataclass  # noqa: E402
 from typing import ClassVar  # noqa: E402
 
-from attnlab.quant.kinds import FLOAT32, KINDS  # noqa: E402
+from attnlab.sparsity.columns import columns  # noqa: E402
 from attnlab.sparsity.plan import Plan  # noqa: E402  (plan.py imports this module lazily, in `methods`)
-
-# the transposed copies' format per model weight format: `Kind.columns` (attnlab.quant.kinds); int4 group 32 keeps the
-# model's codes, scales and mins (`Kind.own_columns`: lossless); True requantises the transposed
-# weight along the output dimension instead (q4; measured: +21.6% perplexity on SmolLM2, see docs/dejavu.md)
-REQUANTISE = False
 
 
 @dataclass
@@ -312,10 +307,18 @@ class Teal(Plan):
             raise AttnlabError("the teal method needs a TEAL calibration (attnlab dejavu calibrate), not predictors")
         self.predictors.check_model(model.cfg)
         self.taus = [self.predictors.thresholds(i, self.sparsity) for i in range(model.cfg.n_layers)]
-        self._cols = [[_columns(getattr(layer.attn if p < 2 else layer.mlp, n), model.quant) for p, n in enumerate(PROJ)]
+        self._cols = [[columns(getattr(layer.attn if p < 2 else layer.mlp, n)) for p, n in enumerate(PROJ)]
                       for layer in model.layers]
         self._layer_of = {}
         return self
+
+    def native_step(self) -> bool:
+        """Whether the engine's native step may run this plan's decode rows (`step_columns`)."""
+        return self.sparse_exec
+
+    def step_columns(self, i: int, p: int):
+        """Layer i's projection p (`PROJ`) by input channel, and its threshold: what the native step runs."""
+        return self._cols[i][p], self.taus[i][p]
 
     def project(self, i: int, name: str, linear, x: torch.Tensor) -> torch.Tensor:
         p = PROJ.index(name)
@@ -352,47 +355,3 @@ class Teal(Plan):
                     mlp_dense += c.nbytes
                     mlp_sparse += c.nbytes * (1 - alloc[p])
         return {"dense_mlp": mlp_dense, "sparse_mlp": int(mlp_sparse), "dense_proj": dense, "sparse_proj": int(sparse)}
-
-
-class _Cols:
-    """One projection stored transposed for the column-sparse op: mv(x, tau) -> y, its bias, and (quantized
-    copies only) dense() -> the dequantised [N, K] weight the masked path multiplies, so prefill-sparse and
-    evaluation compute what decoding does."""
-
-    def __init__(self, sparse, operands: tuple, bias, nbytes: int, packed=None):
-        from attnlab.kernels import ops
-        self.sparse, self.operands, self.bias, self.nbytes, self._packed = sparse, operands, bias, nbytes, packed
-        self.mv = ops.bound_cols(sparse, operands)
-        self._w = None
-        self.dense = None if packed is None else self._dense
-
-    def _dense(self) -> torch.Tensor:
-        if self._w is None:
-            self._w = self._packed.dequantize().T.contiguous()
-        return self._w
-
-
-def _columns(linear, quant: str | None) -> _Cols:
-    """linear ([N, K]) as _Cols: fp32 transposed as is; int4 (groups of 32) by columns in its own groups;
-    int8 (and int4 of other groups) requantised along the output dimension (groups of 32 outputs of one input
-    channel), from their dequantised values."""
-    bias = getattr(linear, "bias", None)
-    bias = None if bias is None else bias.detach().float()
-    if not hasattr(linear, "dequantize"):
-        wt = linear.weight.detach().float().T.contiguous()
-        return _Cols(FLOAT32, (wt,), bias, wt.numel() * linear.weight.element_size())
-    own = linear.fmt.own_columns
-    if own and linear.group == 32 and not REQUANTISE:  # the model's own groups, by columns
-        from attnlab.kernels.reference import pack4, unpack4
-        p = linear.packed  # the row layout, whatever layout the kernels hold
-        ct = pack4(unpack4(p.qs).T.contiguous())
-        st, mt = p.scale.T.contiguous(), p.min.T.contiguous()
-        return _Cols(own, (ct, st, mt), bias, sum(t.numel() * t.element_size() for t in (ct, st, mt)))
-    fmt = linear.fmt.columns
-    if fmt is None:
-        raise AttnlabError(f"teal runs on float, int8 and int4 weights, not {linear.kind} ({quant})")
-    from attnlab.quant import QuantSpec
-    packed = QuantSpec.parse(fmt).quantize(linear.dequantize().float().T.contiguous())
-    copy = KINDS[packed.kind]  # the column ops take the row layout's operands
-    operands = tuple(packed.tensors()[n].contiguous() for n in copy.operands) + (32,)
-    return _Cols(copy.sparse, operands, bias, packed.nbytes, packed)

@@ -18,57 +18,74 @@ def decode(lm, ids):
     return torch.cat([lm.forward(ids[t:t + 1][None], cache)[0] for t in range(len(ids))])
 
 
-# the column layouts by the table's names: a float matrix, an int8 / int4 one requantised along the outputs, and an
-# int4 weight in its own groups of 32 inputs
+# the column layouts by the table's names: a float matrix, an int8 / int4 one requantised along the outputs, and int4 /
+# int8 weights in their own groups of inputs, by input channel (`columns`)
 SPARSE = {"float32": FLOAT32, "int8": KINDS["int8"].sparse, "int4": KINDS["int4"].sparse,
-          "int4 own groups": KINDS["int4"].own_columns}
+          "int4 own": KINDS["int4"].own_columns, "int8 own": KINDS["int8"].own_columns, "int8 own:16": KINDS["int8"].own_columns}
 
 
 def operands(kind, wt):
-    """wt [K, N] in the column format of `kind`, and the float matrix it stands for."""
+    """wt [K, N] in the column format of `kind`, the float matrix it stands for, and (own groups) the dense integer
+    kernel's product of a zeroed input, which the op must equal up to summation order."""
     if kind == "float32":
-        return (wt,), wt
-    if kind == "int4 own groups":  # an int4 weight [N, K] in its own groups of 32 inputs, by columns
-        from attnlab.kernels.reference import pack4, unpack4
-        p = QuantSpec.parse("int4:32").quantize(wt.T.contiguous())
-        return (pack4(unpack4(p.qs).T.contiguous()), p.scale.T.contiguous(), p.min.T.contiguous()), p.dequantize().T
+        return (wt,), wt, None
+    if kind.endswith(("own", "own:16")):
+        from attnlab.quant import formats
+        from attnlab.sparsity.columns import _own
+        w = wt.T.contiguous()
+        p = formats.quantize_int4(w, 32) if kind == "int4 own" else formats.quantize_int8(w, 16 if "16" in kind else 32)
+        piece = _own(p, 0)
+        dense = (lambda xm: ops.q4_mm(xm, p.qs, p.scale, p.min, 32)) if kind == "int4 own" else \
+            (lambda xm: ops.q8_mm(xm, p.q, p.scale, p.group)) if p.group % 32 == 0 else None  # q8_mm: groups of 32
+        return piece.operands, p.dequantize().T, dense
     p = QuantSpec.parse(f"{kind}:32").quantize(wt)
     t = p.tensors()
     ops_ = tuple(t[n] for n in KINDS[kind].operands) + (32,)
-    return ops_, p.dequantize()
+    return ops_, p.dequantize(), None
 
 
 @pytest.mark.parametrize("fallback", [False, True])
 @pytest.mark.parametrize("kind", list(SPARSE))
-@pytest.mark.parametrize("K,N", [(64, 96), (576, 1536), (37, 32)])
+@pytest.mark.parametrize("K,N", [(64, 128), (576, 960), (96, 64)])
 def test_cols_equal_dense_on_zeroed_inputs(kind, K, N, fallback):
-    if kind == "int4 own groups" and K % 32:
-        pytest.skip("int4 in its own groups keeps groups of 32 inputs")
     g = torch.Generator().manual_seed(K + N)
     wt = torch.randn(K, N, generator=g)
-    args, w = operands(kind, wt)
+    args, w, dense = operands(kind, wt)
     x = torch.randn(K, generator=g)
     for tau in (-1.0, 0.0, 0.3, 0.8, 1.5, 100.0):
         want = (x * (x.abs() > tau)) @ w
-        if fallback:
-            with ops.disabled():
-                got = ops.cols_mv(SPARSE[kind], x, tau, args)
-        else:
+        with ops.disabled() if fallback else contextlib.nullcontext():
             got = ops.cols_mv(SPARSE[kind], x, tau, args)
-        if kind == "int4 own groups" and not fallback:  # the dense int4 kernel on the zeroed input: the same rounding of x
-            p = QuantSpec.parse("int4:32").quantize(wt.T.contiguous())
+        if dense is not None and ops.enabled() and not fallback:  # the dense integer kernel's rounding of x
             xm = (x * (x.abs() > tau))[None].contiguous()
-            torch.testing.assert_close(got, ops.q4_mm(xm, p.qs, p.scale, p.min, 32)[0], atol=1e-3, rtol=1e-4)
-            assert (got - want).norm() <= 2e-2 * want.norm() + 1e-6  # the rounding of x, as dense
-        elif kind == "int4" and not fallback:  # integer kernel: each 8 rows' coefficients rounded to int8 per block
+            torch.testing.assert_close(got, dense(xm)[0], atol=1e-3, rtol=1e-4)
+            assert (got - want).norm() <= 2e-2 * want.norm() + 1e-6
+        elif kind in ("int4", "int8 own:16") and not fallback:  # integer kernel: each 8 rows' coefficients rounded to int8 per block
             assert (got - want).norm() <= 2e-2 * want.norm() + 1e-6, (tau, (got - want).norm() / want.norm())
         else:
             torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)  # float sums of up to 576 products
 
 
+@pytest.mark.parametrize("kind", ["float32", "int4 own", "int8 own", "int8 own:16"])
+def test_skipped_channels_are_never_read(kind):
+    """A channel under the threshold is not read: NaN (float) or random bytes (codes) in its row change nothing."""
+    g = torch.Generator().manual_seed(7)
+    args, _, _ = operands(kind, torch.randn(256, 960, generator=g))
+    x = torch.randn(256, generator=g)
+    tau = float(x.abs().quantile(0.5))
+    clean = ops.cols_mv(SPARSE[kind], x, tau, args)
+    skipped = (x.abs() <= tau).nonzero().flatten()
+    rows = args[0].clone()
+    if kind == "float32":
+        rows[skipped] = float("nan")
+    else:
+        rows[skipped] = torch.randint(0, 256, (len(skipped), rows.shape[1]), generator=g, dtype=torch.uint8)
+    assert torch.equal(ops.cols_mv(SPARSE[kind], x, tau, (rows, *args[1:])), clean)
+
+
 def test_cols_threads_agree():
     g = torch.Generator().manual_seed(3)
-    args, w = operands("int4", torch.randn(512, 1024, generator=g))
+    args, w, _ = operands("int4", torch.randn(512, 1024, generator=g))
     x = torch.randn(512, generator=g)
     before = torch.get_num_threads()
     try:
@@ -196,3 +213,42 @@ def test_spec_reads_the_cache_the_explicit_step_made(tmp_path, monkeypatch):
     assert len(files) == 1 and files[0].stem == teal.fingerprint(lm.model)
     plan = plan_from_spec("teal:0.3", lm.model)
     assert min(min(t) for t in plan.taus) > 0
+
+
+@torch.inference_mode()
+@pytest.mark.skipif(not ops.load(), reason="no C++ kernels (attnlab info says why)")
+@pytest.mark.parametrize("quant", [None, "int4:32", "int8:32"])
+def test_the_native_step_runs_teal(tiny_teal, quant):
+    """The native step runs TEAL's projections by input channel (`columns`, one copy each). Below-zero thresholds
+    give the dense step: float weights to rounding; int4/int8 up to the order of the dense integer kernels' sums (each
+    op equal to ~1e-7, checked above), which the network's int8 activation codes amplify. At 50% it computes what the
+    eager column path computes."""
+    _, calib, _ = tiny_teal
+    lm = tiny_lm(seed=2)
+    if quant:
+        from attnlab.quant import quantize_model
+        quantize_model(lm.model, quant)
+    lm.compile_decode()
+    dense, ids = lm.new_cache(capacity=64), IDS[None]
+    lm.prefill(ids[:, :8], dense)
+    dense_logits = torch.cat([lm.forward(ids[:, t:t + 1], dense) for t in range(8, 16)], 1)
+    for s in (0.0, 0.5):
+        plan = make_plan("teal", s, 0.0, calib).bind(lm.model)
+        sp = lm.with_sparsity(plan)
+        assert sp.compiled is not None and sp.compiled.sparsity is plan
+        eager = lm.with_sparsity(plan)
+        eager.compiled = None
+        got, want = [], []
+        for run, out in ((sp, got), (eager, want)):
+            cache = run.new_cache(capacity=64)
+            run.prefill(ids[:, :8], cache)
+            out += [run.forward(ids[:, t:t + 1], cache) for t in range(8, 16)]
+        got, want = torch.cat(got, 1), torch.cat(want, 1)
+        assert sp.compiled.calls["native"] >= 8
+        ref = dense_logits if s == 0 else want
+        rel = float((got - ref).norm() / ref.norm())
+        if quant is None:
+            assert rel < 1e-5, (s, rel)
+        else:
+            assert rel < 0.05 and (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9, (s, rel)
+    assert (got - dense_logits).norm() > 10 * (got - want).norm()  # 50% is not the dense model
