@@ -36,6 +36,7 @@ def small_text(tmp_path):
 
 @pytest.mark.parametrize("argv,expect", [
     (["generate", "--prompt", "hi", "--temperature", "nan"], "must be a finite number"),
+    (["generate", "--prompt", "hi", "--dtype", "f16"], "invalid choice 'f16' (choose from float32, bfloat16, file)"),
     (["generate", "--prompt", "hi", "--top-p", "inf"], "must be a finite number"),
     (["generate", "--prompt", "hi", "--top-p", "0"], "top_p must be in (0, 1]"),
     (["generate", "--prompt", "caf\udce9"], "--prompt is not valid UTF-8"),  # b"caf\xe9" via surrogateescape
@@ -143,3 +144,12 @@ def test_piped_chat_keeps_turns_apart(smollm2, capsys, monkeypatch):
     code, out, _ = run(capsys, "chat", "--max-new-tokens", "3")
     lines = out.splitlines()
     assert code == 0 and lines[0] == "you> Hello" and lines[1].startswith("bot> ") and lines[2] == "you> Bye", out
+
+
+def test_dtype_file_is_the_files_own_formats():
+    """`--dtype file` asks for the file's formats where a command's default is float32 (dejavu's)."""
+    p = build_parser()
+    assert p.parse_args(["dejavu", "bench", "--dtype", "file"]).dtype is None
+    assert p.parse_args(["dejavu", "bench"]).dtype == "float32"
+    assert p.parse_args(["generate", "--prompt", "hi"]).dtype is None
+

@@ -32,13 +32,20 @@ def nonneg_int(text: str) -> int:
     return value
 
 
+def dtype_choice(text: str) -> str | None:
+    """--dtype: float32 | bfloat16 | file (the file's own formats: None)."""
+    if text not in ("float32", "bfloat16", "file"):
+        raise argparse.ArgumentTypeError(f"invalid choice {text!r} (choose from float32, bfloat16, file)")
+    return None if text == "file" else text
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """MODEL positional (default: the embedded SmolLM2) plus dtype and thread options."""
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL, metavar="MODEL",
                    help="embedded name, .gguf file or Hugging Face folder")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
-                   help="expand every weight to this dtype (default: the file's format; a quantized GGUF stays "
-                        "packed, activations float32)")
+    p.add_argument("--dtype", default=None, type=dtype_choice, metavar="{float32,bfloat16,file}",
+                   help="expand every weight to this dtype, or 'file': the file's own formats (the default but for "
+                        "`dejavu`, whose default is float32; a quantized GGUF stays packed, activations float32)")
     p.add_argument("--rope", default=None, metavar="NAME:F", help="RoPE scaling override: linear|ntk|dynamic|yarn|llama3:F, none")
     p.add_argument("--threads", type=positive_int, default=1,
                    help="torch intra-op threads (1 by measurement: a busy machine slows 2+ threads down 3x or more)")

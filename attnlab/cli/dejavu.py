@@ -218,7 +218,8 @@ def cmd_bench(args) -> int:
         rows = decode_speed(lm, plans, ids, depth=args.depth, steps=args.steps, repeats=args.repeats,
                             clock=args.clock, progress=bar.update)
     import torch
-    meta = {"model": str(args.model), "quant": str(args.quant) if args.quant else "fp32",
+    weights = str(args.quant) if args.quant else "file" if args.dtype is None else {"float32": "fp32"}.get(args.dtype, args.dtype)
+    meta = {"model": str(args.model), "quant": weights,
             "threads": torch.get_num_threads(), "depth": args.depth, "steps": args.steps, "repeats": args.repeats,
             "clock": args.clock, "load_average": os.getloadavg()[0]}
     name = f"bench-{meta['quant'].replace(':', '_')}{args.tag}.json"
