@@ -128,6 +128,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     sys.path.insert(0, str(ROOT))
+    import shlex
+    from attnlab.io import finish_record, run_record
+    record = run_record(None, None, command="python " + shlex.join(["benchmarks/load.py", *sys.argv[1:]]))
     from attnlab.model.files import resolve
     path = resolve(args.model)
     size = path.stat().st_size / 2**20
@@ -201,7 +204,7 @@ def main(argv=None) -> int:
     print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if args.json:
         from attnlab.io import write_json
-        write_json(args.json, {"cpu": name, "flags": flags, "threads": args.threads, "file": str(path),
+        write_json(args.json, {**finish_record(record), "cpu": name, "flags": flags, "threads": args.threads, "file": str(path),
                                "file_mib": size, "runs": runs, "medians": summary})
     return 0
 
