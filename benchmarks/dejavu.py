@@ -142,7 +142,9 @@ def main() -> int:
     out = Path(args.out)
     if args.ops:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "ops-teal.json").write_text(json.dumps(ops_bench(), indent=2) + "\n")
+        from attnlab.io import finish_record, run_record, write_json
+        record = run_record(None, None, "python " + " ".join(["benchmarks/dejavu.py", *sys.argv[1:]]))
+        write_json(out / "ops-teal.json", {**finish_record(record), "rows": ops_bench()})
         return 0
     if args.teal:
         if not args.skip_bench:

@@ -27,11 +27,19 @@ from pathlib import Path
 def write_samples(path: str, length: int, samples: int, seed: int, model: str) -> None:
     import attnlab
     from attnlab.eval.ruler import TASKS, make_sample
-    from attnlab.io import write_json
+    from attnlab.io import finish_record, run_record, write_json
+    record = run_record(None, seed, "python " + " ".join(["benchmarks/kvpress_anchor.py", *sys.argv[1:]]))
     lm = attnlab.load(model, tokenizer=True)
     rows = [make_sample(t, lm.encode, length, seed, i) for i in range(samples) for t in TASKS]
-    write_json(Path(path), [{k: s[k] for k in ("task", "length", "index", "ids", "context_tokens", "answers",
-                                                "max_new", "tokens")} for s in rows])
+    write_json(Path(path), {**finish_record(record), "samples": [
+        {k: s[k] for k in ("task", "length", "index", "ids", "context_tokens", "answers", "max_new", "tokens")}
+        for s in rows]})
+
+
+def load_samples(path) -> list[dict]:
+    """The samples of a file `--write-samples` made (older files: the bare list). Imports nothing of attnlab."""
+    data = json.loads(Path(path).read_text())
+    return data["samples"] if isinstance(data, dict) else data
 
 
 def _commit() -> str:
@@ -183,7 +191,7 @@ def main() -> int:
     torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(a.model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
     tok = AutoTokenizer.from_pretrained(a.model_dir)
-    samples = json.loads(Path(a.samples).read_text())[: a.limit or None]
+    samples = load_samples(a.samples)[: a.limit or None]
     if a.dump_kept:
         dump_kept(model, samples[0], a.presses.split(","), float(a.ratios.split(",")[0]), a.dump_kept)
         return 0

@@ -21,6 +21,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kvpress_anchor import load_samples  # noqa: E402  (the samples file's one reader)
+
 
 def _recorders(presses: list[str], ratio: float) -> dict:
     """One recorder per press name, shared where two scorers read the same record (h2o and sink_h2o both read
@@ -57,7 +60,7 @@ def run(samples_path: str, out: str, presses: list[str], ratios: list[float], mo
     torch.set_num_threads(1)
     lm = attnlab.load(model, dtype="float32", **({"attention": "quest:32:16"} if quest else {}))  # caches keep pages
     full = lm.with_attention(None)
-    samples = json.loads(Path(samples_path).read_text())
+    samples = load_samples(samples_path)
     names = [n for n in presses + extra if n]
     cells = [("full", "out", 0.0)] + [(n, q, r) for q in questions for n in names for r in ratios]
     quests = {("quest" if c == 0 else f"quest:c{c}"): c for c in quest}
@@ -104,7 +107,7 @@ def compare_kept(samples_path: str, theirs: str, model: str, ratio: float) -> No
     from attnlab.kv.press import PressRecorder, compress, make_press
     torch.set_num_threads(1)
     lm = attnlab.load(model, dtype="float32")
-    s = json.loads(Path(samples_path).read_text())[0]
+    s = load_samples(samples_path)[0]
     ref = torch.load(theirs)
     presses = {name: make_press(name, ratio) for name in ref}
     recorders = {name: PressRecorder(p, None) for name, p in presses.items()}

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kvpress_anchor import load_samples  # noqa: E402  (the samples file's one reader)
 
 
 def needle_positions(decode, ids: list[int], n: int, answers: list[str]) -> list[list[int]]:
@@ -45,7 +47,7 @@ def run(samples_path: str, model: str, presses: list[str], ratio: float, out: st
     lm = attnlab.load(model, dtype="float32", tokenizer=True)
     made = {name: make_press(name, ratio) for name in presses}
     rows = []
-    for s in json.loads(Path(samples_path).read_text()):
+    for s in load_samples(samples_path):
         if not s["task"].startswith("niah"):
             continue
         n, ids = s["context_tokens"], s["ids"]

@@ -188,8 +188,9 @@ def main() -> int:
         print(f"  turn latency while every client is talking, median per 10 turns: "
               f"{r['latency_median_by_10_turns_all_clients_s']}")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        from attnlab.io import finish_record, run_record, write_json
+        record = run_record(None, None, "python " + " ".join(["benchmarks/serve.py", *sys.argv[1:]]))
+        write_json(Path(args.json), {**finish_record(record), "runs": results})
     return 0
 
 
