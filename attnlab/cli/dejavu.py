@@ -137,9 +137,12 @@ def cmd_train(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from attnlab.io import progress, write_json
+    import sys
+
+    from attnlab.io import finish_record, progress, run_record, write_json
     from attnlab.eval.dejavu import plot, predictor_quality, summary_line, sweep
 
+    record = run_record(sys.argv[1:], None)  # nothing is sampled: no seed
     out = Path(args.out)
     lm = load_lm(args)
     calib = _teal(out, lm)
@@ -157,6 +160,7 @@ def cmd_eval(args) -> int:
         rows = sweep(lm, preds, ids, out, sparsities=sparsities, head_keep=heads, window=args.window,
                      progress=bar.update, teal=calib,
                      key={"model": str(args.model), "quant": str(args.quant), "text": args.text})
+    write_json(out / "eval.json", {**finish_record(record), **json.loads((out / "eval.json").read_text())})
     fig = plot(rows, quality, out / "ppl_vs_sparsity.png",
                f"{Path(str(args.model)).name}{' ' + str(args.quant) if args.quant else ''} on {args.text}, "
                f"{len(ids) - 1} tokens")
@@ -173,7 +177,7 @@ def cmd_eval(args) -> int:
         n = args.decode_tokens * (2 * len(plans) - 1)
         with progress(n, "decode quality") as bar:
             drows = decode_quality(lm, plans, ids[:512 + args.decode_tokens], prompt=512, progress=bar.update)
-        write_json(out / "teal-decode.json", {"text": args.text, "prompt": 512, "rows": drows})
+        write_json(out / "teal-decode.json", {**finish_record(record), "text": args.text, "prompt": 512, "rows": drows})
         print(f"decode path, {args.decode_tokens} tokens after a 512-token prompt (prefill dense vs sparse):")
         for r in drows:
             print(f"  {r['variant']:<10} prefill {r['prefill']:<6} ppl {r['ppl']:.3f}")

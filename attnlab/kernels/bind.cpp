@@ -315,6 +315,8 @@ TORCH_LIBRARY(attnlab, m) {
   m.def("repack_q8(Tensor q, Tensor scale, Tensor? min, int group, int fmt) -> Tensor");
   m.def("repack_q4k(Tensor qs, Tensor sc, Tensor m, Tensor d, Tensor dmin) -> Tensor");
   m.def("repack_q6k(Tensor q, Tensor sc, Tensor d) -> Tensor");
+  m.def("gguf_q4k_codes(Tensor raw) -> (Tensor, Tensor)");
+  m.def("gguf_q6k_codes(Tensor raw) -> Tensor");
   m.def("qc_cols_mv(Tensor x, float tau, Tensor codes, Tensor scale, Tensor min, int bits, int group) -> Tensor");
   m.def("f32_cols_mv(Tensor x, float tau, Tensor wt) -> Tensor");
   m.def("q8_cols_mv(Tensor x, float tau, Tensor q, Tensor scale, int group) -> Tensor");
@@ -349,6 +351,7 @@ TORCH_LIBRARY_IMPL(attnlab, CPU, m) {
   m.impl("q8x_rows", &Op<&q8x_rows>::call);
   m.impl("repack_q4", &Op<&repack_q4>::call), m.impl("repack_q8", &Op<&repack_q8>::call);
   m.impl("repack_q4k", &Op<&repack_q4k>::call), m.impl("repack_q6k", &Op<&repack_q6k>::call);
+  m.impl("gguf_q4k_codes", &Op2<&gguf_q4k_codes>::call), m.impl("gguf_q6k_codes", &Op<&gguf_q6k_codes>::call);
   m.impl("f32_cols_mv", &Op<&f32_cols_mv>::call), m.impl("q8_cols_mv", &Op<&q8_cols_mv>::call);
   m.impl("q4_cols_mv", &Op<&q4_cols_mv>::call), m.impl("qc_cols_mv", &Op<&qc_cols_mv>::call);
 }

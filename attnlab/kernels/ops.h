@@ -291,6 +291,9 @@ View repack_q4(const Alloc& out, const View& qs, const View& scale, const View& 
 View repack_q8(const Alloc& out, const View& q, const View& scale, const Opt& min, int64_t group, int64_t fmt);
 View repack_q4k(const Alloc& out, const View& qs, const View& sc, const View& m, const View& d, const View& dmin);
 View repack_q6k(const Alloc& out, const View& q, const View& sc, const View& d);
+// GGUF K-quant blocks decoded at load: Q4_K -> pack4 codes [nb, 128], then uint8 sc and m [nb, 16]; Q6_K -> int8 [nb, 256]
+View gguf_q4k_codes(const Alloc& out, const View& raw);
+View gguf_q6k_codes(const Alloc& out, const View& raw);
 // repacked_rows.cpp: rows of a repacked int8 weight, dequantised (a tied head read as the token table)
 View q8x_rows(const Alloc& out, const View& w, const Contig& ids, int64_t K, int64_t group, bool has_min, int64_t fmt);
 }  // namespace attnlab

@@ -158,3 +158,60 @@ View attnlab::repack_q8(const Alloc& alloc, const View& q, const View& scale, co
   });
   return out;
 }
+
+// ---- GGUF K-quant blocks decoded at load, in one pass (formats.gguf_q4_k / gguf_q6_k's torch forms are the reference)
+
+// Q4_K blocks [nb, 144] (d, dmin, 12 bytes of 6-bit scales and mins, 128 code bytes) -> codes [nb, 128] in pack4's
+// layout (per sub-block of 32, byte j: value j low nibble, value j + 16 high) and the uint8 scales and mins
+// [nb, 16] (sc[8] then m[8]: ggml's get_scale_min_k4).
+View attnlab::gguf_q4k_codes(const Alloc& alloc, const View& raw) {
+  ATTNLAB_CHECK(raw.scalar_type() == attnlab::kByte && raw.is_contiguous() && raw.dim() == 2 && raw.size(1) == 144,
+                "gguf_q4k_codes: raw must be contiguous uint8 [blocks, 144]");
+  const int64_t nb = raw.size(0);
+  View codes = alloc({nb, 128}, attnlab::kByte), scales = alloc({nb, 16}, attnlab::kByte);
+  const uint8_t* R = raw.data_ptr<uint8_t>();
+  uint8_t *C = codes.data_ptr<uint8_t>(), *S = scales.data_ptr<uint8_t>();
+  attnlab::parallel_for(0, nb, 256, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint8_t *s = R + b * 144 + 4, *q = R + b * 144 + 16;
+      uint8_t *c = C + b * 128, *o = S + b * 16;
+      for (int u = 0; u < 4; ++u) {
+        o[u] = s[u] & 63, o[8 + u] = s[4 + u] & 63;
+        o[4 + u] = (s[8 + u] & 15) | ((s[u] >> 2) & 48), o[12 + u] = (s[8 + u] >> 4) | ((s[4 + u] >> 2) & 48);
+      }
+      for (int ch = 0; ch < 4; ++ch)  // chunk ch of 32 bytes: sub-block 2 ch in the low nibbles, 2 ch + 1 in the high
+        for (int j = 0; j < 16; ++j) {
+          const uint8_t lo = q[32 * ch + j], hi = q[32 * ch + 16 + j];
+          c[32 * ch + j] = (lo & 15) | static_cast<uint8_t>(hi << 4);
+          c[32 * ch + 16 + j] = (lo >> 4) | (hi & 0xF0);
+        }
+    }
+  });
+  return codes;
+}
+
+// Q6_K blocks [nb, 210] (128 bytes of low 4 bits, 64 of high 2 bits, int8 scales[16], d) -> the codes - 32, int8
+// [nb, 256] in input order (ggml's dequantize_row_q6_K).
+View attnlab::gguf_q6k_codes(const Alloc& alloc, const View& raw) {
+  ATTNLAB_CHECK(raw.scalar_type() == attnlab::kByte && raw.is_contiguous() && raw.dim() == 2 && raw.size(1) == 210,
+                "gguf_q6k_codes: raw must be contiguous uint8 [blocks, 210]");
+  const int64_t nb = raw.size(0);
+  View q = alloc({nb, 256}, attnlab::kChar);
+  const uint8_t* R = raw.data_ptr<uint8_t>();
+  int8_t* Q = q.data_ptr<int8_t>();
+  attnlab::parallel_for(0, nb, 256, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint8_t *ql = R + b * 210, *qh = R + b * 210 + 128;
+      int8_t* out = Q + b * 256;
+      for (int h = 0; h < 2; ++h)  // halves of 128 values: 64 low-bit bytes and 32 high-bit bytes each
+        for (int i = 0; i < 32; ++i) {
+          const uint8_t l0 = ql[64 * h + i], l1 = ql[64 * h + 32 + i], hb = qh[32 * h + i];
+          out[128 * h + i] = static_cast<int8_t>(((l0 & 15) | ((hb & 3) << 4)) - 32);
+          out[128 * h + 32 + i] = static_cast<int8_t>(((l1 & 15) | (((hb >> 2) & 3) << 4)) - 32);
+          out[128 * h + 64 + i] = static_cast<int8_t>(((l0 >> 4) | (((hb >> 4) & 3) << 4)) - 32);
+          out[128 * h + 96 + i] = static_cast<int8_t>(((l1 >> 4) | (((hb >> 6) & 3) << 4)) - 32);
+        }
+    }
+  });
+  return q;
+}

@@ -250,29 +250,43 @@ def gguf_q5(raw: torch.Tensor, N: int, K: int, with_min: bool) -> Packed:
                   scale=_f16(raw, 0).view(N, -1), min=m)
 
 
+def _native_decode() -> bool:
+    """The K-quant blocks decoded by the C++ kernels (`gguf_q4k_codes`, `gguf_q6k_codes`: one pass, the bytes of
+    the torch forms below, which were most of a Q4_K_M file's load) where they are built."""
+    from attnlab.kernels import ops
+    return ops.enabled()
+
+
 def gguf_q6_k(raw: torch.Tensor, N: int, K: int) -> Packed:
-    ql = _shifted(raw[:, :128].reshape(-1, 2, 64), [0, 4], 15).reshape(-1, 8, 32)
-    qh = _shifted(raw[:, 128:192].reshape(-1, 2, 32), [0, 2, 4, 6], 3).reshape(-1, 8, 32)
-    q = (ql | (qh << 4)).view(torch.int8) - 32
+    if _native_decode():
+        q = torch.ops.attnlab.gguf_q6k_codes(raw.contiguous())
+    else:
+        ql = _shifted(raw[:, :128].reshape(-1, 2, 64), [0, 4], 15).reshape(-1, 8, 32)
+        qh = _shifted(raw[:, 128:192].reshape(-1, 2, 32), [0, 2, 4, 6], 3).reshape(-1, 8, 32)
+        q = (ql | (qh << 4)).view(torch.int8) - 32
     sc = raw[:, 192:208].view(torch.int8)
     scale = _f16(raw, 208)[:, None] * sc.float()
     return Packed("int8", (N, K), 16, 8, q=q.reshape(N, K), scale=scale.view(N, K // 16),
                   kscale=KScales(sc.reshape(N, K // 16), _f16(raw, 208, keep=True).view(N, K // 256)))
 
 
-def _k_head(raw: torch.Tensor, N: int):
-    """Q4_K / Q5_K's d, dmin, 6-bit sc and m, and the float32 scale and min they make."""
+def _k_head(raw: torch.Tensor, N: int, scales: torch.Tensor | None = None):
+    """Q4_K / Q5_K's d, dmin, 6-bit sc and m (decoded already where `scales` [nb, 16] is given), and the float32
+    scale and min they make."""
     d, dmin = _f16(raw, 0)[:, None], _f16(raw, 2)[:, None]
-    sc, mn = _k_scales(raw[:, 4:16])
+    sc, mn = _k_scales(raw[:, 4:16]) if scales is None else (scales[:, :8], scales[:, 8:])
     return sc, mn, (d * sc.float()).view(N, -1), (-(dmin * mn.float())).view(N, -1)
 
 
 def gguf_q4_k(raw: torch.Tensor, N: int, K: int) -> Packed:
-    sc, mn, scale, min_ = _k_head(raw, N)
+    if _native_decode():
+        codes, scales = torch.ops.attnlab.gguf_q4k_codes(raw.contiguous())
+    else:
+        codes, scales = _k_nibbles(raw[:, -128:]), None
+    sc, mn, scale, min_ = _k_head(raw, N, scales)
     ks = KScales(sc.reshape(N, K // 32), _f16(raw, 0, keep=True).view(N, -1), mn.reshape(N, K // 32),
                  _f16(raw, 2, keep=True).view(N, -1))
-    return Packed("int4", (N, K), BLOCK, 4, qs=_k_nibbles(raw[:, -128:]).reshape(N, K // 2), scale=scale, min=min_,
-                  kscale=ks)
+    return Packed("int4", (N, K), BLOCK, 4, qs=codes.reshape(N, K // 2), scale=scale, min=min_, kscale=ks)
 
 
 def gguf_q5_k(raw: torch.Tensor, N: int, K: int) -> Packed:

@@ -1,5 +1,6 @@
 """GGUF K-quant and 5-bit blocks kept on the file's own grid: dequantisation equals the `gguf` package's,
 mixed formats concatenate exactly, and a mixed-format file (a Q4_K_M-like mix) runs in its own formats."""
+import contextlib
 from dataclasses import replace
 
 import gguf
@@ -31,14 +32,28 @@ def random_blocks(kind: str, rows: int, cols: int, rng, spread: float = 0.02) ->
 
 @pytest.mark.parametrize("kind", GGUF_PACKED)
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_dequantisation_equals_the_gguf_package(kind, seed):
+@pytest.mark.parametrize("native", [True, False])
+def test_dequantisation_equals_the_gguf_package(kind, seed, native):
+    """Both decoders (the C++ one of Q4_K and Q6_K used at load, and the torch forms) give the file's values and
+    the same fields, K-quant factors included."""
+    if native and not ops.load():
+        pytest.skip("no C++ kernels")
     rng = np.random.default_rng(seed)
     rows, cols = 3 + seed, 256 * (1 + seed)
     raw = random_blocks(kind, rows, cols, rng, spread=[0.02, 1.0, 300.0][seed])
     ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind]).reshape(rows, cols)
-    p = from_gguf(raw, kind, (rows, cols))
+    with contextlib.nullcontext() if native else ops.disabled():
+        p = from_gguf(raw, kind, (rows, cols))
     assert p.shape == (rows, cols) and p.scale.dtype == torch.float32
     assert np.array_equal(p.dequantize().numpy(), ref)  # bit for bit: the file's grid, nothing requantised
+    if native:
+        with ops.disabled():
+            slow = from_gguf(raw, kind, (rows, cols))
+        for name, t in slow.tensors().items():
+            assert torch.equal(p.tensors()[name], t), name
+        for name in ("sc", "d", "m", "dmin"):
+            a, b = (getattr(k, name, None) if k is not None else None for k in (p.kscale, slow.kscale))
+            assert (a is None and b is None) or torch.equal(a, b), name
 
 
 def test_formats_are_the_agreed_ones():
