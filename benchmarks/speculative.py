@@ -61,7 +61,7 @@ def llama_lookup(build: dict, model: str, text: str, new: int, draft: int, threa
     import subprocess
     from pathlib import Path
     cmd = [str(Path(build["bin"]) / "llama-lookup"), "-m", model, "-p", text, "-n", str(new), "-t", str(threads),
-           "--temp", "0", "--draft-max", str(max(draft, 1)), "-c", "8192", "--no-warmup"]
+           "--temp", "0", "--spec-draft-n-max", str(max(draft, 1)), "-c", "8192"]
     if build.get("ub1"):
         cmd += ["-ub", "1"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
