@@ -217,8 +217,8 @@ def test_spec_reads_the_cache_the_explicit_step_made(tmp_path, monkeypatch):
 
 @torch.inference_mode()
 @pytest.mark.skipif(not ops.load(), reason="no C++ kernels (attnlab info says why)")
-@pytest.mark.parametrize("quant", [None, "int4:32", "int8:32"])
-def test_the_native_step_runs_teal(tiny_teal, quant):
+@pytest.mark.parametrize("quant,threads", [(None, 1), ("int4:32", 1), ("int8:32", 1), ("int4:32", 2), ("int8:32", 2)])
+def test_the_native_step_runs_teal(tiny_teal, quant, threads):
     """The native step runs TEAL's projections by input channel (`columns`, one copy each). Below-zero thresholds
     give the dense step: float weights to rounding; int4/int8 up to the order of the dense integer kernels' sums (each
     op equal to ~1e-7, checked above), which the network's int8 activation codes amplify. At 50% it computes what the
@@ -229,6 +229,7 @@ def test_the_native_step_runs_teal(tiny_teal, quant):
         from attnlab.quant import quantize_model
         quantize_model(lm.model, quant)
     lm.compile_decode()
+    lm = lm.with_threads(threads)  # a team: each piece cut into one slice of outputs per thread (`_cuts`)
     dense, ids = lm.new_cache(capacity=64), IDS[None]
     lm.prefill(ids[:, :8], dense)
     dense_logits = torch.cat([lm.forward(ids[:, t:t + 1], dense) for t in range(8, 16)], 1)
