@@ -10,7 +10,7 @@ its pass, a press's scorer). Rows of one batch hold distinct caches; each row's 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -49,6 +49,15 @@ class Row:
         """One sampled token of one conversation (a decode step): what the native step and the batched eager pass
         take."""
         return self.ids.shape == (1, 1) and not self.prompt
+
+    def units(self, i: int, step, split: bool) -> list[tuple]:
+        """(row index i, ids, step) of what the network runs for this row: the row whole, or a verification row's
+        tokens one by one (split), each at its own slot of the row's step (`KVCache.begin`)."""
+        if not (self.verify and split and self.tokens > 1):
+            return [(i, self.ids, step)]
+        return [(i, self.ids[:, j:j + 1], replace(step, pos=step.pos[:, j:j + 1], q_pos=step.q_pos[:, j:j + 1],
+                                                   rot=step.rot[:, :, j:j + 1], start=step.start + j))
+                for j in range(self.tokens)]
 
 
 @dataclass

@@ -186,7 +186,7 @@ class LM:
                  for r in rows]  # what the native step may cover
         fast = [p and (r.single or r.verify) for p, r in zip(plain, rows)]
         steps = [r.cache.begin(r.tokens, rope, real=f) for r, f in zip(rows, fast)]
-        units = [u for i, r in enumerate(rows) for u in units_of(i, r, steps[i], self.sparsity is None)]
+        units = [u for i, r in enumerate(rows) for u in r.units(i, steps[i], self.sparsity is None)]
         out: list[torch.Tensor | None] = [None] * len(units)
         native = self._native(rows, units, fast, quest, out)
         if any(plain[i] and u not in native for u, (i, *_) in enumerate(units)):
@@ -385,16 +385,6 @@ class LM:
                     out[b].append(t)
                     stops[b].push(t)
         return out
-
-
-def units_of(i: int, row: Row, step, split: bool) -> list[tuple]:
-    """(row index, ids, step) of what the network runs for row i: the row whole, or a verification row's tokens one
-    by one (split), each at its own slot of the row's step."""
-    if not (row.verify and split and row.tokens > 1):
-        return [(i, row.ids, step)]
-    return [(i, row.ids[:, j:j + 1], dataclasses.replace(step, pos=step.pos[:, j:j + 1], q_pos=step.q_pos[:, j:j + 1],
-                                                         rot=step.rot[:, :, j:j + 1], start=step.start + j))
-            for j in range(row.tokens)]
 
 
 def load(spec: str | Path = DEFAULT_MODEL, options: Options | None = None, **fields) -> LM:

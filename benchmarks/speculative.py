@@ -12,12 +12,18 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import re
 import shlex
 import statistics
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import llamacpp  # noqa: E402  (the peer's builds and llama-bench)
 
 
 def long_context(lm, tokens: int) -> list[int]:
@@ -57,9 +63,6 @@ def llama_lookup(build: dict, model: str, text: str, new: int, draft: int, threa
     """llama.cpp's n-gram speculation (`llama-lookup`: the prompt's n-gram cache drafts up to `draft` tokens) on the
     same prompt text, greedy: its prompt and generation seconds, tokens/s of the whole (prefill included, as ours)
     and its acceptance."""
-    import re
-    import subprocess
-    from pathlib import Path
     cmd = [str(Path(build["bin"]) / "llama-lookup"), "-m", model, "-p", text, "-n", str(new), "-t", str(threads),
            "--temp", "0", "--spec-draft-n-max", str(max(draft, 1)), "-c", "8192"]
     if build.get("ub1"):
@@ -155,8 +158,6 @@ def main(argv=None) -> int:
 def peer_rows(args, lm, name: str, ids: list[int], ours_plain_s: float) -> list[dict]:
     """llama.cpp on the workload's prompt text: plain and n-gram lookup, medians over rounds, each against our plain
     decoding of the same workload (whole generation, prefill included)."""
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
-    import llamacpp
     from attnlab.model.files import resolve
     builds = llamacpp.find_builds()
     if not builds:

@@ -64,6 +64,16 @@ def _slices(layer: nn.Module, threads: int) -> list[tuple[int, int, int]]:
     return out
 
 
+def _operands(op: str, args) -> tuple[list, list, list]:
+    """An op's operands after x as the step passes them: (tensors, ints (bools included), floats), each in order."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    ints = [int(a) for a in args if isinstance(a, int)]
+    floats = [float(a) for a in args if isinstance(a, float)]
+    if len(tensors) + len(ints) + len(floats) != len(args):
+        raise ValueError(f"{op}: operands the native step cannot pass")
+    return tensors, ints, floats
+
+
 def _cuts(n: int, align: int, threads: int) -> list[tuple[int, int]]:
     """[0, n) in at most `threads` near-equal pieces starting on multiples of align (piece t for thread t)."""
     blocks = -(-n // align)
@@ -148,13 +158,8 @@ class NativeStep:
                 continue
             for thread, r0, r1 in _slices(layer, threads):
                 op, args, bias = kernel_call(layer, (r0, r1))
-                tensors = [a for a in args if isinstance(a, torch.Tensor)]
-                ints = [int(a) for a in args if isinstance(a, int)]  # bools included
-                floats = [float(a) for a in args if isinstance(a, float)]
-                if len(tensors) + len(ints) + len(floats) != len(args):
-                    raise ValueError(f"{op}: operands the native step cannot pass")
                 bias = None if bias is None else bias.detach()[r0:r1].float()
-                self.step.add_linear(op, tensors, ints, floats, bias, r0, r1 - r0, thread)
+                self.step.add_linear(op, *_operands(op, args), bias, r0, r1 - r0, thread)
         self._bound: list[tuple] = []  # per row: what its binding holds (`_held`)
         self._quest = (0, 0, 0)  # the step's Quest setting (budget, dense layers, channels)
 
@@ -164,9 +169,7 @@ class NativeStep:
         for piece in cols.pieces:
             n = piece.r1 - piece.r0
             for thread, (a, b) in enumerate([(0, n)] if piece.align is None else _cuts(n, piece.align, threads)):
-                args = piece.slice(a, b)
-                tensors = [x for x in args if isinstance(x, torch.Tensor)]
-                ints = [int(x) for x in args if isinstance(x, int)]
+                tensors, ints, _ = _operands(piece.sparse.cols_mv, piece.slice(a, b))
                 bias = None if cols.bias is None else cols.bias[piece.r0 + a:piece.r0 + b]
                 self.step.add_linear(piece.sparse.cols_mv, tensors, ints, [tau], bias, piece.r0 + a, b - a, thread)
 
