@@ -7,7 +7,7 @@ Recorded per round: aggregate generated tokens per second (every stream's conten
 time), time to first token and inter-token latency (p50 / p99 over every stream), errors, and each server's peak
 RSS. llama-server's slots are fixed at start (`-np N`, context N x --ctx), so it is restarted per N; attnlab
 serves every N from one process (`--max-batch`). Beside each attnlab aggregate, the engine's own figure for the
-same requests, measured in this process (`engine_figure`): for N = 1 its `generate` of the same prompt and
+same requests, measured in this process (`engine_figure`): for N = 1 its one-conversation generation of the same prompt and
 token count; for N > 1 the bound its measured prefill and batched step times give (every prompt prefilled, then
 the longest reply's steps of all N rows together), and the served aggregate over the engine's single stream.
 Writes a JSON record and a Markdown table (atomically).
@@ -56,7 +56,8 @@ async def one_stream(client, model: str, prompt: str, max_tokens: int) -> dict:
     times = []
     try:
         stream = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
-                                                      max_tokens=max_tokens, temperature=0.0, stream=True)
+                                                      max_tokens=max_tokens, temperature=0.0, stream=True,
+                                                      extra_body={"ignore_eos": True})  # every reply max_tokens long
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
                 times.append(time.perf_counter() - t0)
@@ -82,17 +83,21 @@ async def round_(url: str, model: str, prompts: list[str], max_tokens: int, key:
 
 def engine_figure(lm, prompts: list[str], tokens: list[int], steps: int = 8) -> dict:
     """The engine's own aggregate tokens per second for the same requests (chat-rendered, greedy; tokens: each
-    stream's count as served). N = 1: `generate` of the prompt, the whole request timed (prefill included). N > 1:
+    stream's count as served). N = 1: one conversation's generation (`Session.generate`, past the end-of-turn
+    token as the served replies go, `ignore_eos`), the whole request timed (prefill included). N > 1:
     the bound its measured times give, sum(tokens) / (every prompt's prefill + max(tokens) batched steps of all
     N rows), a step's time the median of `steps` steps over the N prefilled caches."""
     import torch
 
     from attnlab.batch import Batch
     from attnlab.sampling import Sampler
+    from attnlab.session import Session
     ids = [lm.chat_ids([{"role": "user", "content": p}]) for p in prompts]
     if len(ids) == 1:
         t = time.perf_counter()
-        n = len(lm.generate_ids(ids, max(1, tokens[0]), Sampler())[0])
+        session = Session(lm)
+        session.feed(ids[0])
+        n = sum(1 for _ in session.generate(Sampler(0.0), max(1, tokens[0]), stop_at_eos=False))
         return {"engine": "generate", "engine_tok_s": n / (time.perf_counter() - t)}
     caches = [lm.new_cache(capacity=len(p) + max(tokens) + steps + 2) for p in ids]
     t = time.perf_counter()

@@ -197,13 +197,13 @@ class Server:
         return held, Turn(len(ids), len(new)), new
 
     async def submit(self, reply: Reply, request: Request, new: list[int], sampler: Sampler, limit: int,
-                     stops: list[str]) -> None:
+                     stops: list[str], ignore_eos: bool = False) -> None:
         """Hand the request to the scheduler and wait for its first event (the prompt is in, or it failed):
         a failure is the request's status, not a broken stream. A client that leaves is cancelled (499)."""
         held = reply.held
         future = self.worker.submit(reply.inbox.deliver, lambda keep: self.store.release(held, keep),
                                    session=held.session, prompt=new, sampler=sampler, max_tokens=limit,
-                                   stop_ids=self.lm.eos_ids, stops=stops, key=held.owner)
+                                   stop_ids=() if ignore_eos else self.lm.eos_ids, stops=stops, key=held.owner)
         try:
             reply.rid = await asyncio.shield(asyncio.wrap_future(future))
         except asyncio.CancelledError:
@@ -250,7 +250,7 @@ class Server:
         self.by_owner[owner]["requests"] += 1
         reply = Reply(self, held, turn, text is not None, lambda: self.finish(slot))
         try:
-            await self.submit(reply, request, new, sampler, limit, stops)
+            await self.submit(reply, request, new, sampler, limit, stops, bool(req.ignore_eos))
         except BaseException:
             reply.close()
             raise

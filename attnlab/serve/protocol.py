@@ -105,6 +105,7 @@ class CommonRequest(BaseModel):
     n: int | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    ignore_eos: bool | None = None  # vLLM's and llama-server's field: decode max_tokens whatever the model ends on
     attnlab: AttnlabOptions | None = None
 
     @model_validator(mode="before")

@@ -41,6 +41,19 @@ def test_chat_completion_and_stream_join(client):
     assert reasons == [r.choices[0].finish_reason]
 
 
+def test_ignore_eos_runs_the_reply_to_max_tokens(client):
+    """vLLM's and llama-server's `ignore_eos`: the reply goes on past the model's end-of-turn token, and begins
+    as the reply that stopped there."""
+    messages = [{"role": "user", "content": "Say hello."}]
+    ended = ask(client, messages, max_tokens=64)
+    assert ended.choices[0].finish_reason == "stop" and ended.usage.completion_tokens < 64  # the model ends early
+    full = ask(client, messages, max_tokens=64, extra_body={"ignore_eos": True})
+    assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 64
+    assert full.choices[0].message.content.startswith(ended.choices[0].message.content)
+    with pytest.raises(openai.BadRequestError):  # strict, as every field is
+        ask(client, messages, extra_body={"ignore_eos": "yes"})
+
+
 def test_completions_endpoint_and_stop(client):
     r = client.completions.create(model=MODEL, prompt="One, two, three, four,", max_tokens=8, temperature=0)
     text = r.choices[0].text
