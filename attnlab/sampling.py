@@ -17,6 +17,15 @@ TEMPERATURE_FLOOR = 1e-3  # below: greedy (at 1e-3 a logit gap of 0.01 is alread
 TOP_P_FLOOR = 1e-6        # below: greedy (the smallest prefix reaching top_p is the top token then)
 
 
+def top_token(logits: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dimension, as `Tensor.argmax` (the first of equal maxima; a NaN counts as the
+    largest), by numpy where the logits are float32 on the CPU: a decode step's [8, 49152] logits in 24 us
+    against torch's 570 (one thread), and greedy decoding takes one per token."""
+    if logits.dtype == torch.float32 and logits.device.type == "cpu" and not logits.requires_grad:
+        return torch.as_tensor(logits.numpy().argmax(-1))
+    return logits.argmax(-1)
+
+
 class Sampler:
     """Turns logits [B, V] into token ids [B]. temperature 0 means greedy (argmax)."""
 
@@ -38,7 +47,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         if self.temperature == 0:
-            return logits.argmax(-1)
+            return top_token(logits)
         return torch.multinomial(self.probs(logits), 1, generator=self.generator).squeeze(-1)
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:

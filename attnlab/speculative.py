@@ -25,6 +25,7 @@ import torch
 
 from attnlab.batch import Batch
 from attnlab.errors import AttnlabError
+from attnlab.sampling import top_token
 from attnlab.stop import Stop
 
 KINDS = ("ngram", "self", "draft")
@@ -166,7 +167,7 @@ class ModelDrafter:
         drafts, qs = [], []
         for i in range(k):
             if sampler.temperature == 0:
-                t = int(logits[0].argmax())
+                t = int(top_token(logits[0]))
             else:
                 q = sampler.probs(logits[0])
                 t = int(torch.multinomial(q, 1, generator=sampler.generator))
@@ -279,7 +280,7 @@ def accept(p: torch.Tensor, drafts: list[int], q: torch.Tensor | None, generator
 def verify(logits: torch.Tensor, drafts: list[int], q, sampler) -> tuple[int, int]:
     """Target logits [k + 1, V] of a verification row -> (drafts kept, the target's next token)."""
     if sampler.temperature == 0:
-        best = logits.argmax(-1).tolist()
+        best = top_token(logits).tolist()
         n = 0
         while n < len(drafts) and drafts[n] == best[n]:
             n += 1

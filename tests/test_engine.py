@@ -84,6 +84,19 @@ def test_bf16_close_to_fp32():
     assert out.dtype == torch.float32 and (out - ref).abs().max() < 0.1 * ref.abs().max()
 
 
+def test_top_token_is_torch_argmax():
+    """The fast greedy pick (numpy on float32) agrees with Tensor.argmax, ties and NaN included, on views too."""
+    from attnlab.sampling import top_token
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 49152, generator=g)
+    x[1, 7] = x[1, 9000] = 100.0   # a tie: the first
+    x[2, 5] = float("nan")          # NaN counts as the largest
+    x[3, :] = float("-inf")
+    for t in (x, x[:, 1:], x.t().contiguous().t(), x[0], x.half(), x.double()):
+        assert torch.equal(top_token(t), t.argmax(-1))
+    assert top_token(x).tolist() == x.argmax(-1).tolist() and top_token(x)[1] == 7 and top_token(x)[2] == 5
+
+
 def test_sampler_greedy_topk_topp_and_seed():
     logits = torch.tensor([[0.0, 3.0, 2.9, -1.0, 1.0]])
     assert Sampler()(logits).item() == 1

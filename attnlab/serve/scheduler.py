@@ -42,7 +42,7 @@ import torch
 
 from attnlab.batch import Batch, Row
 from attnlab.errors import AttnlabError
-from attnlab.sampling import Sampler
+from attnlab.sampling import Sampler, top_token
 from attnlab.session import Session
 from attnlab.stop import Stop
 
@@ -273,7 +273,7 @@ class Runner:
         if not rows:
             return []
         if all(r.sampler.temperature == 0 for r in rows):
-            return torch.cat([lg[:, -1] for lg in logits]).argmax(-1).tolist()
+            return top_token(torch.cat([lg[:, -1] for lg in logits])).tolist()
         return [int(r.sampler(lg[:, -1])[0]) for r, lg in zip(rows, logits)]
 
     def _emit(self, r: Request, t: int, events: list[Event]) -> None:
