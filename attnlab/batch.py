@@ -51,9 +51,9 @@ class Row:
         return self.ids.shape == (1, 1) and not self.prompt
 
     def units(self, i: int, step, split: bool) -> list[tuple]:
-        """(row index i, ids, step) of what the network runs for this row: the row whole, or a verification row's
-        tokens one by one (split), each at its own slot of the row's step (`KVCache.begin`)."""
-        if not (self.verify and split and self.tokens > 1):
+        """(row index i, ids, step) of what the network runs for this row: the row whole, or its tokens one by one
+        (split: a verification row's), each at its own slot of the row's step (`KVCache.begin`)."""
+        if not (split and self.tokens > 1):
             return [(i, self.ids, step)]
         return [(i, self.ids[:, j:j + 1], replace(step, pos=step.pos[:, j:j + 1], q_pos=step.q_pos[:, j:j + 1],
                                                    rot=step.rot[:, :, j:j + 1], start=step.start + j))

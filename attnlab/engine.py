@@ -186,7 +186,7 @@ class LM:
                  for r in rows]  # what the native step may cover
         fast = [p and (r.single or r.verify) for p, r in zip(plain, rows)]
         steps = [r.cache.begin(r.tokens, rope, real=f) for r, f in zip(rows, fast)]
-        units = [u for i, r in enumerate(rows) for u in r.units(i, steps[i], self.sparsity is None)]
+        units = [u for i, r in enumerate(rows) for u in r.units(i, steps[i], r.verify and self.sparsity is None)]
         out: list[torch.Tensor | None] = [None] * len(units)
         native = self._native(rows, units, fast, quest, out)
         if any(plain[i] and u not in native for u, (i, *_) in enumerate(units)):
@@ -207,9 +207,10 @@ class LM:
                 out[u] = self.model(ids, ctx, last_only=r.logits != "all")
         for r in rows:
             r.cache.advance(r.tokens)
-        out = [torch.cat([o for (j, *_), o in zip(units, out) if j == i], 1) for i in range(len(rows))]
-        out = [torch.cat([*head, o if r.logits == "all" else o[:, -1:]], 1) for r, o, (_, head) in zip(rows, out, fitted)]
-        return [None if r.logits == "none" else o for r, o in zip(rows, out)]
+        got = [[o for (j, *_), o in zip(units, out) if j == i and o is not None] for i in range(len(rows))]
+        return [None if r.logits == "none" else
+                torch.cat([*head, *(o if r.logits == "all" else o[:, -1:] for o in mine[-1 if r.logits == "last" else 0:])], 1)
+                for r, mine, (_, head) in zip(rows, got, fitted)]
 
     def _fit(self, row: Row) -> tuple[Row, list]:
         """A row longer than its cache has room for in one pass (a bounded cache: one policy chunk) goes in parts,
@@ -237,10 +238,14 @@ class LM:
         native = [u for u in cand if units[u][0] not in bad]
         if not native:
             return set()
+        last = {units[u][0]: u for u in native}  # each row's last unit
+        outs = [j for j, u in enumerate(native) if rows[units[u][0]].logits == "all"
+                or rows[units[u][0]].logits == "last" and last[units[u][0]] == u]
         logits = self.compiled.batch(torch.cat([units[u][1] for u in native]), [units[u][2] for u in native],
-                                     [rows[units[u][0]].cache.layers for u in native], quest, [firsts[u] for u in native])
-        for j, u in enumerate(native):
-            out[u] = logits[j:j + 1]
+                                     [rows[units[u][0]].cache.layers for u in native], quest, [firsts[u] for u in native],
+                                     outs)
+        for k, j in enumerate(outs):
+            out[native[j]] = logits[k:k + 1]
         return set(native)
 
     @torch.inference_mode()

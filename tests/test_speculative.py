@@ -150,6 +150,12 @@ def test_a_verification_row_computes_each_token_bit_for_bit_as_a_decode_step(fil
     assert all(torch.equal(a, b) for a, b in zip(singles, rows))
     if native:
         assert lm.compiled.calls["native"] == calls["native"] + 1 and lm.compiled.calls["eager"] == calls["eager"]
+    for wants in ("last", "none"):  # the native step makes the head's rows that are asked for only
+        cache.truncate(seen)
+        got = lm.step(Batch.one([toks], cache, wants, verify=True))[0]
+        assert got is None if wants == "none" else torch.equal(got[0, -1], rows[-1])
+    if native:  # the row's tokens share one binding of their cache (a sequence id), not one each
+        assert len(lm.compiled._bound) == 1
     cache.truncate(seen)
     chunk = lm.step(Batch.one([toks], cache, "all"))[0][0]  # a chunk of sampled tokens: the prompt kernels
     assert not torch.equal(chunk, rows)

@@ -273,14 +273,15 @@ struct DecodeStep : torch::CustomClassHolder {
   at::Tensor run(int64_t token, int64_t slot, int64_t position, int64_t first, at::Tensor rot,
                  std::optional<at::Tensor> embedded) {
     return run_batch({token}, {slot}, {position}, {first}, rot,
-                     embedded ? std::optional<at::Tensor>(embedded->view({1, -1})) : std::nullopt);
+                     embedded ? std::optional<at::Tensor>(embedded->view({1, -1})) : std::nullopt, {0}, {0});
   }
 
-  // B conversations, one token each (Step::run_batch): logits [B, 1, V].
+  // B rows, one token each, row r into bound cache seqs[r] (Step::run_batch): logits [outs, 1, V].
   at::Tensor run_batch(std::vector<int64_t> tokens, std::vector<int64_t> slots, std::vector<int64_t> positions,
-                       std::vector<int64_t> firsts, at::Tensor rots, std::optional<at::Tensor> embedded) {
-    auto logits = at::empty({static_cast<int64_t>(tokens.size()), 1, s.vocab()}, at::kFloat);
-    s.run_batch(tokens, slots, positions, firsts, view(rots), embedded ? view(*embedded) : View(),
+                       std::vector<int64_t> firsts, at::Tensor rots, std::optional<at::Tensor> embedded,
+                       std::vector<int64_t> seqs, std::vector<int64_t> outs) {
+    auto logits = at::empty({static_cast<int64_t>(outs.size()), 1, s.vocab()}, at::kFloat);
+    s.run_batch(tokens, slots, positions, firsts, view(rots), embedded ? view(*embedded) : View(), seqs, outs,
                 logits.data_ptr<float>());
     return logits;
   }

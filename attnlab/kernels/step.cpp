@@ -224,29 +224,38 @@ struct Step::Buffers {  // [B, ..]: shared by the team, one row per conversation
   attnlab::Scratch<float> bounds;               // Quest: [B, Hkv, most pages] upper bounds, shared
   int64_t most = 0;
 };
-struct Step::Rows {  // what differs per conversation
+struct Step::Rows {  // what differs per row
   int64_t n;
-  const int64_t *slot, *position, *first;
+  const int64_t *slot, *position, *first, *seq;
   const float* rot;  // [n, D/2, 2]
+  const std::vector<int64_t>* outs;  // the rows whose logits are made, ascending
 };
 
-// B conversations, one token each: row b's token at its cache's slot slots[b] (absolute position positions[b]),
-// attending to slots [firsts[b], slots[b]] of bound row b. rots: the rows' RoPE rows as (cos, sin) pairs
-// [B, D/2, 2] float32; embedded: the tokens' embedding rows [B, dim] float32 where no table was set (a head
-// repacked by the kernels looks its rows up in Python, see `QuantLinear.embed_rows`). Writes logits [B, vocab].
+// B rows, one token each: row r's token at slot slots[r] (absolute position positions[r]) of cache seqs[r] (a
+// bound cache), attending to slots [firsts[r], slots[r]] of it. Rows of one cache (a prompt's chunk, a
+// verification row's tokens: consecutive slots, in order) are each a decode step over the slots before them,
+// written in row order. rots: the rows' RoPE rows as (cos, sin) pairs [B, D/2, 2] float32; embedded: the
+// tokens' embedding rows [B, dim] float32 where no table was set (a head repacked by the kernels looks its rows
+// up in Python, see `QuantLinear.embed_rows`). Writes the logits of rows outs (ascending) [outs, vocab]: a
+// prompt's chunk wants its last row's only.
 void Step::run_batch(const std::vector<int64_t>& tokens, const std::vector<int64_t>& slots,
                      const std::vector<int64_t>& positions, const std::vector<int64_t>& firsts, const View& rots,
-                     const View& embedded, float* logits) {
+                     const View& embedded, const std::vector<int64_t>& seqs, const std::vector<int64_t>& outs,
+                     float* logits) {
   const int64_t L = static_cast<int64_t>(norms.size() / 2), B = static_cast<int64_t>(tokens.size());
   ATTNLAB_CHECK(L > 0 && static_cast<int64_t>(linears.size()) == 4 * L + 1, "step not built");
   ATTNLAB_CHECK(B >= 1 && static_cast<int64_t>(slots.size()) == B && static_cast<int64_t>(positions.size()) == B &&
-                static_cast<int64_t>(firsts.size()) == B, "one token, slot, position and first per row");
-  ATTNLAB_CHECK(B <= static_cast<int64_t>(bound.size()), "rows ", bound.size(), " to ", B - 1, " have no cache bound");
+                static_cast<int64_t>(firsts.size()) == B && static_cast<int64_t>(seqs.size()) == B,
+                "one token, slot, position, first and cache per row");
+  for (size_t j = 0; j < outs.size(); ++j)
+    ATTNLAB_CHECK(outs[j] >= 0 && outs[j] < B && (j == 0 || outs[j] > outs[j - 1]), "outs: ascending rows of the batch");
   ATTNLAB_CHECK(embedded ? embedded.scalar_type() == attnlab::kFloat && embedded.is_contiguous() &&
                            embedded.numel() == B * dim
                          : embed_w.defined(), "no embedding table: pass the tokens' embedding rows, float32 [B, dim]");
   for (int64_t r = 0; r < B; ++r) {
-    ATTNLAB_CHECK(slots[r] >= 0 && slots[r] < bound[r].k[0].size(2) && firsts[r] >= 0 && firsts[r] <= slots[r],
+    ATTNLAB_CHECK(seqs[r] >= 0 && seqs[r] < static_cast<int64_t>(bound.size()) && !bound[seqs[r]].k.empty(),
+                  "row ", r, ": cache ", seqs[r], " not bound");
+    ATTNLAB_CHECK(slots[r] >= 0 && slots[r] < bound[seqs[r]].k[0].size(2) && firsts[r] >= 0 && firsts[r] <= slots[r],
                   "row ", r, ": slot outside its cache");
     ATTNLAB_CHECK(embedded || (tokens[r] >= 0 && tokens[r] < embed_w.size(0)), "row ", r, ": token id out of range");
   }
@@ -260,7 +269,7 @@ void Step::run_batch(const std::vector<int64_t>& tokens, const std::vector<int64
             attnlab::Scratch<float>(threads * B * n_heads), {}, 0};
   int64_t most = 0;  // Quest: the most pages of a row, the bounds' row length
   for (int64_t r = 0; r < B && quest_budget; ++r) {
-    const Bound& c = bound[r];
+    const Bound& c = bound[seqs[r]];
     if (!c.page) continue;
     ATTNLAB_CHECK(c.page_min[0].size(2) * c.page > slots[r], "row ", r, ": page summaries smaller than its cache");
     ATTNLAB_CHECK(!quest_channels || !c.keys_t.empty(), "row ", r, ": quest channels need its keys_t bound");
@@ -280,7 +289,7 @@ void Step::run_batch(const std::vector<int64_t>& tokens, const std::vector<int64
       std::copy_n(embed_w.data_ptr<float>() + token * dim, dim, X);
     }
   }
-  const Rows rows{B, slots.data(), positions.data(), firsts.data(), rots.data_ptr<float>()};
+  const Rows rows{B, slots.data(), positions.data(), firsts.data(), seqs.data(), rots.data_ptr<float>(), &outs};
   std::atomic<bool> failed{false};
   std::exception_ptr error;
   if (threads == 1) {
@@ -297,7 +306,7 @@ void Step::run_batch(const std::vector<int64_t>& tokens, const std::vector<int64
 
 // Quest's pages of row r in layer l: (pages P, pages read k), k = 0 where it reads every slot.
 std::pair<int64_t, int64_t> Step::quest_pages(const Rows& rows, int64_t r, int64_t l) const {
-  const Bound& c = bound[r];
+  const Bound& c = bound[rows.seq[r]];
   if (!quest_budget || !c.page || l < quest_dense || rows.first[r] != 0) return {0, 0};
   const int64_t P = rows.slot[r] / c.page + 1, k = quest_budget / c.page;
   return {P, P > k && k >= 2 ? k : 0};
@@ -354,18 +363,19 @@ void Step::body(Buffers& b, int64_t tid, const Rows& rows, std::atomic<bool>& fa
         const float* row = QKV + r * QKV_N;
         std::copy_n(row, heads * D, Q);
         rope(Q, rows.rot + r * D, heads, D);
-        if (last) write_kv(bound[r], l, rows.slot[r], rows.position[r], Q + HD, row + HD + n_kv * D);
+        Bound& c = bound[rows.seq[r]];
+        if (last) write_kv(c, l, rows.slot[r], rows.position[r], Q + HD, row + HD + n_kv * D);
         const auto [P, k] = quest_pages(rows, r, l);
         if (!k) {
-          attend_stretch(b, bound[r], l, tid, r, rows.first[r], rows.slot[r] + 1, Q);
+          attend_stretch(b, c, l, tid, r, rows.first[r], rows.slot[r] + 1, Q);
           continue;
         }
         float* scores = b.bounds.data() + r * n_kv * b.most;
         if (quest_channels)
-          attnlab_quest::score_share(Q, pages_of(bound[r], l), n_kv, n_heads / n_kv, D, P, quest_channels, tid,
+          attnlab_quest::score_share(Q, pages_of(c, l), n_kv, n_heads / n_kv, D, P, quest_channels, tid,
                                      threads, scores, b.most);
         else
-          attnlab_quest::bound_share(Q, pages_of(bound[r], l), n_kv, n_heads / n_kv, D, P, tid, threads, scores,
+          attnlab_quest::bound_share(Q, pages_of(c, l), n_kv, n_heads / n_kv, D, P, tid, threads, scores,
                                      b.most);
       }
     });
@@ -373,8 +383,9 @@ void Step::body(Buffers& b, int64_t tid, const Rows& rows, std::atomic<bool>& fa
       for (int64_t r = 0; r < B; ++r) {
         const auto [P, k] = quest_pages(rows, r, l);
         if (!k) continue;
-        attnlab_quest::attend_share(qk(r), cache_of(bound[r], l), b.bounds.data() + r * n_kv * b.most, b.most, n_kv,
-                                    n_heads / n_kv, D, P, k, bound[r].page, rows.slot[r] + 1, tid, threads,
+        const Bound& c = bound[rows.seq[r]];
+        attnlab_quest::attend_share(qk(r), cache_of(c, l), b.bounds.data() + r * n_kv * b.most, b.most, n_kv,
+                                    n_heads / n_kv, D, P, k, c.page, rows.slot[r] + 1, tid, threads,
                                     static_cast<float>(scale), b.part.data() + (tid * B + r) * HD,
                                     b.lse.data() + (tid * B + r) * n_heads);
       }
@@ -393,9 +404,11 @@ void Step::body(Buffers& b, int64_t tid, const Rows& rows, std::atomic<bool>& fa
     });
     phase(5, [&] { linear(4 * l + 3, tid, A, hidden, B, X, dim, true); });
   }
-  phase(6, [&] {
-    norm_rows(norms[2 * L]);
-    linear(4 * L, tid, H, dim, B, b.logits, vocab(), false);
+  phase(6, [&] {  // the rows that want logits only, side by side
+    const auto& outs = *rows.outs;
+    const int64_t n = static_cast<int64_t>(outs.size());
+    for (int64_t j = 0; j < n; ++j) rms_norm(X + outs[j] * dim, norms[2 * L].data_ptr<float>(), H + j * dim, dim, eps);
+    if (n) linear(4 * L, tid, H, dim, n, b.logits, vocab(), false);
   });
 }
 

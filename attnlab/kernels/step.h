@@ -37,7 +37,7 @@ struct Step {
     int64_t page = 0;
   };
   int64_t quest_budget = 0, quest_dense = 0, quest_channels = 0;  // Quest: tokens read per step (0: all), layers before quest_dense read all
-  std::vector<Bound> bound;  // row b of a batch reads bound[b]
+  std::vector<Bound> bound;  // the caches of a batch: row r reads bound[seqs[r]] (llama_batch's sequence id)
   // Phase timings when profiling (`profile(true)`): seconds per thread and phase of its own work ("busy"), and
   // of the phase until its barrier released thread 0 ("wall"), summed over the calls since.
   static constexpr const char* kPhases[] = {"wqkv", "attention", "wo", "w13", "silu", "w2", "head"};
@@ -58,11 +58,12 @@ struct Step {
   void bind_pages(int64_t row, int64_t page, std::vector<View> lo, std::vector<View> hi, std::vector<View> keys_t,
                   std::vector<View> keys_s);
   void set_quest(int64_t budget, int64_t dense, int64_t channels);
-  // the logits' vocabulary (the head's rows): run_batch writes [B, vocab] into logits
+  // the logits' vocabulary (the head's rows): run_batch writes [outs, vocab] into logits
   int64_t vocab() const;
   void run_batch(const std::vector<int64_t>& tokens, const std::vector<int64_t>& slots,
                  const std::vector<int64_t>& positions, const std::vector<int64_t>& firsts, const View& rots,
-                 const View& embedded, float* logits);
+                 const View& embedded, const std::vector<int64_t>& seqs, const std::vector<int64_t>& outs,
+                 float* logits);
 
  private:
   struct Buffers;

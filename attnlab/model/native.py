@@ -178,9 +178,10 @@ class NativeStep:
         return self.batch(ids, [step], [kvs], quest)
 
     def batch(self, ids: torch.Tensor, steps: list, kvs: list[list], quest=None,
-              firsts: list[int] | None = None) -> torch.Tensor | None:
-        """Logits [B, 1, vocab] of B conversations' next tokens ids [B, 1], token b at steps[b] of the cache whose
-        layers are kvs[b] (each a batch-1 cache of its own), or None where any row is not covered.
+              firsts: list[int] | None = None, outs: list[int] | None = None) -> torch.Tensor | None:
+        """Logits [len(outs), 1, vocab] (outs: ascending rows, default all) of B tokens ids [B, 1], token b at
+        steps[b] of the cache whose layers are kvs[b] (a batch-1 cache; several rows of one cache are its
+        consecutive slots in order: a prompt's chunk, a verification row), or None where any row is not covered.
         quest: a `QuestSpec` (None: full attention); rows whose caches keep page summaries select pages.
         firsts: each row's `first`, where the caller already asked (the engine, choosing its native rows)."""
         if firsts is None:
@@ -194,18 +195,23 @@ class NativeStep:
         if setting != self._quest:
             self.step.set_quest(*setting)
             self._quest = setting
-        for b, layers in enumerate(kvs):
+        caches: dict[int, list] = {}  # the distinct caches, each bound once: a row's sequence id is its place here
+        for layers in kvs:
+            caches.setdefault(id(layers[0]), layers)
+        place = {key: s for s, key in enumerate(caches)}
+        seqs = [place[id(layers[0])] for layers in kvs]
+        for s, layers in enumerate(caches.values()):
             if quest is not None and quest.channels and layers[0].page:
                 for layer in layers:
                     layer.keep_channel_keys()
-            if b >= len(self._bound) or any(x is not y for x, y in zip(self._bound[b], self._held(layers))):
-                self._bind(b, layers)
+            if s >= len(self._bound) or any(x is not y for x, y in zip(self._bound[s], self._held(layers))):
+                self._bind(s, layers)
         rots = torch.cat([(s.rot if not s.rot.is_complex() else torch.view_as_real(s.rot)).reshape(1, -1)
                           for s in steps])
         self.calls["native"] += 1
         x = None if self.embed is None else self.embed(ids).reshape(len(steps), -1).contiguous()
         return self.step.run_batch(ids.view(-1).tolist(), [s.start for s in steps], [int(s.pos) for s in steps],
-                                   firsts, rots.contiguous(), x)
+                                   firsts, rots.contiguous(), x, seqs, list(range(len(steps))) if outs is None else outs)
 
     @staticmethod
     def first(step, layers: list, quest=None) -> int | None:
