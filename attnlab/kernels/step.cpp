@@ -223,6 +223,7 @@ struct Step::Buffers {  // [B, ..]: shared by the team, one row per conversation
                                            // k, each row's stretch out + lse
   attnlab::Scratch<float> bounds;               // Quest: [B, Hkv, most pages] upper bounds, shared
   int64_t most = 0;
+  SpinBarrier* barrier = nullptr;               // between phases (see SpinBarrier)
 };
 struct Step::Rows {  // what differs per row
   int64_t n;
@@ -292,12 +293,21 @@ void Step::run_batch(const std::vector<int64_t>& tokens, const std::vector<int64
   const Rows rows{B, slots.data(), positions.data(), firsts.data(), seqs.data(), rots.data_ptr<float>(), &outs};
   std::atomic<bool> failed{false};
   std::exception_ptr error;
+  SpinBarrier barrier(threads);
+  b.barrier = &barrier;
   if (threads == 1) {
     body(b, 0, rows, failed, error);
   } else {
 #ifdef _OPENMP
+    bool short_team = false;
 #pragma omp parallel num_threads(threads)
-    body(b, omp_get_thread_num(), rows, failed, error);
+    {
+      // every slice of the step is some thread's, and the barrier counts `threads`: a smaller team (the step
+      // called inside another parallel region) does nothing rather than wait forever
+      if (omp_get_num_threads() == threads) body(b, omp_get_thread_num(), rows, failed, error);
+      else short_team = true;
+    }
+    ATTNLAB_CHECK(!short_team, "the step's team of ", threads, " threads did not start (called inside a parallel region?)");
 #endif
   }
   if (error) std::rethrow_exception(error);
@@ -313,8 +323,8 @@ std::pair<int64_t, int64_t> Step::quest_pages(const Rows& rows, int64_t r, int64
 }
 
 // The step as thread tid of a team of `threads` (alone: tid 0 of 1). Phases are separated by barriers
-// (an orphaned `omp barrier` is a no-op outside a parallel region); after an error every thread still
-// reaches every barrier, doing no more work, so the team never waits forever.
+// (SpinBarrier; a team of one passes them at once); after an error every thread still reaches every barrier,
+// doing no more work, so the team never waits forever.
 void Step::body(Buffers& b, int64_t tid, const Rows& rows, std::atomic<bool>& failed, std::exception_ptr& error) {
   const int64_t L = static_cast<int64_t>(norms.size() / 2), D = head_dim, HD = n_heads * D, B = rows.n;
   const int64_t QKV_N = (n_heads + 2 * n_kv) * D, QK_N = (n_heads + n_kv) * D;
@@ -330,7 +340,7 @@ void Step::body(Buffers& b, int64_t tid, const Rows& rows, std::atomic<bool>& fa
       }
     }
     if (profiling) busy[tid * kNPhases + id] += std::chrono::duration<double>(clock::now() - t0).count();
-#pragma omp barrier
+    b.barrier->wait();
     if (profiling && tid == 0) wall[id] += std::chrono::duration<double>(clock::now() - t0).count();
   };
   float* X = b.x.data();
