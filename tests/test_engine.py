@@ -34,11 +34,67 @@ def test_chunks_after_the_first_take_the_causal_kernel(kv_dtype, monkeypatch):
     assert (16, 32) in seen and (13, 45) in seen  # later chunks: keys past the chunk
     if kv_dtype == "float32":
         torch.testing.assert_close(out, full, atol=2e-4, rtol=2e-4)
-    monkeypatch.setattr(ops.build, "wide", lambda: False)  # the same pass on torch's attention
+    monkeypatch.setattr(ops, "causal_attention", lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
+        q, k.float(), v.float(), attn_mask=torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril(k.shape[2] - q.shape[2]),
+        enable_gqa=True))  # the same pass on torch's attention
     ref = lm.prefill(ids, lm.new_cache(), chunk=16, all_logits=True)
     # this model's attention logits run to the hundreds: AMX's split products (~1e-5 of a score) move its
     # logits by up to ~3e-3; a wrong mask moves them by O(1)
     torch.testing.assert_close(out, ref, atol=1e-2, rtol=1e-2)
+
+
+_CHUNKS = r"""
+import json, sys, torch
+from attnlab.batch import Batch, Row
+from attnlab.kernels import build, ops
+from attnlab.quant import quantize_model
+from tests.conftest import tiny_lm
+lm = tiny_lm(dim=128, n_heads=4, n_kv_heads=2, head_dim=32)
+lm.kv_dtype = torch.float16
+quantize_model(lm.model, "int4:32")
+for m in lm.model.modules():  # weights not repacked (AVX2) multiply past max_rows by the dequantised matrix, another
+    if hasattr(m, "max_rows"):  # arithmetic: the whole prompt stays on the integer kernel here, as the chunks do
+        m.max_rows = 64
+ids = torch.randint(0, 97, (1, 37), generator=torch.Generator().manual_seed(3))
+def fed(size):
+    cache = lm.new_cache(capacity=64)
+    return torch.cat([lm.step(Batch([Row(ids[:, s:s + size], cache, prompt=True, logits="all")]))[0]
+                      for s in range(0, 37, size)], 1)
+whole, eights, ones = fed(37), fed(8), fed(1)
+real = ops.causal_attention
+ops.causal_attention = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
+    q, k.float(), v.float(), attn_mask=torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril(k.shape[2] - q.shape[2]),
+    enable_gqa=True)
+ref = fed(37)
+print(json.dumps({"isa": build.variant(), "eights": torch.equal(whole, eights), "ones": torch.equal(whole, ones),
+                  "off": (whole - ref).abs().max().item(), "scale": ref.abs().max().item()}))
+"""
+
+
+@pytest.mark.parametrize("isa", [None, "avx2"], ids=["this-cpu", "avx2"])
+def test_a_prompts_bits_do_not_depend_on_its_chunks(isa):
+    """Issue 55's batch invariance at its root: a prompt fed whole, 8 tokens or 1 token at a time gives the same
+    logits bit for bit (each query row's attention computed alike whatever chunk it came in: the AVX-512 causal
+    kernel, or row by row as a decode step without AVX-512; torch's attention, used before on AVX2, differed by
+    0.9 in a logit), and those are torch's attention's to rounding."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    from attnlab.kernels import build, isa as isas
+    if not build.load():
+        pytest.skip("no C++ kernels")
+    if isa is not None and (isa not in isas.supported() or isa not in build.built()):
+        pytest.skip(f"no {isa} variant built for this CPU")
+    env = {**os.environ, **({"ATTNLAB_ISA": isa} if isa else {})}
+    got = subprocess.run([sys.executable, "-c", _CHUNKS], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).parent.parent)
+    assert got.returncode == 0, got.stderr[-2000:]
+    out = json.loads(got.stdout.strip().splitlines()[-1])
+    assert isa is None or out["isa"] == isa
+    assert out["eights"] and out["ones"], out
+    assert out["off"] < 1e-2 * out["scale"], out  # AMX's split bfloat16 products move logits by ~0.5% here
 
 
 def test_cache_positions_equal_original_without_eviction(tiny):

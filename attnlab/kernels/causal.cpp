@@ -25,6 +25,7 @@
 #include <memory>
 #include <vector>
 
+#include "attend.h"
 #include "kernels_simd.h"
 #include "ops.h"
 
@@ -361,7 +362,36 @@ attnlab::View attnlab::causal_attention(const Alloc& alloc, const View& q, const
   }
   return out;
 #else
-  ATTNLAB_CHECK(false, "causal_attention: built without AVX-512");
+  // Without AVX-512: each query row as a decode step attends (attend.h's stretch over keys 0 .. L - T + t), so a
+  // row's bits do not depend on the chunk it came in (torch's attention, here before, blocked by the chunk's length:
+  // a prompt fed whole or 8 tokens at a time differed by up to 0.9 in a logit on SmolLM2).
+  ATTNLAB_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.scalar_type() == attnlab::kFloat,
+                "causal_attention: q [B, Hq, T, D] float32, k and v [B, Hkv, L, D]");
+  const int64_t B = q.size(0), Hq = q.size(1), T_ = q.size(2), D = q.size(3), Hkv = k.size(1), L = k.size(2);
+  ATTNLAB_CHECK(k.sizes() == v.sizes() && k.size(0) == B && k.size(3) == D && Hkv > 0 && Hq % Hkv == 0 && L >= T_ &&
+                T_ > 0 && D % 8 == 0, "causal_attention: k and v [B, Hkv, L >= T, D] with Hq a multiple of Hkv");
+  ATTNLAB_CHECK(k.scalar_type() == v.scalar_type() && (k.scalar_type() == attnlab::kFloat || k.scalar_type() == attnlab::kHalf),
+                "causal_attention: k and v float32 or float16");
+  ATTNLAB_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1 && k.stride(1) == v.stride(1) &&
+                k.stride(2) == v.stride(2), "causal_attention: innermost dimension contiguous, k and v alike");
+  View out = alloc({B, T_, Hq, D}, attnlab::kFloat);
+  const int64_t esz = k.elem_size();
+  attnlab::parallel_for(0, B * T_, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> qr(Hq * D), lse(Hq);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / T_, t = i % T_;
+      for (int64_t h = 0; h < Hq; ++h)
+        std::memcpy(qr.data() + h * D, q.data_ptr<float>() + b * q.stride(0) + h * q.stride(1) + t * q.stride(2),
+                    D * sizeof(float));
+      const attnlab_attend::Cache c{static_cast<const char*>(k.data_ptr()) + b * k.stride(0) * esz,
+                                    static_cast<const char*>(v.data_ptr()) + b * v.stride(0) * esz, nullptr, nullptr,
+                                    k.stride(2), k.stride(1), 0, 0, k.scalar_type() == attnlab::kHalf ? 1 : 0};
+      attnlab_attend::stretch(qr.data(), c, Hkv, Hq / Hkv, D, 0, L - T_ + t + 1, static_cast<float>(scale),
+                              out.data_ptr<float>() + (b * T_ + t) * Hq * D, lse.data());
+    }
+  });
+  std::swap(out.sz[1], out.sz[2]), std::swap(out.st[1], out.st[2]), out.contig = false;  // .transpose(1, 2)
+  return out;
 #endif
 }
 

@@ -70,11 +70,15 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """A prompt's chunk over itself and what precedes it: q [B, Hq, T, D] float32, k, v [B, Hkv, L, D] (L >= T,
     float32 or float16), query i seeing keys 0 .. L - T + i (plain causal when L == T), scale 1/sqrt(D).
-    Returns [B, Hq, T, D] float32. C++ outside autograd on AVX-512 variants (head dim 32/64/128): float32, or
-    with AMX (head dim a multiple of 64) bfloat16 tiles on operands split hi + lo (~1e-5 of a score)."""
+    Returns [B, Hq, T, D] float32. C++ outside autograd: on AVX-512 variants (head dim 32/64/128) float32, or
+    with AMX (head dim a multiple of 64) bfloat16 tiles on operands split hi + lo (~1e-5 of a score); on the others
+    each query row as a decode step's attention (any head dim a multiple of 8). Either way a row's bits do not
+    depend on the chunk it came in."""
     T, L, D = q.shape[2], k.shape[2], q.shape[3]
-    if (_native(q) and k.dtype == v.dtype and k.dtype in (torch.float32, torch.float16) and D in (32, 64, 128)
-            and build.wide() and all(t.stride(-1) == 1 for t in (q, k, v))):
+    if (_native(q) and k.dtype == v.dtype and k.dtype in (torch.float32, torch.float16)
+            and (D in (32, 64, 128) if build.wide() else D % 8 == 0) and all(t.stride(-1) == 1 for t in (q, k, v))):
+        if not build.wide() and k.stride() != v.stride():  # the row-by-row form reads k and v by one set of strides
+            k, v = k.contiguous(), v.contiguous()
         return torch.ops.attnlab.causal_attention(q, k, v, 1 / math.sqrt(D))
     k, v = k.to(q.dtype), v.to(q.dtype)
     if L == T:
