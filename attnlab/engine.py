@@ -227,14 +227,14 @@ class LM:
 
     def _native(self, rows, units, fast, quest, out) -> set[int]:
         """Run the units the native step covers (their logits into out); returns their indices. A verification
-        row's tokens go in together or not at all (where the step's team cannot chain them, eager)."""
+        row's tokens go in together or not at all (with a team and Quest, eager)."""
         cand = [u for u, (i, ids, _) in enumerate(units) if fast[i] and ids.shape == (1, 1)]
         if not cand:
             return set()
         firsts = {u: self.compiled.first(units[u][2], rows[units[u][0]].cache.layers, quest) for u in cand}
         bad = {units[u][0] for u, first in firsts.items() if first is None or units[u][2].padded}
-        if not self.compiled.chains:
-            bad |= {i for i, r in enumerate(rows) if r.verify and r.tokens > 1}
+        if self.compiled.threads > 1 and quest is not None:  # a team writes a row's slots before any attends: Quest's
+            bad |= {i for i, r in enumerate(rows) if r.verify and r.tokens > 1}  # page bounds would see later tokens
         native = [u for u in cand if units[u][0] not in bad]
         if not native:
             return set()

@@ -94,6 +94,30 @@ def test_a_team_of_threads_equals_eager(threads, spec, kv, n):
     assert fast.compiled.threads == n and fast.compiled.calls == {"native": 64, "eager": 0}
 
 
+@pytest.mark.parametrize("kv", [torch.float16, torch.int8])
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_team_verifies_a_row_of_tokens_as_its_decode_steps(threads, kv, n):
+    """A verification row's tokens (rows of one cache) on a team of n threads: each token's logits the very bits
+    of its decode step on that team, in one native call, also where the cache is shorter than the row (another
+    thread's stretch of a later token then holds an earlier token's new slot: the team writes every slot first)."""
+    from attnlab.batch import Batch
+    if not torch.classes.attnlab.DecodeStep.openmp():
+        pytest.skip("kernels built without OpenMP: the step runs on one thread")
+    threads(n)
+    _, fast = _pair("int4:32", kv, head_dim=32)
+    assert fast.compiled.threads == n
+    for start in (3, 24):
+        cache = fast.new_cache(capacity=64)
+        fast.prefill(IDS[:, :start], cache)
+        toks = IDS[0, start:start + 6].tolist()
+        singles = [fast.step(Batch.one([[t]], cache))[0][0, -1] for t in toks]
+        cache.truncate(start)
+        calls = dict(fast.compiled.calls)
+        rows = fast.step(Batch.one([toks], cache, "all", verify=True))[0][0]
+        assert all(torch.equal(a, b) for a, b in zip(singles, rows)), start
+        assert fast.compiled.calls == {"native": calls["native"] + 1, "eager": calls["eager"]}
+
+
 def test_the_step_keeps_the_engines_thread_count(threads):
     """Threads are the engine's, set once when it is built: changing torch's count between steps neither rebuilds
     nor changes the step's team; the logits stay the float ones."""

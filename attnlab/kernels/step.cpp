@@ -230,6 +230,7 @@ struct Step::Rows {  // what differs per row
   const int64_t *slot, *position, *first, *seq;
   const float* rot;  // [n, D/2, 2]
   const std::vector<int64_t>* outs;  // the rows whose logits are made, ascending
+  bool chained;  // some rows share a cache
 };
 
 // B rows, one token each: row r's token at slot slots[r] (absolute position positions[r]) of cache seqs[r] (a
@@ -290,7 +291,10 @@ void Step::run_batch(const std::vector<int64_t>& tokens, const std::vector<int64
       std::copy_n(embed_w.data_ptr<float>() + token * dim, dim, X);
     }
   }
-  const Rows rows{B, slots.data(), positions.data(), firsts.data(), seqs.data(), rots.data_ptr<float>(), &outs};
+  bool chained = false;
+  for (int64_t r = 1; r < B && !chained; ++r)
+    for (int64_t q = 0; q < r && !chained; ++q) chained = seqs[q] == seqs[r];
+  const Rows rows{B, slots.data(), positions.data(), firsts.data(), seqs.data(), rots.data_ptr<float>(), &outs, chained};
   std::atomic<bool> failed{false};
   std::exception_ptr error;
   SpinBarrier barrier(threads);
@@ -363,18 +367,28 @@ void Step::body(Buffers& b, int64_t tid, const Rows& rows, std::atomic<bool>& fa
     // (and alone reads it), rotates k and writes the slot before attending
     // Quest: a row that selects pages computes, in this phase, its share of the pages' bounds instead, and
     // reads its pages after a barrier (every thread then sees every bound)
+    // Rows of one cache in a team (a verification row's tokens): another thread's stretch of a later row may hold
+    // an earlier row's new slot, so the last thread writes every row's slot first, a barrier before any attends.
     bool selecting = false;  // the same on every thread: a phase more (its barrier) or not
     for (int64_t r = 0; r < B; ++r) selecting |= quest_pages(rows, r, l).second > 0;
-    phase(1, [&] {
+    const bool write_first = threads > 1 && rows.chained;
+    auto rotate = [&](int64_t r, bool write) {  // row r's q (and, on the last thread, k: adjacent) rotated
       const bool last = tid == threads - 1;
-      const int64_t heads = last ? n_heads + n_kv : n_heads;  // q and k heads are adjacent
+      const int64_t heads = last ? n_heads + n_kv : n_heads;
+      float* Q = qk(r);
+      const float* row = QKV + r * QKV_N;
+      std::copy_n(row, heads * D, Q);
+      rope(Q, rows.rot + r * D, heads, D);
+      if (last && write) write_kv(bound[rows.seq[r]], l, rows.slot[r], rows.position[r], Q + HD, row + HD + n_kv * D);
+    };
+    if (write_first) phase(1, [&] {
+      for (int64_t r = 0; r < B; ++r) rotate(r, true);
+    });
+    phase(1, [&] {
       for (int64_t r = 0; r < B; ++r) {
+        if (!write_first) rotate(r, true);
         float* Q = qk(r);
-        const float* row = QKV + r * QKV_N;
-        std::copy_n(row, heads * D, Q);
-        rope(Q, rows.rot + r * D, heads, D);
         Bound& c = bound[rows.seq[r]];
-        if (last) write_kv(c, l, rows.slot[r], rows.position[r], Q + HD, row + HD + n_kv * D);
         const auto [P, k] = quest_pages(rows, r, l);
         if (!k) {
           attend_stretch(b, c, l, tid, r, rows.first[r], rows.slot[r] + 1, Q);

@@ -134,9 +134,6 @@ class NativeStep:
         if not self.team:
             threads = 1
         self.threads = threads
-        # several rows of one cache in a call (a verification row's tokens, each a decode step over the slots before
-        # it): in order on one thread; a team would attend to slots another thread is still writing
-        self.chains = threads == 1
         self.step = torch.classes.attnlab.DecodeStep(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                                                      cfg.hidden_dim, float(model.norm.eps), threads)
         self.embed = None  # the lookup called from Python (a tied head in repacked blocks: `embed_rows`)
