@@ -171,6 +171,21 @@ def test_a_newcomers_chunk_beside_decoding_rows_costs_about_what_they_cost(decod
     assert sched.last.prefill_tokens == 64
 
 
+def test_a_newcomer_that_would_decode_alone_goes_in_whole_chunks():
+    """Beside rows with fewer tokens left than the newcomer's reply, small chunks would only leave it to decode alone
+    once they end: its prompt goes in `chunk` tokens a step; beside rows with a long way to go, small chunks."""
+    for left, expected in ((80, 64), (400, 8)):  # 80: the old rule (all rows ending first) gave 8
+        lm = _lm()
+        sched = Scheduler(lm, max_batch=16, chunk=64)
+        for i, p in enumerate(_prompts(4)):
+            sched.submit(_session(lm, i), p, Sampler(0.0), left, ())
+        while len(sched.decoding) < 4:
+            sched.step()
+        sched.submit(_session(lm, 0), _prompts(1, [300], seed=5)[0], Sampler(0.0), 64, ())
+        sched.step()
+        assert sched.last.prefill_tokens == expected, left
+
+
 def test_max_batch_holds_and_the_oldest_waiting_request_goes_first():
     lm = _lm()
     prompts = _prompts(7)
