@@ -207,10 +207,9 @@ class LM:
                 out[u] = self.model(ids, ctx, last_only=r.logits != "all")
         for r in rows:
             r.cache.advance(r.tokens)
-        got = [[o for (j, *_), o in zip(units, out) if j == i and o is not None] for i in range(len(rows))]
-        return [None if r.logits == "none" else
-                torch.cat([*head, *(o if r.logits == "all" else o[:, -1:] for o in mine[-1 if r.logits == "last" else 0:])], 1)
-                for r, mine, (_, head) in zip(rows, got, fitted)]
+        mine = [[o for (j, *_), o in zip(units, out) if j == i and o is not None] for i in range(len(rows))]
+        return [None if r.logits == "none" else torch.cat([*head, *(m if r.logits == "all" else [m[-1][:, -1:]])], 1)
+                for r, m, (_, head) in zip(rows, mine, fitted)]  # each row's units' logits, in order
 
     def _fit(self, row: Row) -> tuple[Row, list]:
         """A row longer than its cache has room for in one pass (a bounded cache: one policy chunk) goes in parts,

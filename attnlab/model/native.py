@@ -178,7 +178,7 @@ class NativeStep:
               firsts: list[int] | None = None, outs: list[int] | None = None) -> torch.Tensor | None:
         """Logits [len(outs), 1, vocab] (outs: ascending rows, default all) of B tokens ids [B, 1], token b at
         steps[b] of the cache whose layers are kvs[b] (a batch-1 cache; several rows of one cache are its
-        consecutive slots in order: a prompt's chunk, a verification row), or None where any row is not covered.
+        consecutive slots in order: a verification row's tokens), or None where any row is not covered.
         quest: a `QuestSpec` (None: full attention); rows whose caches keep page summaries select pages.
         firsts: each row's `first`, where the caller already asked (the engine, choosing its native rows)."""
         if firsts is None:
