@@ -234,12 +234,11 @@ struct Step::Rows {  // what differs per row
 };
 
 // B rows, one token each: row r's token at slot slots[r] (absolute position positions[r]) of cache seqs[r] (a
-// bound cache), attending to slots [firsts[r], slots[r]] of it. Rows of one cache (a prompt's chunk, a
-// verification row's tokens: consecutive slots, in order) are each a decode step over the slots before them,
-// written in row order. rots: the rows' RoPE rows as (cos, sin) pairs [B, D/2, 2] float32; embedded: the
-// tokens' embedding rows [B, dim] float32 where no table was set (a head repacked by the kernels looks its rows
-// up in Python, see `QuantLinear.embed_rows`). Writes the logits of rows outs (ascending) [outs, vocab]: a
-// prompt's chunk wants its last row's only.
+// bound cache), attending to slots [firsts[r], slots[r]] of it. Rows of one cache (a verification row's tokens:
+// consecutive slots, in order) are each a decode step over the slots before them, written in row order. rots: the
+// rows' RoPE rows as (cos, sin) pairs [B, D/2, 2] float32; embedded: the tokens' embedding rows [B, dim] float32
+// where no table was set (a head repacked by the kernels looks its rows up in Python, see
+// `QuantLinear.embed_rows`). Writes the logits of rows outs (ascending) [outs, vocab]: only the rows asked for.
 void Step::run_batch(const std::vector<int64_t>& tokens, const std::vector<int64_t>& slots,
                      const std::vector<int64_t>& positions, const std::vector<int64_t>& firsts, const View& rots,
                      const View& embedded, const std::vector<int64_t>& seqs, const std::vector<int64_t>& outs,
@@ -254,9 +253,12 @@ void Step::run_batch(const std::vector<int64_t>& tokens, const std::vector<int64
   ATTNLAB_CHECK(embedded ? embedded.scalar_type() == attnlab::kFloat && embedded.is_contiguous() &&
                            embedded.numel() == B * dim
                          : embed_w.defined(), "no embedding table: pass the tokens' embedding rows, float32 [B, dim]");
+  std::vector<char> seen(bound.size(), 0);
+  bool chained = false;  // some rows share a cache
   for (int64_t r = 0; r < B; ++r) {
     ATTNLAB_CHECK(seqs[r] >= 0 && seqs[r] < static_cast<int64_t>(bound.size()) && !bound[seqs[r]].k.empty(),
                   "row ", r, ": cache ", seqs[r], " not bound");
+    chained |= seen[seqs[r]], seen[seqs[r]] = 1;
     ATTNLAB_CHECK(slots[r] >= 0 && slots[r] < bound[seqs[r]].k[0].size(2) && firsts[r] >= 0 && firsts[r] <= slots[r],
                   "row ", r, ": slot outside its cache");
     ATTNLAB_CHECK(embedded || (tokens[r] >= 0 && tokens[r] < embed_w.size(0)), "row ", r, ": token id out of range");
@@ -291,9 +293,6 @@ void Step::run_batch(const std::vector<int64_t>& tokens, const std::vector<int64
       std::copy_n(embed_w.data_ptr<float>() + token * dim, dim, X);
     }
   }
-  bool chained = false;
-  for (int64_t r = 1; r < B && !chained; ++r)
-    for (int64_t q = 0; q < r && !chained; ++q) chained = seqs[q] == seqs[r];
   const Rows rows{B, slots.data(), positions.data(), firsts.data(), seqs.data(), rots.data_ptr<float>(), &outs, chained};
   std::atomic<bool> failed{false};
   std::exception_ptr error;

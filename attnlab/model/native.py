@@ -192,12 +192,9 @@ class NativeStep:
         if setting != self._quest:
             self.step.set_quest(*setting)
             self._quest = setting
-        caches: dict[int, list] = {}  # the distinct caches, each bound once: a row's sequence id is its place here
-        for layers in kvs:
-            caches.setdefault(id(layers[0]), layers)
-        place = {key: s for s, key in enumerate(caches)}
-        seqs = [place[id(layers[0])] for layers in kvs]
-        for s, layers in enumerate(caches.values()):
+        place: dict[int, int] = {}  # a row's sequence id: its cache's place among the distinct ones, each bound once
+        seqs = [place.setdefault(id(layers[0]), len(place)) for layers in kvs]
+        for s, layers in enumerate({id(layers[0]): layers for layers in kvs}.values()):
             if quest is not None and quest.channels and layers[0].page:
                 for layer in layers:
                     layer.keep_channel_keys()
