@@ -33,8 +33,12 @@ def peer(args) -> None:
     tok = _tokenizer(args.peer)
     model = AutoModelForCausalLM.from_pretrained(args.peer, torch_dtype=getattr(torch, args.peer_dtype)).eval()
     stamps = _stamp_steps(nanogcg)
-    rows = []
+    out = Path(args.out)
+    done = json.loads(out.read_text())["results"] if out.exists() else []  # resumable: a pair at a time
+    rows = [r for r in done if r.get("budget") == [args.steps, args.batch, args.topk, args.length]]
     for pair in json.loads(Path(args.pairs_json).read_text()):
+        if any(r["pair"] == pair["pair"] for r in rows):
+            continue
         cfg = nanogcg.GCGConfig(num_steps=args.steps, optim_str_init=" !" * args.length, search_width=args.batch,
                                 topk=args.topk, seed=args.seed, verbosity="WARNING", use_prefix_cache=True)
         messages = [{"role": "user", "content": pair["prompt"] + "{optim_str}"}]
@@ -44,16 +48,19 @@ def peer(args) -> None:
         seconds = time.perf_counter() - start
         stamps.append((time.perf_counter(), time.process_time()))
         ok = [_succeeds(model, tok, pair, s) for s in res.strings]
-        rows.append({"pair": pair["pair"], "losses": res.losses, "success_by_step": ok,
+        rows.append({"pair": pair["pair"], "budget": [args.steps, args.batch, args.topk, args.length],
+                     "losses": res.losses, "success_by_step": ok,
                      "success": _succeeds(model, tok, pair, res.best_string, 8), "suffix": res.best_string,
                      "loss": res.best_loss, "seconds_per_step": seconds / args.steps,
                      "step_seconds": [b[0] - a[0] for a, b in zip(stamps, stamps[1:])],
                      "step_cpu_seconds": [b[1] - a[1] for a, b in zip(stamps, stamps[1:])]})
         print(f"nanogcg pair {pair['pair']}: loss {res.best_loss:.3f}, {seconds / args.steps:.2f} s a step",
               file=sys.stderr)
-    Path(args.out).write_text(json.dumps({**_record(), "seed": args.seed, "nanogcg": "0.3.0", "dtype": args.peer_dtype,
-                                          "transformers": transformers.__version__, "torch": torch.__version__,
-                                          "results": rows}, indent=2) + "\n")
+        tmp = out.with_suffix(".tmp")  # atomic: a stop loses at most the pair under way
+        tmp.write_text(json.dumps({**_record(), "seed": args.seed, "nanogcg": "0.3.0", "dtype": args.peer_dtype,
+                                   "transformers": transformers.__version__, "torch": torch.__version__,
+                                   "results": rows}, indent=2) + "\n")
+        os.replace(tmp, out)
 
 
 def _stamp_steps(nanogcg) -> list[float]:
@@ -121,6 +128,8 @@ def main(argv=None) -> int:
                     help="nanogcg's model dtype (the export is float32)")
     ap.add_argument("--rounds", type=int, default=0, help="timing only: this many rounds of ours then nanogcg, "
                                                           "interleaved; medians of the steps' seconds")
+    ap.add_argument("--together", action="store_true", help="run ours and nanogcg at the same time, one thread each "
+                    "(a success comparison on a 2-core machine: each side's seconds a step then share the memory bus)")
     ap.add_argument("--out", default="runs/nanogcg")
     ap.add_argument("--peer", default=None, help=argparse.SUPPRESS)  # nanogcg's side: the exported folder
     ap.add_argument("--pairs-json", default=None, help=argparse.SUPPRESS)
@@ -154,8 +163,14 @@ def main(argv=None) -> int:
 
     if args.rounds:
         return timing(args, record, out, ours_run, peer_run)
-    ours = ours_run(out / "ours")
-    theirs = peer_run(out / "nanogcg.json")
+    if args.together:
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(2) as pool:
+            mine, peers = pool.submit(ours_run, out / "ours"), pool.submit(peer_run, out / "nanogcg.json")
+            ours, theirs = mine.result(), peers.result()
+    else:
+        ours = ours_run(out / "ours")
+        theirs = peer_run(out / "nanogcg.json")
     table = summarize(ours, theirs["results"], args.steps)
     write_json(out / "side_by_side.json", {**record, "seed": args.seed, "budget": vars(args), "peer": {
         k: theirs[k] for k in ("nanogcg", "transformers", "torch")}, **table})

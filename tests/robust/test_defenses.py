@@ -88,3 +88,35 @@ def test_early_exit_filter_is_the_full_one_at_every_layer(smollm2):
     assert PerplexityFilter(smollm2, 1.0, layers=6).score(text) != pytest.approx(full.score(text), rel=1e-2)
     with pytest.raises(AttnlabError):
         PerplexityFilter(smollm2, 1.0, layers=0)
+
+
+def test_calibration_fits_one_half_and_counts_the_other():
+    from attnlab.robust.evaluate import calibrate
+
+    class Scores:  # a filter whose score is the prompt's number: the split and the quantile are what is tested
+        threshold = 0.0
+
+        def score(self, text):
+            return float(text)
+    rows = [{"source": "a" if i % 2 else "b", "text": str(i / 10)} for i in range(2000)]
+    filt = Scores()
+    out = calibrate(filt, rows, quantile=0.9, seed=3)
+    assert out["fit_prompts"] == out["held_out"] == 1000
+    scores = [r["score"] for r in rows]
+    order = list(range(2000))
+    random.Random(3).shuffle(order)
+    fit_scores = torch.tensor([scores[i] for i in order[:1000]])
+    assert filt.threshold == pytest.approx(round(int(float(fit_scores.quantile(0.9)) * 10 + 1) / 10, 1))
+    above = sum(scores[i] > filt.threshold for i in order[1000:])
+    assert out["false_positive_rate"] == above / 1000 and 0.05 < out["false_positive_rate"] < 0.15
+    assert sum(s["held_out"] for s in out["by_source"].values()) == 1000
+    assert sum(s["flagged"] for s in out["by_source"].values()) == above
+
+
+def test_ordinary_prompts_hold_out_a_thousand(smollm2):
+    from attnlab.robust.pairs import ordinary_prompts
+    rows = ordinary_prompts(smollm2.encode, ruler=7)
+    assert {r["source"] for r in rows} == {"plays", "chat", "ruler"}
+    assert sum(r["source"] == "plays" for r in rows) == 1400 and sum(r["source"] == "chat" for r in rows) == 520
+    assert len({r["text"] for r in rows if r["source"] != "ruler"}) > 1900  # drawn lines, few repeats
+    assert rows == ordinary_prompts(smollm2.encode, ruler=7)  # deterministic in its seed
