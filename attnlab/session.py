@@ -49,6 +49,12 @@ class Session:
         self.fed += len(ids)
         self.logits = logits
 
+    def unfeed(self, k: int) -> None:
+        """Take back the last k tokens fed (a speculative step's kept drafts past where the reply stopped)."""
+        if k:
+            self.cache.truncate(self.cache.seen - k)
+            self.ids, self.fed, self.logits = self.ids[:-k], self.fed - k, None
+
     def rewind(self, n: int) -> None:
         """Forget every token past the first n (only a cache that never evicted): the next feed goes on from there."""
         self.cache.truncate(n)

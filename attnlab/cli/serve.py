@@ -90,7 +90,8 @@ def serve_settings(args, name, spec, hosts):
             max_body=args.max_body_kib << 10, max_active=args.max_active, key_active=args.max_active_per_key,
             key_queued=args.max_queued_per_key, queue_timeout=args.queue_timeout, max_batch=args.max_batch,
             chunk=args.chunk, http=http, hosts=tuple(hosts), openapi=args.openapi,
-            cors_origins=tuple(args.cors_origin or ()), replicas=args.replicas or 1, guard=args.guard)
+            cors_origins=tuple(args.cors_origin or ()), replicas=args.replicas or 1, guard=args.guard,
+            speculative=args.serve_speculative)
     except AttnlabError as e:
         raise UserError(str(e)) from None
 
@@ -173,6 +174,9 @@ def add_parser(sub) -> None:
     p.add_argument("--guard", type=guard_spec, default=None, metavar="ppl[:THRESHOLD]",
                    help="reject prompts the perplexity filter flags (adversarial suffixes) with a 400 naming why; "
                         "ppl: the model's calibrated threshold (docs/robust.md), or THRESHOLD nats/token")
+    p.add_argument("--speculative", dest="serve_speculative", default=None, metavar="ngram[:N[:K]]",
+                   help="decode every request speculatively unless it asks otherwise (attnlab.speculative: "
+                        "ngram[:N[:K]] or none): the same tokens, drafts verified in the batched step")
     p.add_argument("--max-batch", type=positive_int, default=8,
                    help="conversations prefilling or decoding together (one batched decode step); the rest wait")
     p.add_argument("--queue-timeout", type=float, default=60.0, help="seconds a request waits for a slot, then 503")

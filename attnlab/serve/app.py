@@ -38,7 +38,7 @@ from attnlab.errors import AttnlabError
 from attnlab.sampling import Sampler
 from attnlab.serve import memory
 from attnlab.serve.admission import Admission
-from attnlab.serve.config import Keys, ServeConfig
+from attnlab.serve.config import Keys, ServeConfig, served_speculative
 from attnlab.serve.guard import layers
 from attnlab.serve.memory import Trimmer
 from attnlab.serve.protocol import APIError, ChatRequest, CommonRequest, CompletionRequest, clip, validation_error
@@ -126,7 +126,17 @@ class Server:
             raise APIError(400, f"invalid sampling options: {e}", param="seed") from None
         if spec.name == "full":  # the clearer error first: no cap would let this fit a full cache
             self.check_length(spec, 0, 0, 0, req.limit(self.max_tokens))
-        return spec, sampler, req.limit(self.max_tokens, self.max_tokens_cap), req.stops()
+        return spec, sampler, req.limit(self.max_tokens, self.max_tokens_cap), req.stops(), self.speculative(req)
+
+    def speculative(self, req: CommonRequest):
+        """The request's attnlab.speculative (ngram[:N[:K]] or none), else the server's --speculative."""
+        text = req.attnlab.speculative if req.attnlab else None
+        if text is None:
+            return self.config.speculative
+        try:
+            return served_speculative(text, "attnlab.speculative")
+        except AttnlabError as e:
+            raise APIError(400, str(e), param="attnlab.speculative", code="invalid_value") from None
 
     def request_spec(self, req: CommonRequest) -> PolicySpec:
         o, d = req.attnlab, self.spec
@@ -197,13 +207,14 @@ class Server:
         return held, Turn(len(ids), len(new)), new
 
     async def submit(self, reply: Reply, request: Request, new: list[int], sampler: Sampler, limit: int,
-                     stops: list[str], ignore_eos: bool = False) -> None:
+                     stops: list[str], ignore_eos: bool = False, speculative=None) -> None:
         """Hand the request to the scheduler and wait for its first event (the prompt is in, or it failed):
         a failure is the request's status, not a broken stream. A client that leaves is cancelled (499)."""
         held = reply.held
         future = self.worker.submit(reply.inbox.deliver, lambda keep: self.store.release(held, keep),
                                    session=held.session, prompt=new, sampler=sampler, max_tokens=limit,
-                                   stop_ids=() if ignore_eos else self.lm.eos_ids, stops=stops, key=held.owner)
+                                   stop_ids=() if ignore_eos else self.lm.eos_ids, stops=stops, key=held.owner,
+                                   speculative=speculative)
         try:
             reply.rid = await asyncio.shield(asyncio.wrap_future(future))
         except asyncio.CancelledError:
@@ -236,7 +247,7 @@ class Server:
             self.trimmer.soon()
 
     async def respond(self, req: CommonRequest, request: Request, plan, text: str | None, ids: list[int]):
-        s, sampler, limit, stops = plan
+        s, sampler, limit, stops, speculative = plan
         self.stats["requests"] += 1
         owner = request.state.caller.owner
         slot = await self.admission.acquire(owner)
@@ -246,11 +257,11 @@ class Server:
         except BaseException:
             self.finish(slot)
             raise
-        turn.owner = owner
+        turn.owner, turn.speculative = owner, speculative is not None
         self.by_owner[owner]["requests"] += 1
         reply = Reply(self, held, turn, text is not None, lambda: self.finish(slot))
         try:
-            await self.submit(reply, request, new, sampler, limit, stops, bool(req.ignore_eos))
+            await self.submit(reply, request, new, sampler, limit, stops, bool(req.ignore_eos), speculative)
         except BaseException:
             reply.close()
             raise

@@ -78,6 +78,7 @@ class ServeConfig:
     cors_origins: tuple = ()
     replicas: int = 1                        # servers sharing the limits above (each keeps 1/replicas of them)
     guard: object = None                     # a request guard (issue 60): None, none
+    speculative: object = None               # how a request that names none decodes: None (plain) or an ngram spec
 
     def __post_init__(self):
         if not self.model_name:
@@ -102,6 +103,7 @@ class ServeConfig:
                 raise AttnlabError(f"{flag(name)} ({value}) is more than {flag(whole)} ({getattr(self, whole)})")
         if self.max_tokens_cap < self.max_tokens:
             object.__setattr__(self, "max_tokens_cap", self.max_tokens)  # the default reply is always allowed
+        object.__setattr__(self, "speculative", served_speculative(self.speculative, "--speculative"))
         object.__setattr__(self, "hosts", tuple(self.hosts))
         object.__setattr__(self, "cors_origins", tuple(self.cors_origins))
 
@@ -120,6 +122,24 @@ class ServeConfig:
             return None if v is None else max(1, v // n)
         return replace(self, max_sessions=max(1, self.max_sessions // n), max_bytes=max(1, self.max_bytes // n),
                        key_sessions=part(self.key_sessions), key_bytes=part(self.key_bytes), replicas=1)
+
+
+MAX_DRAFTS, MAX_NGRAM = 16, 8  # a request's K and N at most: a verification row is K + 1 rows of everyone's step
+
+
+def served_speculative(text, where: str):
+    """A speculative spec the server decodes with (None or 'none': plain). ngram only: a draft model or the model
+    drafting for itself keeps a second cache per conversation, which the session store does not count."""
+    from attnlab.speculative import SpeculativeSpec
+    if text is None or text == "none":
+        return None
+    spec = SpeculativeSpec.parse(text)
+    if spec.kind != "ngram":
+        raise AttnlabError(f"{where}: the server drafts with ngram[:N[:K]] only, not {spec.kind} (a draft model "
+                           f"or self-drafting would hold a second cache per conversation)")
+    if spec.k > MAX_DRAFTS or spec.n > MAX_NGRAM:
+        raise AttnlabError(f"{where}: at most K = {MAX_DRAFTS} drafts and N = {MAX_NGRAM}, got {spec}")
+    return spec
 
 
 FLAGS = {"max_bytes": "--max-cache-mib", "key_sessions": "--max-sessions-per-key",

@@ -85,6 +85,7 @@ class AttnlabOptions(BaseModel):
     budget: int | None = Field(None, ge=1)
     n_sink: int | None = Field(None, ge=0)
     positions: Literal["cache", "original"] | None = None
+    speculative: str | None = Field(None, max_length=64)  # ngram[:N[:K]] or none; default: the server's --speculative
 
 
 class StreamOptions(BaseModel):

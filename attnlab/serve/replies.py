@@ -23,6 +23,7 @@ class Turn:
     reply: list[int] = field(default_factory=list)
     finish: str = "length"
     owner: str = ""
+    speculative: bool = False  # decoded speculatively: the reply's extension reports its drafts
 
 
 class Mailbox:
@@ -145,8 +146,11 @@ class Reply:
 
     def extension(self) -> dict:
         cache = self.session.cache
-        return {"session": self.held.id if self.held and self.held.stored else None, "fed_tokens": self.turn.fed,
-                "tokens_seen": cache.seen, "slots_kept": len(cache), "cache_bytes": self.held.nbytes()}
+        out = {"session": self.held.id if self.held and self.held.stored else None, "fed_tokens": self.turn.fed,
+               "tokens_seen": cache.seen, "slots_kept": len(cache), "cache_bytes": self.held.nbytes()}
+        if self.turn.speculative and self.session.stats is not None:  # drafted, accepted, steps of this reply
+            out["speculative"] = self.session.stats.as_dict()
+        return out
 
     async def whole(self) -> dict:
         """The non-streamed answer."""

@@ -27,6 +27,12 @@ prompts and 64 new tokens: 0.75 of the engine's bound in process, 0.92 with this
 bounded cache's policy chunk
 goes in that cache's parts inside the engine's step, as `LM.prefill` feeds it.
 
+A request may decode speculatively (`speculative`, e.g. ngram): the plan gives it K drafts (fewer where its reply or
+its cache's policy has less room; adaptive K by its acceptance), the runner drafts them and its row is a
+verification row of K + 1 tokens in the same step as everyone else's (scored as K + 1 decode steps of its cache, so
+the kept tokens are the ones plain decoding gives), then cuts its cache back to what it kept. Each weight is read
+once for all the step's rows and drafts.
+
 The scheduler is single-threaded and knows nothing of HTTP: `submit` a request (its Session, the prompt ids to
 feed after what the session's cache holds, its own Sampler, max_tokens, stop ids and stop strings, its key),
 `cancel` it, and call `step()` for the events. Memory is not its business: the caches it is handed were counted
@@ -36,6 +42,7 @@ its session's `text`/`ids` hold what was fed once the request ends.
 """
 from __future__ import annotations
 
+import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
@@ -45,6 +52,7 @@ from attnlab.batch import Batch, Row
 from attnlab.errors import AttnlabError
 from attnlab.sampling import Sampler, top_token
 from attnlab.session import Session
+from attnlab.speculative import AdaptiveK, SpecStats, SpeculativeSpec, check_cache, make_drafter, room, verify
 from attnlab.stop import Stop
 
 _NOBODY = object()  # no key may take a slot now
@@ -76,14 +84,20 @@ class Request:
     prefilled: bool = False       # the whole prompt is in the cache (decoding)
     pending: int | None = None    # the last sampled token: fed by the next decode step
     reply: list[int] = field(default_factory=list)
+    spec: SpeculativeSpec | None = None  # decode speculatively: its drafter's kind and K
+    drafter: object = None
+    adaptive: AdaptiveK | None = None
+    stats: SpecStats | None = None
 
 
 @dataclass
 class Plan:
-    """One step as data: the requests that decode one token (their pending tokens), and the prompt chunks that go in
-    (request id, first prompt token, end), each chunk its own row of the step."""
+    """One step as data: the requests that decode (their pending tokens, and for a speculative one the number of
+    drafts to verify beside it), and the prompt chunks that go in (request id, first prompt token, end), each
+    chunk its own row of the step."""
     decode: list[int] = field(default_factory=list)
     chunks: list[tuple[int, int, int]] = field(default_factory=list)
+    drafts: dict[int, int] = field(default_factory=dict)  # request id -> K drafts (speculative requests only)
 
     @property
     def batch(self) -> list[int]:
@@ -120,10 +134,11 @@ class Scheduler:
         return not self.requests
 
     def submit(self, session: Session, prompt: list[int], sampler: Sampler, max_tokens: int, stop_ids=(),
-               stops=(), key=None) -> int:
+               stops=(), key=None, speculative=None) -> int:
         """Queue a request; returns its id. prompt: the ids to feed after what `session`'s cache holds (empty:
-        continue from the session's logits). key: the caller (slots go round robin over keys). Its events come
-        from the next steps."""
+        continue from the session's logits). key: the caller (slots go round robin over keys). speculative: a
+        SpeculativeSpec (or its text) to decode with (the session keeps its drafter). Its events come from the
+        next steps."""
         if max_tokens < 0:
             raise AttnlabError(f"max_tokens must be >= 0, got {max_tokens}")
         if any(r.session is session for r in self.requests.values()):
@@ -132,7 +147,11 @@ class Scheduler:
         if stops and tok is None:
             raise AttnlabError("stop strings need the model's tokenizer")
         r = Request(self.next_id, session, [int(t) for t in prompt], sampler, Stop(max_tokens, stop_ids, stops, tok),
-                    key)
+                    key, spec=SpeculativeSpec.parse(speculative))
+        if r.spec is not None:
+            check_cache(session.cache)
+            r.drafter, r.adaptive = make_drafter(self.lm, r.spec), AdaptiveK(r.spec.k) if r.spec.adaptive else None
+            r.stats = session.stats = SpecStats()  # the reply's counts, for its usage
         self.next_id += 1
         self.requests[r.id] = r
         self.queued.append(r)
@@ -157,6 +176,9 @@ class Scheduler:
         plan one step: every decoding request's next token, and one chunk of one newcomer's prompt."""
         self._admit(caps or {})
         plan = Plan(decode=[r.id for r in self.decoding])
+        for r in self.decoding:
+            if r.spec is not None and (k := self._drafts(r)) > 0:
+                plan.drafts[r.id] = k
         budget = self.chunk_now() if self.prefilling else 0
         for r in self.prefilling:  # the first newcomer's next chunk; then whole prompts that fit beside it
             rest = len(r.prompt) - r.fed
@@ -168,6 +190,16 @@ class Scheduler:
                 break
         self.last = plan
         return plan
+
+    @staticmethod
+    def _drafts(r: Request) -> int:
+        """K for this step: none past the reply's max_tokens, none that would make the cache's policy evict (a
+        verification row must be cut back), then adaptive K's choice."""
+        k = min(r.spec.k, r.stop.max_tokens - len(r.reply) - 1)
+        left = room(r.session.cache)
+        if left is not None:
+            k = min(k, left - 1)
+        return r.adaptive.choose(k) if r.adaptive and k > 0 else k
 
     def _admit(self, caps: dict) -> None:
         held = Counter(r.key for r in (*self.prefilling, *self.decoding))
@@ -226,10 +258,15 @@ class Runner:
         s, events = self.s, []
         decode = [s.requests[i] for i in plan.decode if i in s.requests]
         chunks = [(s.requests[i], a, b) for i, a, b in plan.chunks if i in s.requests]
-        rows = [Row(torch.tensor([[r.pending]]), r.session.cache) for r in decode]
-        rows += [Row(torch.tensor([r.prompt[a:b]]), r.session.cache, prompt=True) for r, a, b in chunks if b > a]
         try:
+            drafts = {r.id: self._draft(r, plan.drafts[r.id]) for r in decode if plan.drafts.get(r.id)}
+            drafts = {i: d for i, d in drafts.items() if d[0]}  # a drafter may find nothing: a plain row
+            t1 = time.perf_counter()
+            rows = [Row(torch.tensor([[r.pending, *drafts[r.id][0]]]), r.session.cache, "all", verify=True)
+                    if r.id in drafts else Row(torch.tensor([[r.pending]]), r.session.cache) for r in decode]
+            rows += [Row(torch.tensor([r.prompt[a:b]]), r.session.cache, prompt=True) for r, a, b in chunks if b > a]
             logits = s.lm.step(Batch(rows)) if rows else []
+            seconds = time.perf_counter() - t1
         except Exception as e:  # which row failed is unknown: the step's caches may be half-written
             for r in (*decode, *(r for r, _, _ in chunks)):
                 self._fail(r, e, events)
@@ -246,12 +283,51 @@ class Runner:
         if decode:
             s.counters["decode_steps"] += 1
             s.counters["decode_rows"] += len(decode)
-        tokens = self._sample(decode, logits[:len(decode)])
-        for r, t in zip(decode, tokens):
+        plain = [(r, lg) for r, lg in zip(decode, logits) if r.id not in drafts]
+        tokens = self._sample([r for r, _ in plain], [lg for _, lg in plain])
+        for (r, _), t in zip(plain, tokens):
             r.session.took([r.pending], None)
+            if r.stats is not None:  # a speculative request's step without drafts
+                r.stats.steps, r.stats.tokens = r.stats.steps + 1, r.stats.tokens + 1
+                if r.adaptive:
+                    r.adaptive.update(0, 0, 0.0, 0, seconds)
             self._emit(r, t, events)
+        for r, lg in zip(decode, logits):
+            if r.id in drafts:
+                self._verified(r, lg[0], *drafts[r.id], seconds, events)
         s.counters["steps"] += 1
         return events
+
+    @staticmethod
+    def _draft(r: Request, k: int) -> tuple[list[int], torch.Tensor | None, float]:
+        """(drafts, their probabilities or None, the drafter's seconds) for the context the row continues."""
+        start = time.perf_counter()
+        drafts, q = r.drafter.propose([*r.session.ids, r.pending], k, r.sampler)
+        return drafts[:k], None if q is None else q[:len(drafts[:k])], time.perf_counter() - start
+
+    def _verified(self, r: Request, logits: torch.Tensor, drafts: list[int], q, draft_s: float, step_s: float,
+                  events: list[Event]) -> None:
+        """A verification row's logits [K + 1, V]: the drafts the target agrees with and its own next token are
+        the reply's next tokens (up to its stop); the cache keeps every one of them but the last."""
+        n, nxt = verify(logits, drafts, q, r.sampler)
+        cache, base = r.session.cache, r.session.cache.seen - len(drafts) - 1
+        cache.truncate(base + 1 + n)
+        r.session.took([r.pending, *drafts[:n]], None)
+        st = r.stats
+        st.drafted, st.accepted, st.steps = st.drafted + len(drafts), st.accepted + n, st.steps + 1
+        if r.adaptive:
+            r.adaptive.update(len(drafts), n, draft_s, len(drafts), step_s)
+        emitted = 0
+        for t in (*drafts[:n], nxt):
+            self._emit(r, t, events, finish=False)
+            emitted += 1
+            if r.stop.reason is not None:
+                break
+        st.tokens += emitted
+        if emitted <= n:  # stopped inside the kept drafts: the tokens past the last one emitted were never sampled
+            r.session.unfeed(n + 1 - emitted)
+        if r.stop.reason is not None:
+            self._finish(r, events)
 
     def _prefilled(self, r: Request, events: list[Event]) -> None:
         """After a chunk: round robin on to the next newcomer, or the prompt is in: the request decodes."""
@@ -269,6 +345,8 @@ class Runner:
             if r.session.logits is None:
                 raise AttnlabError("nothing to continue from: the prompt is empty")
             self._emit(r, int(r.sampler(r.session.logits[None])[0]), events)
+            if r.stats is not None:
+                r.stats.tokens += 1
         except Exception as e:
             self._fail(r, e, events)
 
@@ -281,12 +359,12 @@ class Runner:
             return top_token(torch.cat([lg[:, -1] for lg in logits])).tolist()
         return [int(r.sampler(lg[:, -1])[0]) for r, lg in zip(rows, logits)]
 
-    def _emit(self, r: Request, t: int, events: list[Event]) -> None:
+    def _emit(self, r: Request, t: int, events: list[Event], finish: bool = True) -> None:
         """A sampled token: its event, then the request's end if the stop check says so."""
         r.reply.append(t)
         r.pending = t
         events.append(Event(r.id, "token", token=t, text=r.stop.push(t)))
-        if r.stop.reason is not None:
+        if finish and r.stop.reason is not None:
             self._finish(r, events)
 
     def _finish(self, r: Request, events: list[Event]) -> None:

@@ -22,11 +22,19 @@ def test_server_takes_at_most_four_parameters():
     (dict(queue_timeout=0), "--queue-timeout must be positive, got 0"),
     (dict(max_sessions=True), "--max-sessions must be a whole number"),
     (dict(http=None), "http must be a Limits"),
+    (dict(speculative="self:sink:64"), "--speculative: the server drafts with ngram"),
+    (dict(speculative="ngram:3:17"), "--speculative: at most K = 16"),
+    (dict(speculative="ngram:x"), "bad speculative spec"),
 ])
 def test_bad_limits_are_one_line_errors_naming_the_flag(fields, message):
     with pytest.raises(AttnlabError, match=message) as e:
         ServeConfig("m", **fields)
     assert "\n" not in str(e.value)
+
+
+def test_speculative_spec_is_parsed_once():
+    assert str(ServeConfig("m", speculative="ngram:2:a6").speculative) == "ngram:2:a6"
+    assert ServeConfig("m", speculative="none").speculative is None and ServeConfig("m").speculative is None
 
 
 def test_http_limits_and_quotas_and_replicas():

@@ -233,3 +233,20 @@ def test_busy_server_answers_503_after_the_bounded_wait(smollm2):
         r = httpx.post(url + "/v1/completions", json={**body, "stream": False}, timeout=60)
         assert app.state.stats["active"] == 1
         assert r.status_code == 503 and r.json()["error"]["code"] == "queue_timeout"
+
+
+def test_speculative_requests_reply_as_plain_ones_and_report_their_drafts(client):
+    """attnlab.speculative: n-gram drafts verified in the batched step; greedy text identical to plain decoding."""
+    text = "the quick brown fox jumps over the lazy dog, " * 3
+    messages = [{"role": "user", "content": f"Repeat this line three more times: {text}"}]
+    plain = ask(client, messages, max_tokens=48, extra_body={"ignore_eos": True})
+    fast = ask(client, messages, max_tokens=48, extra_body={"ignore_eos": True, "attnlab": {"speculative": "ngram:3:4"}})
+    assert fast.choices[0].message.content == plain.choices[0].message.content
+    assert fast.usage.completion_tokens == plain.usage.completion_tokens == 48
+    counts = fast.model_extra["attnlab"]["speculative"]
+    assert counts["accepted"] > 0 and counts["tokens"] == 48 and counts["tokens_per_step"] > 1
+    assert "speculative" not in plain.model_extra["attnlab"]
+    for bad, says in (("draft:/x.gguf", "ngram"), ("ngram:3:99", "at most"), ("ngram:x", "speculative")):
+        with pytest.raises(openai.BadRequestError) as e:
+            ask(client, messages, extra_body={"attnlab": {"speculative": bad}})
+        assert says in e.value.message and e.value.body["param"] == "attnlab.speculative"
