@@ -130,10 +130,15 @@ def main(argv=None) -> int:
                                                           "interleaved; medians of the steps' seconds")
     ap.add_argument("--together", action="store_true", help="run ours and nanogcg at the same time, one thread each "
                     "(a success comparison on a 2-core machine: each side's seconds a step then share the memory bus)")
+    ap.add_argument("--plot", nargs="+", metavar="PATH", help="only plot: PNG then side_by_side.json files (a model "
+                                                               "each)")
     ap.add_argument("--out", default="runs/nanogcg")
     ap.add_argument("--peer", default=None, help=argparse.SUPPRESS)  # nanogcg's side: the exported folder
     ap.add_argument("--pairs-json", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.plot:
+        print(plot(args.plot[1:], args.plot[0]))
+        return 0
     if args.peer:
         peer(args)
         return 0
@@ -203,12 +208,17 @@ def timing(args, record: dict, out: Path, ours_run, peer_run) -> int:
 
 
 def summarize(ours: list[dict], theirs: list[dict], steps: int) -> dict:
-    def curve(rows):
+    def curve(rows):  # the share of pairs whose suffix at step s succeeds
         return [sum(r["success_by_step"][s] for r in rows) / len(rows) for s in range(steps)]
+
+    def ever(rows):  # the share of pairs with a success at some step <= s (an attack that stops when it wins)
+        return [sum(any(r["success_by_step"][:s + 1]) for r in rows) / len(rows) for s in range(steps)]
     side = {"attnlab": {"success": sum(r["success"] for r in ours) / len(ours), "by_step": curve(ours),
+                        "by_step_ever": ever(ours),
                         "seconds_per_step": sum(r["seconds_per_step"] for r in ours) / len(ours),
                         "final_loss": [r["loss"] for r in ours]},
             "nanogcg": {"success": sum(r["success"] for r in theirs) / len(theirs), "by_step": curve(theirs),
+                        "by_step_ever": ever(theirs),
                         "seconds_per_step": sum(r["seconds_per_step"] for r in theirs) / len(theirs),
                         "final_loss": [r["loss"] for r in theirs]}}
     a, n = side["attnlab"], side["nanogcg"]
@@ -219,8 +229,42 @@ def summarize(ours: list[dict], theirs: list[dict], steps: int) -> dict:
     marks = sorted({max(1, steps // 4), max(1, steps // 2), steps})
     print("success by step: " + ", ".join(f"{m}: {a['by_step'][m - 1]:.0%} vs {n['by_step'][m - 1]:.0%}"
                                           for m in marks))
+    print("succeeded by step: " + ", ".join(f"{m}: {a['by_step_ever'][m - 1]:.0%} vs {n['by_step_ever'][m - 1]:.0%}"
+                                            for m in marks))
     print(f"speed: attnlab {n['seconds_per_step'] / a['seconds_per_step']:.2f}x nanogcg's steps a second")
     return side
+
+
+def plot(paths: list[str], png: str) -> str:
+    """Per side_by_side.json (a model), the share of pairs succeeded by each step and the mean target loss, ours
+    against nanogcg's."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from attnlab.io import save_figure
+    fig, axes = plt.subplots(2, len(paths), figsize=(4.6 * len(paths), 5.6), squeeze=False)
+    for col, path in enumerate(paths):
+        run = json.loads(Path(path).read_text())
+        folder, budget = Path(path).parent, run["budget"]
+        losses = {"attnlab": [json.loads((folder / "ours" / f"pair-{r['pair']:02d}.state.json").read_text())
+                              for r in json.loads((folder / "ours" / "attack.json").read_text())["results"]],
+                  "nanogcg": json.loads((folder / "nanogcg.json").read_text())["results"]}
+        losses = {"attnlab": [[h["loss"] for h in s["history"]] for s in losses["attnlab"]],
+                  "nanogcg": [r["losses"] for r in losses["nanogcg"]]}
+        for name, style in (("attnlab", "-"), ("nanogcg", "--")):
+            steps = range(1, len(run[name]["by_step_ever"]) + 1)
+            axes[0, col].plot(steps, [100 * x for x in run[name]["by_step_ever"]], style, label=name)
+            mean = [sum(c[s] for c in losses[name]) / len(losses[name]) for s in range(len(steps))]
+            axes[1, col].plot(steps, mean, style, label=name)
+        pairs = len(losses["attnlab"])
+        axes[0, col].set_title(f"{Path(budget['model']).name[:40]}: {pairs} pairs, B={budget['batch']}, "
+                               f"k={budget['topk']}, L={budget['length']}", fontsize=9)
+        axes[0, col].set_ylabel("pairs succeeded by this step (%)")
+        axes[1, col].set_ylabel("mean target loss (nats/token)")
+        axes[1, col].set_xlabel("GCG step")
+        axes[0, col].legend(fontsize=8)
+    return save_figure(fig, png)
 
 
 if __name__ == "__main__":
