@@ -152,13 +152,16 @@ def _calibrate(args) -> int:
               "calibration": cal}
     print(f"threshold {cal['threshold']:g} nats/token ({WINDOW}-token windows, quantile {args.quantile} of "
           f"{cal['fit_prompts']} prompts); false positives {cal['false_positive_rate']:.2%} of {cal['held_out']} held out")
-    attacked = []
+    attacked, runs = [], []
     for path in args.attacks or []:
-        attacked += ev.attacked_prompts(json.loads(Path(path).read_text())["results"])
+        data = json.loads(Path(path).read_text())
+        peer = "nanogcg" in data  # the peer's JSON: final suffixes only, no state files
+        attacked += ev.attacked_prompts(data["results"], "nanogcg" if peer else None)
+        runs += [] if peer else [path]
     if attacked:
         result["detection"] = {v: ev.detection(filt, [p for p in attacked if p["variant"] == v])
                                for v in sorted({p["variant"] for p in attacked})}
-        steps = [p for path in args.attacks for p in ev.step_prompts(path, lm.tokenizer.decode)]
+        steps = [p for path in runs for p in ev.step_prompts(path, lm.tokenizer.decode)]
         result["detection_by_step"] = {f"{v}@{n}": ev.detection(filt, [p for p in steps if p["variant"] == v
                                                                        and p["step"] == n])
                                        for v in sorted({p["variant"] for p in steps})
@@ -217,7 +220,7 @@ def add_parser(sub) -> None:
     g.add_argument("--calibrate", action="store_true",
                    help="measure instead: the threshold on ordinary prompts (plays, chat, RULER) and its "
                         "false positives; with --attacks, detection, cost and SmoothLLM")
-    g.add_argument("--attacks", nargs="*", metavar="ATTACK_JSON", help="`attnlab attack` results to detect")
+    g.add_argument("--attacks", nargs="*", metavar="ATTACK_JSON", help="`attnlab attack` results (or a nanogcg.json of benchmarks/nanogcg_anchor.py) to detect")
     g.add_argument("--layers", type=positive_int, default=None, help="calibration: the early-exit filter of the "
                                                                       "first LAYERS blocks (default: all)")
     g.add_argument("--quantile", type=float, default=0.995, help="calibration: the threshold's quantile")

@@ -38,10 +38,13 @@ def calibrate(filt: PerplexityFilter, rows: list[dict], quantile: float = 0.995,
     return out
 
 
-def attacked_prompts(results: list[dict]) -> list[dict]:
-    """The user messages (prompt + found suffix, as text) of an `attnlab attack` result's pairs."""
-    return [{"pair": r["pair"], "text": r["prompt"] + r["suffix"], "target": r["target"], "success": r["success"],
-             "variant": r.get("tokens", "all")} for r in results]
+def attacked_prompts(results: list[dict], variant: str | None = None) -> list[dict]:
+    """The user messages (prompt + found suffix, as text) of an `attnlab attack` result's pairs, or of nanogcg's
+    (benchmarks/nanogcg_anchor.py: its rows name the shipped pair only; variant "nanogcg")."""
+    from attnlab.robust.pairs import PAIRS
+    return [{"pair": r["pair"], "text": r.get("prompt", PAIRS[r["pair"]][0]) + r["suffix"],
+             "target": r.get("target", PAIRS[r["pair"]][1]), "success": r["success"],
+             "variant": variant or r.get("tokens", "all")} for r in results]
 
 
 def step_prompts(attack_json, decode, every: int = 5) -> list[dict]:

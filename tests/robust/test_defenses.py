@@ -120,3 +120,14 @@ def test_ordinary_prompts_hold_out_a_thousand(smollm2):
     assert sum(r["source"] == "plays" for r in rows) == 1400 and sum(r["source"] == "chat" for r in rows) == 520
     assert len({r["text"] for r in rows if r["source"] != "ruler"}) > 1900  # drawn lines, few repeats
     assert rows == ordinary_prompts(smollm2.encode, ruler=7)  # deterministic in its seed
+
+
+def test_attacked_prompts_of_ours_and_of_nanogcg():
+    from attnlab.robust.evaluate import attacked_prompts
+    from attnlab.robust.pairs import PAIRS
+    ours = attacked_prompts([{"pair": 3, "prompt": "Q?", "target": "T", "suffix": " x y", "success": True,
+                              "tokens": "punct"}])
+    assert ours == [{"pair": 3, "text": "Q? x y", "target": "T", "success": True, "variant": "punct"}]
+    peer = attacked_prompts([{"pair": 3, "suffix": " x y", "success": False}], "nanogcg")
+    assert peer == [{"pair": 3, "text": PAIRS[3][0] + " x y", "target": PAIRS[3][1], "success": False,
+                     "variant": "nanogcg"}]
