@@ -137,8 +137,8 @@ class Scheduler:
                stops=(), key=None, speculative=None) -> int:
         """Queue a request; returns its id. prompt: the ids to feed after what `session`'s cache holds (empty:
         continue from the session's logits). key: the caller (slots go round robin over keys). speculative: a
-        SpeculativeSpec (or its text) to decode with (the session keeps its drafter). Its events come from the
-        next steps."""
+        SpeculativeSpec (or its text) to decode with, a drafter of its own; its counts go to `session.stats`. Its
+        events come from the next steps."""
         if max_tokens < 0:
             raise AttnlabError(f"max_tokens must be >= 0, got {max_tokens}")
         if any(r.session is session for r in self.requests.values()):
