@@ -258,7 +258,7 @@ def plot(paths: list[str], png: str) -> str:
             mean = [sum(c[s] for c in losses[name]) / len(losses[name]) for s in range(len(steps))]
             axes[1, col].plot(steps, mean, style, label=name)
         pairs = len(losses["attnlab"])
-        axes[0, col].set_title(f"{Path(budget['model']).name[:40]}: {pairs} pairs, B={budget['batch']}, "
+        axes[0, col].set_title(f"{Path(budget['model']).name[:40]}\n{pairs} pairs, B={budget['batch']}, "
                                f"k={budget['topk']}, L={budget['length']}", fontsize=9)
         axes[0, col].set_ylabel("pairs succeeded by this step (%)")
         axes[1, col].set_ylabel("mean target loss (nats/token)")
