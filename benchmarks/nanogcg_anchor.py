@@ -247,14 +247,15 @@ def plot(paths: list[str], png: str) -> str:
     for col, path in enumerate(paths):
         run = json.loads(Path(path).read_text())
         folder, budget = Path(path).parent, run["budget"]
-        losses = {"attnlab": [json.loads((folder / "ours" / f"pair-{r['pair']:02d}.state.json").read_text())
-                              for r in json.loads((folder / "ours" / "attack.json").read_text())["results"]],
-                  "nanogcg": json.loads((folder / "nanogcg.json").read_text())["results"]}
-        losses = {"attnlab": [[h["loss"] for h in s["history"]] for s in losses["attnlab"]],
-                  "nanogcg": [r["losses"] for r in losses["nanogcg"]]}
+        rows = {"attnlab": json.loads((folder / "ours" / "attack.json").read_text())["results"],
+                "nanogcg": json.loads((folder / "nanogcg.json").read_text())["results"]}
+        losses = {"attnlab": [[h["loss"] for h in json.loads((folder / "ours" / f"pair-{r['pair']:02d}.state.json")
+                                                          .read_text())["history"]] for r in rows["attnlab"]],
+                  "nanogcg": [r["losses"] for r in rows["nanogcg"]]}
         for name, style in (("attnlab", "-"), ("nanogcg", "--")):
-            steps = range(1, len(run[name]["by_step_ever"]) + 1)
-            axes[0, col].plot(steps, [100 * x for x in run[name]["by_step_ever"]], style, label=name)
+            steps = range(1, budget["steps"] + 1)
+            won = [100 * sum(any(r["success_by_step"][:s]) for r in rows[name]) / len(rows[name]) for s in steps]
+            axes[0, col].plot(steps, won, style, label=name)
             mean = [sum(c[s] for c in losses[name]) / len(losses[name]) for s in range(len(steps))]
             axes[1, col].plot(steps, mean, style, label=name)
         pairs = len(losses["attnlab"])
