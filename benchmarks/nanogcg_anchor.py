@@ -33,7 +33,7 @@ def peer(args) -> None:
     tok = _tokenizer(args.peer)
     model = AutoModelForCausalLM.from_pretrained(args.peer, torch_dtype=getattr(torch, args.peer_dtype)).eval()
     stamps = _stamp_steps(nanogcg)
-    out = Path(args.out)
+    out, record = Path(args.out), _record()  # the code that runs is the code at the start
     done = json.loads(out.read_text())["results"] if out.exists() else []  # resumable: a pair at a time
     rows = [r for r in done if r.get("budget") == [args.steps, args.batch, args.topk, args.length]]
     for pair in json.loads(Path(args.pairs_json).read_text()):
@@ -57,7 +57,7 @@ def peer(args) -> None:
         print(f"nanogcg pair {pair['pair']}: loss {res.best_loss:.3f}, {seconds / args.steps:.2f} s a step",
               file=sys.stderr)
         tmp = out.with_suffix(".tmp")  # atomic: a stop loses at most the pair under way
-        tmp.write_text(json.dumps({**_record(), "seed": args.seed, "nanogcg": "0.3.0", "dtype": args.peer_dtype,
+        tmp.write_text(json.dumps({**record, "seed": args.seed, "nanogcg": "0.3.0", "dtype": args.peer_dtype,
                                    "transformers": transformers.__version__, "torch": torch.__version__,
                                    "results": rows}, indent=2) + "\n")
         os.replace(tmp, out)
