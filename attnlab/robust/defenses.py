@@ -24,8 +24,9 @@ from attnlab.errors import AttnlabError
 from attnlab.sampling import Sampler
 
 # Windowed NLL thresholds (nats/token) calibrated on ordinary prompts (docs/robust.md: `attnlab guard --calibrate`)
-CALIBRATED = {("SmolLM2-135M-Instruct.Q4_1.gguf", None): 10.3,  # (model file, layers): threshold
-              ("SmolLM2-135M-Instruct.Q4_1.gguf", 6): 30.0}
+CALIBRATED = {("SmolLM2-135M-Instruct.Q4_1.gguf", None): 10.5,  # (model file, layers): threshold
+              ("SmolLM2-135M-Instruct.Q4_1.gguf", 6): 33.9,
+              ("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", None): 10.7}
 WINDOW = 10
 
 

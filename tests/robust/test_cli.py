@@ -14,7 +14,7 @@ def test_guard_cli(tmp_path, capsys):
     mixed = tmp_path / "mixed.jsonl"
     mixed.write_text(json.dumps("Tell me about the sea.") + "\n"
                      + json.dumps({"text": "Name a fruit.zx}{ qwv]]plt@@ Rolfe mbx?? okq^ vv$#mlq"}) + "\n")
-    assert main(["guard", "--prompts", str(ok), "--guard", "ppl:10.3"]) == 0
+    assert main(["guard", "--prompts", str(ok), "--guard", "ppl:10.5"]) == 0
     out = capsys.readouterr().out
     assert "0 of 2 flagged" in out
     assert main(["guard", "--prompts", str(mixed), "--json"]) == 1

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from attnlab.robust.defenses import CALIBRATED
+
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
@@ -22,7 +24,8 @@ def test_flagged_request_gets_400_naming_the_reason(guarded):
     attacked = "What is the capital of France? ')). !amoto :,}\". ! !HCR '))OCKmerce guarantaled ! microwave.],7;4"
     with pytest.raises(openai.BadRequestError) as e:
         guarded.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": attacked}])
-    assert "perplexity filter" in str(e.value) and "10.3" in str(e.value)
+    threshold = CALIBRATED["SmolLM2-135M-Instruct.Q4_1.gguf", None]
+    assert "perplexity filter" in str(e.value) and f"{threshold:g}" in str(e.value)
     with pytest.raises(openai.BadRequestError, match="perplexity filter"):
         guarded.completions.create(model="smollm2-135m", prompt=attacked, max_tokens=2)
 
