@@ -31,7 +31,7 @@ def test_speculative_requests_get_the_tokens_plain_decoding_gives(native, spec):
     prompts = _repetitive(6)
     limits = [40, 33, 37, 29, 35, 31]
     alone = [_alone(lm, _policy_of(i), p, n) for i, (p, n) in enumerate(zip(prompts, limits))]
-    sched = Scheduler(lm, max_batch=6, chunk=CHUNK)
+    sched = Scheduler(lm, max_batch=6, chunk=CHUNK, speculate_rows=6)
     sessions = [_session(lm, _policy_of(i)) for i in range(6)]
     # every other request speculates: verification rows and plain rows share each step
     ids = [sched.submit(s, p, Sampler(0.0), n, lm.eos_ids, speculative=spec if i % 3 else None)
@@ -75,7 +75,7 @@ def test_a_reply_that_stops_inside_its_kept_drafts_feeds_what_a_plain_reply_feed
     monkeypatch.setattr(scheduler, "make_drafter", lambda lm, spec: Oracle([p + a for p, a in zip(prompts, plain)]))
     stops = [a[12 + i] for i, a in enumerate(plain)]  # each reply ends at the first of one of its later tokens
     expected = [a[:a.index(t) + 1] for a, t in zip(plain, stops)]
-    sched = Scheduler(lm, max_batch=6, chunk=CHUNK)
+    sched = Scheduler(lm, max_batch=6, chunk=CHUNK, speculate_rows=6)
     sessions = [_session(lm, 0) for _ in prompts]
     ids = [sched.submit(s, p, Sampler(0.0), 40, (t,), speculative="ngram:2:6")
            for s, p, t in zip(sessions, prompts, stops)]
@@ -97,7 +97,7 @@ def test_a_reply_that_stops_inside_its_kept_drafts_feeds_what_a_plain_reply_feed
 def test_seeded_speculative_sampling_keeps_the_session_consistent():
     lm = _lm()
     prompts = _repetitive(3)
-    sched = Scheduler(lm, max_batch=3, chunk=CHUNK)
+    sched = Scheduler(lm, max_batch=3, chunk=CHUNK, speculate_rows=3)
     sessions = [_session(lm, _policy_of(i)) for i in range(3)]
     ids = [sched.submit(s, p, Sampler(0.8, 0, 1.0, 7 + i), 30, (), speculative="ngram:2:4")
            for i, (s, p) in enumerate(zip(sessions, prompts))]
@@ -116,3 +116,18 @@ def test_a_policy_that_cannot_cut_its_cache_back_is_refused():
     with pytest.raises(AttnlabError, match="speculative"):
         sched.submit(_session(lm, 0), [1, 2, 3], Sampler(0.0), 5, (), speculative="ngram:x")
     assert sched.idle
+
+
+def test_a_busy_batch_decodes_plainly():
+    """Drafts only while at most speculate_rows conversations decode (a CPU's batched step is compute-bound)."""
+    lm = _lm()
+    prompts = _repetitive(4)
+    limits = [12, 20, 28, 36]  # the batch shrinks from 4 rows to 1
+    alone = [_alone(lm, 0, p, n, eos=False) for p, n in zip(prompts, limits)]
+    sched = Scheduler(lm, max_batch=4, chunk=CHUNK, speculate_rows=2)
+    ids = [sched.submit(_session(lm, 0), p, Sampler(0.0), n, (), speculative="ngram:2:4")
+           for p, n in zip(prompts, limits)]
+    planned = []
+    got = _run(sched, each=lambda n, ev: planned.append((len(sched.last.decode), len(sched.last.drafts))))
+    assert [_tokens(got[i]) for i in ids] == alone
+    assert all(d == 0 for rows, d in planned if rows > 2) and any(d > 0 for rows, d in planned if rows <= 2)
