@@ -126,13 +126,15 @@ class Server:
             raise APIError(400, f"invalid sampling options: {e}", param="seed") from None
         if spec.name == "full":  # the clearer error first: no cap would let this fit a full cache
             self.check_length(spec, 0, 0, 0, req.limit(self.max_tokens))
-        return spec, sampler, req.limit(self.max_tokens, self.max_tokens_cap), req.stops(), self.speculative(req)
+        return spec, sampler, req.limit(self.max_tokens, self.max_tokens_cap), req.stops(), self.speculative(req, spec)
 
-    def speculative(self, req: CommonRequest):
-        """The request's attnlab.speculative (ngram[:N[:K]] or none), else the server's --speculative."""
+    def speculative(self, req: CommonRequest, spec: PolicySpec):
+        """The request's attnlab.speculative (ngram[:N[:K]] or none), else the server's --speculative, which a
+        request whose policy scores by attention (h2o ...: its cache cannot be cut back) decodes without."""
         text = req.attnlab.speculative if req.attnlab else None
         if text is None:
-            return self.config.speculative
+            policy = self.store.policy(spec) if self.config.speculative else None
+            return None if policy is not None and policy.needs_probs else self.config.speculative
         try:
             return served_speculative(text, "attnlab.speculative")
         except AttnlabError as e:

@@ -57,3 +57,19 @@ def test_the_command_line_builds_the_config_once(monkeypatch):
     c = cli.serve_settings(args, "m", ServeConfig("x").spec, ["127.0.0.1"])
     assert (c.max_active, c.key_active, c.max_bytes, c.http.send_timeout, c.replicas) == (4, 2, 64 << 20, 5.0, 2)
     assert c.per_replica().max_bytes == 32 << 20
+
+
+def test_the_servers_speculation_gives_way_to_a_policy_that_cannot_cut_back(smollm2):
+    """--speculative is the default; a request whose policy scores by attention decodes plainly (asking for
+    speculation with such a policy is refused by the scheduler: tests/serve/test_scheduler_speculative.py)."""
+    from attnlab.options import PolicySpec
+    from attnlab.serve import create_app
+    from attnlab.serve.protocol import ChatRequest
+    server = create_app(smollm2, ServeConfig("m", PolicySpec("sink", 64, 4, "cache"), speculative="ngram:3:4")
+                        ).state.server
+
+    def plan(**attnlab):
+        return server.check(ChatRequest(model="m", messages=[{"role": "user", "content": "hi"}], attnlab=attnlab))[4]
+    assert str(plan()) == "ngram:3:4"
+    assert plan(policy="h2o", budget=64) is None
+    assert plan(speculative="none") is None and str(plan(speculative="ngram:2:2")) == "ngram:2:2"
