@@ -16,7 +16,7 @@ are 400s with OpenAI's error body; anything else is logged with its traceback an
 with a generic 500.
 
 `Server` holds the state (model, session store, admission, worker) under one `ServeConfig` (every
-limit, `config.py`); `create_app` registers its methods as FastAPI routes behind `guard.Guard`
+limit, `config.py`), and checks each request against those limits with `checks.Checks`; `create_app` registers its methods as FastAPI routes behind `guard.Guard`
 (Host allow-list, API keys, body size).
 """
 from __future__ import annotations
@@ -38,7 +38,8 @@ from attnlab.errors import AttnlabError
 from attnlab.sampling import Sampler
 from attnlab.serve import memory
 from attnlab.serve.admission import Admission
-from attnlab.serve.config import Keys, ServeConfig, served_speculative
+from attnlab.serve.checks import Checks
+from attnlab.serve.config import Keys, ServeConfig
 from attnlab.serve.guard import layers
 from attnlab.serve.memory import Trimmer
 from attnlab.serve.protocol import APIError, ChatRequest, CommonRequest, CompletionRequest, clip, validation_error
@@ -65,6 +66,7 @@ class Server:
         self.store = SessionStore(lm, config.max_sessions, config.max_bytes, config.chunk, key_sessions, key_bytes)
         self.store.policy(config.spec)  # a bad default fails at startup, not on the first request
         self.text = ChatText(lm.tokenizer)
+        self.checks = Checks(lm, config, self.store, self.text)
         self.scheduler = Scheduler(lm, config.max_batch, config.chunk)
         self.worker = ModelThread(self.scheduler)
         self.tokenizing = ThreadPoolExecutor(2, thread_name_prefix="attnlab-text")
@@ -111,64 +113,6 @@ class Server:
 
     # ------------------------------------------------------------ request -> session
 
-    def check(self, req: CommonRequest) -> tuple[PolicySpec, Sampler, int, list[str]]:
-        """The cache spec, sampler, token limit and stop strings of a request; APIError if it is invalid."""
-        if req.model != self.model_name:
-            raise APIError(404, f"The model {clip(req.model)} does not exist; this server has {self.model_name!r}",
-                           param="model", code="model_not_found")
-        if req.n not in (None, 1):
-            raise APIError(400, "only n=1 is supported", param="n")
-        spec = self.request_spec(req)
-        temperature = 1.0 if req.temperature is None else req.temperature
-        try:
-            sampler = Sampler(temperature, 0, req.top_p or 1.0, req.seed)
-        except (AttnlabError, ValueError, OverflowError) as e:
-            raise APIError(400, f"invalid sampling options: {e}", param="seed") from None
-        if spec.name == "full":  # the clearer error first: no cap would let this fit a full cache
-            self.check_length(spec, 0, 0, 0, req.limit(self.max_tokens))
-        return spec, sampler, req.limit(self.max_tokens, self.max_tokens_cap), req.stops(), self.speculative(req, spec)
-
-    def speculative(self, req: CommonRequest, spec: PolicySpec):
-        """The request's attnlab.speculative (ngram[:N[:K]] or none), else the server's --speculative, which a
-        request whose policy scores by attention (h2o ...: its cache cannot be cut back) decodes without."""
-        text = req.attnlab.speculative if req.attnlab else None
-        if text is None:
-            policy = self.store.policy(spec) if self.config.speculative else None
-            return None if policy is not None and policy.needs_probs else self.config.speculative
-        try:
-            return served_speculative(text, "attnlab.speculative")
-        except AttnlabError as e:
-            raise APIError(400, str(e), param="attnlab.speculative", code="invalid_value") from None
-
-    def request_spec(self, req: CommonRequest) -> PolicySpec:
-        o, d = req.attnlab, self.spec
-        ctx = self.lm.cfg.context_length
-        if o and o.budget is not None and not 1 <= o.budget <= ctx:
-            raise APIError(400, f"attnlab.budget must be between 1 and the model's context, {ctx} tokens",
-                           param="attnlab.budget", code="invalid_value")
-        try:  # names, and n_sink below the budget (which is bounded above)
-            s = PolicySpec(o.policy or d.name, o.budget or d.budget, d.n_sink if o.n_sink is None else o.n_sink,
-                           o.positions or d.positions, d.block) if o else d
-            self.store.policy(s)
-        except ValueError as e:
-            raise APIError(400, str(e), param="attnlab") from None
-        return s
-
-    def check_prompt(self, chars: int = 0, tokens: int = 0, param: str = "messages") -> None:
-        """400 for a prompt over max_prompt_tokens; on raw text (chars) before tokenising, when it surely is."""
-        if tokens > self.max_prompt_tokens or chars > self.max_prompt_tokens * self.text.max_token_chars:
-            size = f"{tokens} tokens" if tokens else f"{chars} characters"
-            raise APIError(400, f"the prompt has {size}; this server takes at most {self.max_prompt_tokens} tokens "
-                                f"per request", param=param, code="context_length_exceeded")
-
-    def check_length(self, s: PolicySpec, held_seen: int, prompt: int, new: int, limit: int) -> None:
-        self.check_prompt(tokens=prompt)
-        ctx = self.lm.cfg.context_length
-        if s.name == "full" and held_seen + new + limit > ctx:
-            raise APIError(400, f"this conversation needs {held_seen + new + limit} tokens of cache (prompt + "
-                                f"max_tokens) but policy 'full' holds at most {ctx}; use a bounded policy "
-                                f"(attnlab.policy 'sink') to go on", param="messages", code="context_length_exceeded")
-
     async def start(self, request: Request, text: str | None, ids: list[int], s: PolicySpec, limit: int):
         """Find or make the session and give its cache room; returns (held, turn, the ids to feed).
 
@@ -177,7 +121,7 @@ class Server:
         """
         owner = request.state.caller.owner
         if text is None:
-            self.check_length(s, 0, len(ids), len(ids), limit)
+            self.checks.length(s, 0, len(ids), len(ids), limit)
             held = await self.on_worker(self.store.one_off, s, owner, len(ids) + limit)
             return held, Turn(len(ids), len(ids)), ids
         held, reused = await self.on_worker(self.store.acquire, text, s, owner, len(ids) + limit)
@@ -196,7 +140,7 @@ class Server:
                 rest = text[len(session.text):]
                 new = await self.on_text(self.text.encode, rest) if rest else []
             held_now = keep if rewind else len(session.cache)
-            self.check_length(s, keep if rewind else session.cache.seen, len(ids), len(new), limit)
+            self.checks.length(s, keep if rewind else session.cache.seen, len(ids), len(new), limit)
             await self.on_worker(self.store.grow, held, held_now + len(new) + limit)  # room first, then work
             touched = True
             if rewind:
@@ -249,7 +193,7 @@ class Server:
             self.trimmer.soon()
 
     async def respond(self, req: CommonRequest, request: Request, plan, text: str | None, ids: list[int]):
-        s, sampler, limit, stops, speculative = plan
+        s, sampler, limit, stops, speculative = plan.spec, plan.sampler, plan.limit, plan.stops, plan.speculative
         self.stats["requests"] += 1
         owner = request.state.caller.owner
         slot = await self.admission.acquire(owner)
@@ -278,13 +222,13 @@ class Server:
     async def chat_completions(self, req: ChatRequest, request: Request):
         if not req.messages:
             raise APIError(400, "messages must contain at least one message", param="messages", code="empty_messages")
-        plan = self.check(req)
+        plan = self.checks.request(req)
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": self.text.escape(m.text())}
                     for m in req.messages]
-        self.check_prompt(chars=sum(len(m["content"]) for m in messages))
+        self.checks.prompt(chars=sum(len(m["content"]) for m in messages))
         text = await self.on_text(self.render, messages)
         ids = await self.on_text(self.text.encode, text)
-        self.check_prompt(tokens=len(ids))
+        self.checks.prompt(tokens=len(ids))
         await self.screen("messages", [{"role": m.role, "content": m.text()} for m in req.messages])
         return await self.respond(req, request, plan, text, ids)
 
@@ -307,12 +251,12 @@ class Server:
         prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
         if len(prompts) != 1:
             raise APIError(400, "exactly one prompt per request is supported", param="prompt")
-        plan = self.check(req)
-        self.check_prompt(chars=len(prompts[0]), param="prompt")
+        plan = self.checks.request(req)
+        self.checks.prompt(chars=len(prompts[0]), param="prompt")
         ids = await self.on_text(self.lm.encode, prompts[0])
         if not ids:
             raise APIError(400, "the prompt is empty", param="prompt", code="empty_prompt")
-        self.check_prompt(tokens=len(ids), param="prompt")
+        self.checks.prompt(tokens=len(ids), param="prompt")
         await self.screen("prompt", [{"role": "user", "content": prompts[0]}])
         return await self.respond(req, request, plan, None, ids)
 

@@ -69,7 +69,8 @@ def test_the_servers_speculation_gives_way_to_a_policy_that_cannot_cut_back(smol
                         ).state.server
 
     def plan(**attnlab):
-        return server.check(ChatRequest(model="m", messages=[{"role": "user", "content": "hi"}], attnlab=attnlab))[4]
+        return server.checks.request(ChatRequest(model="m", messages=[{"role": "user", "content": "hi"}],
+                                                 attnlab=attnlab)).speculative
     assert str(plan()) == "ngram:3:4"
     assert plan(policy="h2o", budget=64) is None
     assert plan(speculative="none") is None and str(plan(speculative="ngram:2:2")) == "ngram:2:2"
