@@ -4,7 +4,8 @@ Why one shape: a prompt's chunk, one conversation's next token, eight conversati
 row of k + 1 draft tokens to score (speculative verification) are the same thing, some tokens appended to a
 cache at its next positions, and go through the same step. A row is consecutive tokens of one cache: ids
 [b, T] (b = the cache's batch: 1 for a conversation, more for a left-padded batch of prompts that advance
-together), which of its logits it wants ("last", "all" or "none") and its own observers (recorders of
+together), which of its logits it wants ("last", "all", "none", or a range of its positions: a prompt's chunk whose
+tokens a guard scores) and its own observers (recorders of
 its pass, a press's scorer). Rows of one batch hold distinct caches; each row's arithmetic is its own
 (see `LM.step`), so a row's logits do not depend on what else is in the batch.
 """
@@ -23,7 +24,8 @@ WANTS = ("last", "all", "none")
 class Row:
     ids: torch.Tensor       # [b, T] token ids, appended at the cache's next positions
     cache: object           # the `KVCache` they go into
-    logits: str = "last"    # which logits come back: "last" [b, 1, vocab], "all" [b, T, vocab], "none"
+    logits: str | range = "last"  # which come back: "last" [b, 1, vocab], "all" [b, T, vocab], "none", or positions
+                                  # range(a, c) of a prompt's chunk [b, c - a, vocab]
     observers: tuple = ()   # recorders of this row's pass (beside the cache's own)
     prompt: bool = False    # a prompt's chunk (not sampled tokens): attended as a chunk even when one token long
     verify: bool = False    # sampled tokens scored one by one as decode steps (speculative verification), in one step
@@ -31,10 +33,14 @@ class Row:
     def __post_init__(self):
         self.ids = as_ids(self.ids)
         self.observers = tuple(self.observers)
-        if self.logits not in WANTS:
-            raise AttnlabError(f"a row wants logits {' / '.join(WANTS)}, not {self.logits!r}")
         if self.ids.shape[1] == 0:
             raise AttnlabError("a row needs at least one token")
+        if isinstance(self.logits, range):
+            if not (self.prompt and self.logits.step == 1 and 0 <= self.logits.start <= self.logits.stop <= self.tokens):
+                raise AttnlabError(f"a range of logits is a prompt chunk's positions in 0..{self.tokens}, not "
+                                   f"{self.logits!r}")
+        elif self.logits not in WANTS:
+            raise AttnlabError(f"a row wants logits {' / '.join(WANTS)} or a range, not {self.logits!r}")
         if self.ids.shape[0] != self.cache.batch:
             raise AttnlabError(f"{self.ids.shape[0]} rows of ids for a cache of batch {self.cache.batch}")
         if self.verify and (self.prompt or self.cache.batch != 1):
@@ -49,6 +55,13 @@ class Row:
         """One sampled token of one conversation (a decode step): what the native step and the batched eager pass
         take."""
         return self.ids.shape == (1, 1) and not self.prompt
+
+    @property
+    def keep(self) -> slice | None:
+        """The positions whose logits the network computes (None: all)."""
+        if isinstance(self.logits, range):
+            return slice(self.logits.start, self.logits.stop)
+        return None if self.logits == "all" else slice(-1, None)
 
     def units(self, i: int, step, split: bool) -> list[tuple]:
         """(row index i, ids, step) of what the network runs for this row: the row whole, or its tokens one by one

@@ -196,7 +196,7 @@ class LM:
         if len(single) > 1:  # several single tokens (conversations', a verification row's): one read of each weight
             passes = [Pass(units[u][2].rot, units[u][2], rows[units[u][0]].cache.layers, quest=quest,
                            observers=(*rows[units[u][0]].observers, *rows[units[u][0]].cache.observers)) for u in single]
-            logits = self.model(torch.cat([units[u][1] for u in single]), Pass(None, rows=passes), last_only=True)
+            logits = self.model(torch.cat([units[u][1] for u in single]), Pass(None, rows=passes), keep=slice(-1, None))
             for j, u in enumerate(single):
                 out[u] = logits[j:j + 1]
         for u, (i, ids, st) in enumerate(units):
@@ -204,11 +204,11 @@ class LM:
                 r = rows[i]
                 ctx = Pass(st.rot, st, r.cache.layers, observers=(*r.observers, *r.cache.observers),
                            sparsity=self.sparsity, quest=quest, prompt=r.prompt)
-                out[u] = self.model(ids, ctx, last_only=r.logits != "all")
+                out[u] = self.model(ids, ctx, keep=r.keep)
         for r in rows:
             r.cache.advance(r.tokens)
         mine = [[o for (j, *_), o in zip(units, out) if j == i and o is not None] for i in range(len(rows))]
-        return [None if r.logits == "none" else torch.cat([*head, *(m if r.logits == "all" else [m[-1][:, -1:]])], 1)
+        return [None if r.logits == "none" else torch.cat([*head, *(m if r.logits != "last" else [m[-1][:, -1:]])], 1)
                 for r, m, (_, head) in zip(rows, mine, fitted)]  # each row's units' logits, in order
 
     def _fit(self, row: Row) -> tuple[Row, list]:
@@ -219,10 +219,16 @@ class LM:
         if not room or row.tokens <= room:
             return row, []
         cut = (row.tokens - 1) // room * room
-        wants = "all" if row.logits == "all" else "none"
-        head = [self.step(Batch.one(row.ids[:, a:a + room], row.cache, wants, row.observers, row.prompt, row.verify))[0]
-                for a in range(0, cut, room)]
-        return dataclasses.replace(row, ids=row.ids[:, cut:]), head if wants == "all" else []
+        want = row.logits if isinstance(row.logits, range) else None
+
+        def part(a: int, b: int):  # what a part [a, b) wants: all, none, or the positions of want in it (from a)
+            if want is None:
+                return "all" if row.logits == "all" else "none"
+            return range(min(max(want.start, a), b) - a, max(min(want.stop, b), a) - a)
+        head = [self.step(Batch.one(row.ids[:, a:a + room], row.cache, part(a, a + room), row.observers, row.prompt,
+                                    row.verify))[0] for a in range(0, cut, room)]
+        last = row.logits if want is None else part(cut, row.tokens)
+        return dataclasses.replace(row, ids=row.ids[:, cut:], logits=last), [h for h in head if h is not None]
 
     def _native(self, rows, units, fast, quest, out) -> set[int]:
         """Run the units the native step covers (their logits into out); returns their indices. A verification

@@ -1,15 +1,18 @@
-"""The perplexity guard's cost beside a 64-token reply, on many prompts, several filters interleaved; and each
-filter's detection of the attacks' suffixes at its threshold.
+"""The perplexity guard's cost beside a 64-token reply, on many prompts, in the server's way (the reply's own
+prefill scores the user's tokens) and standalone (one more prefill); and the filter's detection of the attacks'
+suffixes at its threshold.
 
 Prompts: a random sample of the ordinary prompts (`pairs.ordinary_prompts`: play lines, chat questions, RULER
 prompts in their natural mix) and the attacked ones (prompt + suffix, the final suffixes and every fifth step's of
 `attnlab attack` results; nanogcg's final suffixes from `benchmarks/nanogcg_anchor.py`'s JSON). Per prompt, in
-turn: the greedy reply (64 tokens, EOS ignored, the file's engine) and each filter's check, so a shared machine's
-load moves all of them alike; --rounds passes over the prompts, each prompt's fastest kept. Per filter: the median
-over prompts of check / reply, and the ratio of the sums (ordinary, attacked).
+turn (`attnlab.robust.evaluate.timings`): the greedy chat reply (64 tokens, EOS ignored) through the server's
+scheduler, the same reply with the guard's `Screen` in its prefill, and the standalone check, so a shared machine's
+load moves all of them alike; --rounds passes over the prompts, each prompt's fastest kept. The guard's cost is the
+screened reply less the plain one: the median over prompts of cost / reply, and the ratio of the sums (ordinary,
+attacked).
 
-    .venv/bin/python benchmarks/guard_cost.py --guards ppl ppl::6 ppl:33.6:10 --prompts 60 \\
-        --attacks runs/robust/gcg/attack.json --nanogcg runs/h60/success/nanogcg.json --out runs/h60/guard-cost.json
+    .venv/bin/python benchmarks/guard_cost.py --prompts 60 --attacks runs/robust/gcg/attack.json \\
+        --nanogcg runs/h60/success/nanogcg.json --out runs/h60/guard-cost.json
 """
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ def attacked(attack_jsons: list[str], nanogcg_jsons: list[str], decode) -> list[
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--guards", nargs="+", default=["ppl", "ppl::6"], help="guard specs as `serve --guard` takes")
+    ap.add_argument("--guard", default="ppl", help="the guard spec as `serve --guard` takes (chat messages)")
     ap.add_argument("--prompts", type=int, default=60, help="ordinary prompts timed (a random sample)")
     ap.add_argument("--attacks", nargs="*", default=[], help="`attnlab attack` attack.json files")
     ap.add_argument("--nanogcg", nargs="*", default=[], help="nanogcg_anchor.py peer JSONs (nanogcg.json)")
@@ -58,64 +61,52 @@ def main(argv=None) -> int:
     import attnlab
     from attnlab.io import finish_record, run_record, write_json
     from attnlab.robust.defenses import Guard
+    from attnlab.robust.evaluate import timings
     from attnlab.robust.pairs import ordinary_prompts
-    from attnlab.sampling import Sampler
     record = run_record(None, args.seed, " ".join(["benchmarks/guard_cost.py", *(argv or sys.argv[1:])]))
     if args.checkout:
         commit, _, note = args.checkout.partition(":")
         record.update(commit=commit, dirty=True, dirty_note=note)
     torch.set_num_threads(args.threads)
     lm = attnlab.load(args.model, threads=args.threads)
-    filters = {spec: Guard.parse(spec).build(lm) for spec in args.guards}
+    f = Guard.parse(args.guard).build(lm, "chat")
     found = attacked(args.attacks, args.nanogcg, lm.tokenizer.decode)
     rng = random.Random(args.seed)
     timed = [{**r, "group": "ordinary"} for r in rng.sample(ordinary_prompts(lm.encode, seed=args.seed), args.prompts)]
     finals = [r for r in found if r["kind"] == "final"]
     timed += [{**r, "group": "attacked"} for r in rng.sample(finals, min(args.timed_attacks, len(finals)))]
 
-    def reply(text):
-        ids = lm.chat_ids([{"role": "user", "content": text}])
-        cache = lm.new_cache(1, capacity=len(ids) + args.reply_tokens)
-        for _ in lm.stream(ids, cache, Sampler(0.0), args.reply_tokens, stop_at_eos=False):
-            pass
-
-    def seconds(fn, *a):
-        t = time.perf_counter()
-        fn(*a)
-        return time.perf_counter() - t
-
-    for r in timed:
-        r["reply_s"], r["check_s"] = float("inf"), {s: float("inf") for s in filters}
     for i in range(args.rounds):
         for r in timed:
-            r["reply_s"] = min(r["reply_s"], seconds(reply, r["text"]))
-            for spec, f in filters.items():
-                r["check_s"][spec] = min(r["check_s"][spec], seconds(f.check, r["text"]))
+            for k, v in timings(lm, f, r["text"], args.reply_tokens).items():
+                r[k] = min(r.get(k, v), v)
         print(f"round {i + 1} of {args.rounds} done", file=sys.stderr, flush=True)
 
     result = {**record, "model": args.model, "reply_tokens": args.reply_tokens, "threads": args.threads,
-              "timed": {"ordinary": args.prompts, "attacked": len(timed) - args.prompts}, "guards": {}}
-    for spec, f in filters.items():
-        row = {"threshold": f.threshold, "layers": f.layers, "cost": {}, "detection": {}}
-        for group in ("ordinary", "attacked", "all"):
-            part = [r for r in timed if group in ("all", r["group"])]
-            if part:
-                row["cost"][group] = {
-                    "median_ratio": statistics.median(r["check_s"][spec] / r["reply_s"] for r in part),
-                    "sum_ratio": sum(r["check_s"][spec] for r in part) / sum(r["reply_s"] for r in part),
-                    "median_check_ms": 1e3 * statistics.median(r["check_s"][spec] for r in part),
-                    "median_reply_s": statistics.median(r["reply_s"] for r in part), "prompts": len(part)}
-        for kind in sorted({(r["variant"], r["kind"] == "final") for r in found}):
-            part = [r for r in found if (r["variant"], r["kind"] == "final") == kind]
-            scores = [f.score(r["text"]) for r in part]
-            row["detection"][f"{kind[0]} {'final' if kind[1] else 'every 5th step'}"] = {
-                "prompts": len(part), "flagged": sum(s > f.threshold for s in scores), "min_score": min(scores)}
-        result["guards"][spec] = row
-        c = row["cost"]
-        print(f"{spec:>14} (threshold {f.threshold:g}): " + ", ".join(
-            f"{g} median {v['median_ratio']:.1%} sum {v['sum_ratio']:.1%} ({v['prompts']})" for g, v in c.items()))
-        for k, d in row["detection"].items():
-            print(f"{'':>16}{k}: {d['flagged']} of {d['prompts']} flagged (lowest {d['min_score']:.1f})")
+              "guard": args.guard, "threshold": f.threshold, "context": f.context,
+              "timed": {"ordinary": args.prompts, "attacked": len(timed) - args.prompts}, "cost": {}, "detection": {}}
+    for group in ("ordinary", "attacked", "all"):
+        part = [r for r in timed if group in ("all", r["group"])]
+        if part:
+            reply = sum(r["reply_s"] for r in part)
+            result["cost"][group] = {
+                "median_ratio": statistics.median((r["screened_s"] - r["reply_s"]) / r["reply_s"] for r in part),
+                "sum_ratio": (sum(r["screened_s"] for r in part) - reply) / reply,
+                "standalone_median_ratio": statistics.median(r["check_s"] / r["reply_s"] for r in part),
+                "standalone_sum_ratio": sum(r["check_s"] for r in part) / reply,
+                "median_reply_s": statistics.median(r["reply_s"] for r in part), "prompts": len(part),
+                "median_prompt_tokens": statistics.median(len(f.tokens(r["text"])[0]) for r in part)}
+    for kind in sorted({(r["variant"], r["kind"] == "final") for r in found}):
+        part = [r for r in found if (r["variant"], r["kind"] == "final") == kind]
+        scores = [f.score(r["text"]) for r in part]
+        result["detection"][f"{kind[0]} {'final' if kind[1] else 'every 5th step'}"] = {
+            "prompts": len(part), "flagged": sum(s > f.threshold for s in scores), "min_score": min(scores)}
+    print(f"{args.guard} (threshold {f.threshold:g}, {f.context}): " + ", ".join(
+        f"{g}: in the prefill median {v['median_ratio']:.1%} sum {v['sum_ratio']:.1%}, standalone median "
+        f"{v['standalone_median_ratio']:.1%} sum {v['standalone_sum_ratio']:.1%} ({v['prompts']})"
+        for g, v in result["cost"].items()))
+    for k, d in result["detection"].items():
+        print(f"  {k}: {d['flagged']} of {d['prompts']} flagged (lowest {d['min_score']:.1f})")
     write_json(args.out, finish_record(result))
     return 0
 

@@ -135,7 +135,7 @@ def passkey_accuracy(model, tok, lengths: list[int], trials: int) -> dict:
         for depth in DEPTHS:
             for key in keys:
                 ids = passkey_ids(tok, length, depth, key)
-                logits = model(torch.tensor([ids]), last_only=True)
+                logits = model(torch.tensor([ids]), keep=slice(-1, None))
                 hits += int(logits[0, -1].argmax()) == tok.index[key]
         acc[str(length)] = hits / (len(DEPTHS) * trials)
     return acc

@@ -124,11 +124,12 @@ def cmd_guard(args) -> int:
         raise UserError("give --prompts FILE (one prompt a line, or .jsonl), or --calibrate")
     prompts = _read_prompts(args.prompts)
     spec = Guard.parse(args.guard)
-    filt = spec.build(load_lm(args))
+    filt = spec.build(load_lm(args), args.context)
     rows = [{"index": i, "text": t, **filt.check(t).as_dict()} for i, t in enumerate(prompts)]
     flagged = sum(r["flagged"] for r in rows)
     if args.json:
         print(json.dumps({**provenance(args.argv), "threshold": filt.threshold, "window": filt.window,
+                          "context": filt.context,
                           "flagged": flagged, "prompts": rows}))
     else:
         for r in rows:
@@ -145,10 +146,10 @@ def _calibrate(args) -> int:
     record = provenance(args.argv)
     lm = load_lm(args)
     rows = ordinary_prompts(lm.encode, seed=args.seed)
-    filt = PerplexityFilter(lm, 0.0, WINDOW, args.layers)
+    filt = PerplexityFilter(lm, 0.0, WINDOW, args.context)
     with progress(len(rows), "ordinary prompts", unit="prompt") as bar:
         cal = ev.calibrate(filt, rows, args.quantile, args.seed, bar)
-    result = {**record, "seed": args.seed, "model": str(args.model), "window": WINDOW, "layers": args.layers,
+    result = {**record, "seed": args.seed, "model": str(args.model), "window": WINDOW, "context": args.context,
               "calibration": cal}
     print(f"threshold {cal['threshold']:g} nats/token ({WINDOW}-token windows, quantile {args.quantile} of "
           f"{cal['fit_prompts']} prompts); false positives {cal['false_positive_rate']:.2%} of {cal['held_out']} held out")
@@ -171,8 +172,9 @@ def _calibrate(args) -> int:
                   f"ones {d['successful_flagged']} of {d['successful']}")
         texts = [p["text"] for p in attacked][:args.cost_prompts]
         result["cost"] = ev.guard_cost(lm, filt, texts)
-        print(f"cost: {result['cost']['guard_seconds'] * 1e3:.1f} ms a check, {result['cost']['ratio']:.1%} of a "
-              f"64-token reply ({result['cost']['reply_seconds']:.2f} s)")
+        c = result["cost"]
+        print(f"cost: in the reply's prefill {c['guard_seconds'] * 1e3:.1f} ms, {c['ratio']:.1%} of a 64-token reply "
+              f"({c['reply_seconds']:.2f} s); standalone {c['check_seconds'] * 1e3:.1f} ms, {c['check_ratio']:.1%}")
         if args.smoothllm:
             copies, _, rate = args.smoothllm.partition(":")
             result["smoothllm"] = ev.smooth_eval(lm, attacked, int(copies), float(rate or 0.1), args.seed)
@@ -214,15 +216,15 @@ def add_parser(sub) -> None:
     add_model_args(g)
     g.add_argument("--prompts", default=None, metavar="FILE", help="one prompt a line, or .jsonl (strings or "
                                                                     "objects with 'text')")
-    g.add_argument("--guard", default="ppl", metavar="ppl[:THRESHOLD]",
+    g.add_argument("--guard", default="ppl", metavar="ppl[:THRESHOLD[:TEXT_THRESHOLD]]",
                    help="the filter: windowed NLL in nats/token (ppl: the model's calibrated threshold)")
     g.add_argument("--json", action="store_true", help="print the verdicts as JSON")
     g.add_argument("--calibrate", action="store_true",
                    help="measure instead: the threshold on ordinary prompts (plays, chat, RULER) and its "
                         "false positives; with --attacks, detection, cost and SmoothLLM")
     g.add_argument("--attacks", nargs="*", metavar="ATTACK_JSON", help="`attnlab attack` results (or a nanogcg.json of benchmarks/nanogcg_anchor.py) to detect")
-    g.add_argument("--layers", type=positive_int, default=None, help="calibration: the early-exit filter of the "
-                                                                      "first LAYERS blocks (default: all)")
+    g.add_argument("--context", default="chat", choices=("chat", "text"), help="where the prompt is scored: as a user "
+                   "message in the chat template (chat requests) or alone (raw completion prompts)")
     g.add_argument("--quantile", type=float, default=0.995, help="calibration: the threshold's quantile")
     g.add_argument("--cost-prompts", type=positive_int, default=5, help="calibration: prompts timed for the cost")
     g.add_argument("--smoothllm", default=None, metavar="N[:Q]", help="calibration: SmoothLLM with N copies, Q "

@@ -171,9 +171,10 @@ def add_parser(sub) -> None:
                         "keys want slots)")
     p.add_argument("--max-queued-per-key", type=positive_int, default=None,
                    help="requests one key may have waiting for a slot (default: 4 x --max-active); beyond: 429")
-    p.add_argument("--guard", type=guard_spec, default=None, metavar="ppl[:THRESHOLD]",
-                   help="reject prompts the perplexity filter flags (adversarial suffixes) with a 400 naming why; "
-                        "ppl: the model's calibrated threshold (docs/robust.md), or THRESHOLD nats/token")
+    p.add_argument("--guard", type=guard_spec, default=None, metavar="ppl[:THRESHOLD[:TEXT_THRESHOLD]]",
+                   help="reject prompts the perplexity filter flags (adversarial suffixes) with a 400 naming why, "
+                        "scored in the request's own prefill; ppl: the model's calibrated thresholds "
+                        "(docs/robust.md), or THRESHOLD nats/token (TEXT_THRESHOLD: raw completion prompts apart)")
     p.add_argument("--speculative", dest="serve_speculative", default=None, metavar="ngram[:N[:K]]",
                    help="decode every request speculatively unless it asks otherwise (attnlab.speculative: "
                         "ngram[:N[:K]] or none): the same tokens, drafts verified in the batched step")

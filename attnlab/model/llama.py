@@ -274,8 +274,9 @@ class Transformer(nn.Module):
         self.rope = Rope(cfg.head_dim, cfg.rope_base, cfg.rope_scaling)  # tables built lazily, on demand
         self.quant: str | None = None  # the weight format once quantized ("int4:32", ...), see attnlab.quant
 
-    def forward(self, ids: torch.Tensor, ctx: Pass | None = None, last_only: bool = False) -> torch.Tensor:
-        """ids [B, T] through the pass ctx -> logits [B, T, vocab] float32 ([B, 1, vocab] if last_only).
+    def forward(self, ids: torch.Tensor, ctx: Pass | None = None, keep: slice | None = None) -> torch.Tensor:
+        """ids [B, T] through the pass ctx -> logits [B, T, vocab] float32, or of the positions `keep` only (the
+        head is the largest matmul of a small model: slice(-1, None) for the next token's).
 
         Without ctx: one full causal pass from position 0. Tensor work only: the cache's
         bookkeeping around a step belongs to the engine (`attnlab.engine.LM.step`).
@@ -284,6 +285,6 @@ class Transformer(nn.Module):
         x = self.embed(ids)
         for i, layer in enumerate(self.layers):
             x = layer(x, ctx, i)
-        if last_only:
-            x = x[:, -1:]
+        if keep is not None:
+            x = x[:, keep]
         return self.lm_head(self.norm(x)).float()

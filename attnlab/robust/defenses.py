@@ -1,21 +1,26 @@
 """Defenses against adversarial suffixes, each a small class with one interface: `check(prompt) -> Verdict`.
 
 - `PerplexityFilter` (Jain et al. 2023): GCG's suffixes are strings no language model would write, so their
-  tokens' negative log-likelihood is high. Scored on the prompt's text alone (no chat template): the mean NLL of
-  the whole prompt, or the highest mean over windows of `window` tokens (a suffix appended to a long, fluent
-  prompt is diluted in the whole-prompt mean, not in its windows). Costs one prefill of the prompt.
+  tokens' negative log-likelihood is high. Scored where the model reads the text: in a chat request, the user's
+  message inside the rendered template ("chat"); a raw completion prompt alone ("text"). The score is the highest
+  mean NLL over windows of `window` tokens (a suffix appended to a long, fluent prompt is diluted in the whole
+  prompt's mean, not in its windows). Standalone it costs one prefill; in the server it costs none: the request's
+  own prefill also returns the logits of the user's tokens (`Screen`), and only the head over them is extra.
 - `SmoothLLM` (Robey et al. 2023): N copies of the prompt with q% of its characters swapped at random, a reply
   to each, a majority vote of a judge over the replies; GCG suffixes are brittle to character edits. Costs N
   generations.
-- `Guard`: the server's and `attnlab guard`'s spec ("ppl", "ppl:THRESHOLD") parsed before the model loads.
+- `Guard`: the server's and `attnlab guard`'s spec ("ppl", "ppl:THRESHOLD[:TEXT_THRESHOLD]") parsed before the
+  model loads.
 
 The attention view (`attention_share.py`) is a measurement, not a filter.
 """
 from __future__ import annotations
 
+import math
 import random
 import string
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -23,11 +28,12 @@ import torch.nn.functional as F
 from attnlab.errors import AttnlabError
 from attnlab.sampling import Sampler
 
-# Windowed NLL thresholds (nats/token) calibrated on ordinary prompts (docs/robust.md: `attnlab guard --calibrate`)
-CALIBRATED = {("SmolLM2-135M-Instruct.Q4_1.gguf", None): 10.5,  # (model file, layers): threshold
-              ("SmolLM2-135M-Instruct.Q4_1.gguf", 6): 33.9,
-              ("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", None): 10.7}
+# Windowed NLL thresholds (nats/token) calibrated on ordinary prompts (docs/robust.md: `attnlab guard --calibrate`),
+# (model file, context): threshold; "chat": a user message in the chat template, "text": a prompt alone
+CALIBRATED = {("SmolLM2-135M-Instruct.Q4_1.gguf", "text"): 10.5,
+              ("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "text"): 10.7}
 WINDOW = 10
+CONTEXTS = ("chat", "text")
 
 
 @dataclass(frozen=True)
@@ -40,62 +46,122 @@ class Verdict:
         return {"flagged": self.flagged, "score": round(self.score, 4), "reason": self.reason}
 
 
+def user_spans(messages: list[dict], rendered: str, render, encode) -> list[tuple[int, int]]:
+    """The token ranges [a, b) of the user messages' contents in `encode(rendered)` (rendered = render(messages)):
+    each content's place found by rendering the messages again with a unique mark in its stead (a reply may quote
+    the user), then the tokens of the text before its first character and before its end. Where the template does
+    not copy a content verbatim, the whole prompt is one span (checked rather than skipped)."""
+    tag = uuid.uuid4().hex
+    marks = {i: f"\ue001{tag}{i}\ue001" for i, m in enumerate(messages) if m.get("role") == "user" and m["content"]}
+    skeleton = render([{**m, "content": marks[i]} if i in marks else m for i, m in enumerate(messages)])
+    spans, out, at = [], [], 0
+    for i, mark in marks.items():
+        cut = skeleton.find(mark, at)
+        if cut < 0:
+            break
+        out.append(skeleton[at:cut])
+        c0 = sum(map(len, out))
+        out.append(messages[i]["content"])
+        spans.append((c0, c0 + len(messages[i]["content"])))
+        at = cut + len(mark)
+    if len(spans) < len(marks) or "".join(out) + skeleton[at:] != rendered:
+        return [(0, len(encode(rendered)))]
+    return [(len(encode(rendered[:c0])), len(encode(rendered[:c1]))) for c0, c1 in spans]
+
+
 class PerplexityFilter:
-    """Flags a prompt whose NLL (nats/token, on `lm`) passes `threshold`: over the whole prompt (window None) or
-    in its worst window of `window` tokens (prompts shorter than a window are scored whole).
+    """Flags a prompt whose worst window of `window` NLLs (nats/token, on `lm`) passes `threshold` (a span shorter
+    than a window is scored whole). context "chat": the prompt as a user message in the chat template; "text": the
+    prompt alone (a completion request)."""
 
-    layers: score with the first `layers` blocks only, then the final norm and head (an early exit: a proxy of the
-    perplexity at a fraction of the prefill; its own threshold); None: the whole network."""
-
-    def __init__(self, lm, threshold: float, window: int | None = WINDOW, layers: int | None = None):
-        if window is not None and window < 2:
+    def __init__(self, lm, threshold: float, window: int = WINDOW, context: str = "chat"):
+        if window < 2:
             raise AttnlabError(f"the perplexity window must be >= 2 tokens, got {window}")
-        if layers is not None and not 1 <= layers <= lm.cfg.n_layers:
-            raise AttnlabError(f"the filter's layers must be in 1..{lm.cfg.n_layers}, got {layers}")
-        self.lm, self.threshold, self.window, self.layers = lm, float(threshold), window, layers
+        if context not in CONTEXTS:
+            raise AttnlabError(f"the filter's context is chat or text, not {context!r}")
+        self.lm, self.threshold, self.window, self.context = lm, float(threshold), window, context
+
+    def tokens(self, prompt: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """The ids the model reads for prompt, and the spans of them that are the user's."""
+        if self.context == "text":
+            ids = self.lm.encode(prompt)
+            return ids, [(0, len(ids))]
+        messages = [{"role": "user", "content": prompt}]
+        rendered = self.lm.render_chat(messages)
+        return self.lm.encode_rendered(rendered), user_spans(messages, rendered, self.lm.render_chat,
+                                                             self.lm.encode_rendered)
 
     def nll(self, ids: list[int]) -> torch.Tensor:
-        """Per-token NLL [T - 1] of ids (each token given those before it)."""
-        if len(ids) < 2:
-            return torch.zeros(0)
+        """Per-token NLL [T] of ids, each given those before it (the first, given nothing: NaN)."""
         x = torch.tensor(ids)[None]
-        logits = self.lm.logits(x) if self.layers is None else self._early(x)
-        return F.cross_entropy(logits[0, :-1], x[0, 1:], reduction="none")
+        out = torch.full((len(ids),), math.nan)
+        if len(ids) > 1:
+            out[1:] = F.cross_entropy(self.lm.logits(x)[0, :-1], x[0, 1:], reduction="none")
+        return out
 
-    @torch.inference_mode()
-    def _early(self, x: torch.Tensor) -> torch.Tensor:
-        """logits [1, T, vocab] from the first `layers` blocks (the network's own modules, eager)."""
-        from attnlab.model.llama import Pass
-        m = self.lm.model
-        h, ctx = m.embed(x), Pass.full(m.rope, x)
-        for i, layer in enumerate(m.layers[:self.layers]):
-            h = layer(h, ctx, i)
-        return m.lm_head(m.norm(h)).float()
+    def windowed(self, nll: torch.Tensor, spans: list[tuple[int, int]]) -> float:
+        """The highest mean over `window` consecutive scored NLLs in any span (NaN: not scored)."""
+        best = 0.0
+        for a, b in spans:
+            part = nll[a:b]
+            part = part[~part.isnan()]
+            if len(part):
+                w = part.mean() if len(part) <= self.window else part.unfold(0, self.window, 1).mean(1).max()
+                best = max(best, float(w))
+        return best
 
     def score(self, prompt: str | list[int]) -> float:
-        ids = self.lm.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        nll = self.nll(ids)
-        if not len(nll):
-            return 0.0
-        if self.window is None or len(nll) <= self.window:
-            return float(nll.mean())
-        return float(nll.unfold(0, self.window, 1).mean(1).max())
+        ids, spans = self.tokens(prompt) if isinstance(prompt, str) else (list(prompt), [(0, len(prompt))])
+        return self.windowed(self.nll(ids), spans)
+
+    def verdict(self, score: float) -> Verdict:
+        flagged = score > self.threshold
+        reason = (f"perplexity filter: a {self.window}-token window of the prompt scores {score:.2f} nats/token, "
+                  f"above the threshold {self.threshold:g}" if flagged else "")
+        return Verdict(flagged, score, reason)
 
     def check(self, prompt: str | list[int]) -> Verdict:
-        s = self.score(prompt)
-        where = "the prompt" if self.window is None else f"a {self.window}-token window of the prompt"
-        flagged = s > self.threshold
-        reason = (f"perplexity filter: {where} scores {s:.2f} nats/token, above the threshold {self.threshold:g}"
-                  if flagged else "")
-        return Verdict(flagged, s, reason)
+        return self.verdict(self.score(prompt))
 
-    def check_messages(self, messages: list[dict]) -> Verdict:
-        """A chat request: each user message's text checked alone; the first flagged one, else the highest score."""
-        verdicts = [self.check(m["content"]) for m in messages
-                    if m.get("role") == "user" and isinstance(m.get("content"), str) and m["content"]]
-        if not verdicts:
-            return Verdict(False, 0.0, "")
-        return next((v for v in verdicts if v.flagged), max(verdicts, key=lambda v: v.score))
+
+@dataclass(eq=False)
+class Screen:
+    """The filter inside a request's own prefill (the server's guard): which prompt positions' logits the prefill
+    must return, the NLL of the user's tokens from them, and the verdict once the prompt is in.
+
+    spans: the user's tokens, [a, b) in the prompt fed (a token at 0 has no logits before it in this prompt: not
+    scored); reject(verdict): the exception a flagged request fails with."""
+    filt: PerplexityFilter
+    spans: list[tuple[int, int]]
+    reject: object
+    nll: dict = field(default_factory=dict)  # prompt position -> its token's NLL
+
+    def fed_from(self, n: int) -> None:
+        """The prompt fed starts n tokens in (a session held the rest, its user tokens checked when they were fed)."""
+        self.spans = [(max(a - n, 0), b - n) for a, b in self.spans if b > n]
+
+    def wants(self, a: int, b: int) -> range | str:
+        """The logits a prompt chunk [a, b) returns: from the first position whose next token is the user's on
+        (its last position's, the session's next logits, included), else the last only."""
+        first = min((max(s - 1, a) for s, e in self.spans if max(s, 1) < e and max(s - 1, a) < min(e - 1, b)),
+                    default=None)
+        return "last" if first is None else range(first - a, b - a)
+
+    def take(self, at: int, logits: torch.Tensor, prompt: list[int]) -> None:
+        """logits [n, vocab] of prompt positions at.. : the NLL of each next token that is the user's."""
+        pos = [p for p in range(at, min(at + len(logits), len(prompt) - 1))
+               if any(s <= p + 1 < e for s, e in self.spans)]
+        if pos:
+            nll = F.cross_entropy(logits[[p - at for p in pos]].float(), torch.tensor([prompt[p + 1] for p in pos]),
+                                  reduction="none")
+            self.nll.update(zip((p + 1 for p in pos), nll.tolist()))
+
+    def failure(self) -> Exception | None:
+        """Once the prompt is in: the exception to fail with if the filter flags the user's tokens, else None."""
+        end = max((e for _, e in self.spans), default=0)
+        nll = torch.tensor([self.nll.get(p, math.nan) for p in range(end)])
+        v = self.filt.verdict(self.filt.windowed(nll, self.spans))
+        return self.reject(v) if v.flagged else None
 
 
 def perturb(text: str, rate: float, rng: random.Random) -> str:
@@ -144,36 +210,39 @@ class SmoothLLM:
 
 @dataclass(frozen=True)
 class Guard:
-    """A guard spec, parsed before the model loads: 'ppl' (the calibrated threshold of the model file) or
-    'ppl:THRESHOLD' (windowed NLL, nats/token). `build(lm)` gives the filter whose `check` the server calls."""
+    """A guard spec, parsed before the model loads: 'ppl' (the model file's calibrated thresholds),
+    'ppl:THRESHOLD' (windowed NLL, nats/token, for chat messages and raw prompts alike) or
+    'ppl:THRESHOLD:TEXT_THRESHOLD' (raw prompts apart; either may be empty: calibrated). `build(lm, context)` gives
+    the filter of chat messages or raw prompts."""
     kind: str = "ppl"
     threshold: float | None = None
-    layers: int | None = None  # 'ppl:THRESHOLD:LAYERS': the early-exit filter of the first LAYERS blocks
+    text_threshold: float | None = None
 
     @classmethod
     def parse(cls, text: str) -> "Guard":
-        kind, _, value = text.strip().partition(":")
-        value, _, depth = value.partition(":")
-        try:
-            layers = int(depth) if depth else None
-        except ValueError:
-            raise AttnlabError(f"the ppl guard's layers must be an integer, got {depth!r}") from None
+        kind, *values = text.strip().split(":")
         if kind != "ppl":
-            raise AttnlabError(f"unknown guard {kind!r}; the guard is ppl or ppl:THRESHOLD (nats/token)")
-        try:
-            threshold = float(value) if value else None
-        except ValueError:
-            raise AttnlabError(f"the ppl guard's threshold must be a number, got {value!r}") from None
-        if threshold is not None and not threshold > 0:
-            raise AttnlabError(f"the ppl guard's threshold must be > 0, got {value}")
-        return cls(kind, threshold, layers)
+            raise AttnlabError(f"unknown guard {kind!r}; the guard is ppl or ppl:THRESHOLD[:TEXT_THRESHOLD] "
+                               "(nats/token)")
+        if len(values) > 2:
+            raise AttnlabError(f"the ppl guard takes at most two thresholds, got {text!r}")
+        out = []
+        for value in values:
+            try:
+                out.append(float(value) if value else None)
+            except ValueError:
+                raise AttnlabError(f"the ppl guard's threshold must be a number, got {value!r}") from None
+            if out[-1] is not None and not out[-1] > 0:
+                raise AttnlabError(f"the ppl guard's threshold must be > 0, got {value}")
+        chat = out[0] if out else None
+        return cls(kind, chat, out[1] if len(out) > 1 else chat)
 
-    def build(self, lm) -> PerplexityFilter:
-        threshold = self.threshold
+    def build(self, lm, context: str = "chat") -> PerplexityFilter:
+        threshold = self.threshold if context == "chat" else self.text_threshold
         if threshold is None:
             name = getattr(lm.source, "name", str(lm.source))
-            if (name, self.layers) not in CALIBRATED:
-                raise AttnlabError(f"no calibrated perplexity threshold for {name} ({self.layers or 'all'} layers); "
-                                   "give one (ppl:THRESHOLD) or calibrate it with `attnlab guard MODEL --calibrate`")
-            threshold = CALIBRATED[name, self.layers]
-        return PerplexityFilter(lm, threshold, WINDOW, self.layers)
+            if (name, context) not in CALIBRATED:
+                raise AttnlabError(f"no calibrated perplexity threshold for {name} ({context} prompts); give one "
+                                   "(ppl:THRESHOLD) or calibrate it with `attnlab guard MODEL --calibrate`")
+            threshold = CALIBRATED[name, context]
+        return PerplexityFilter(lm, threshold, WINDOW, context)

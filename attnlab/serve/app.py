@@ -35,6 +35,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from attnlab.errors import AttnlabError
+from attnlab.robust.defenses import CONTEXTS, Screen, user_spans
 from attnlab.sampling import Sampler
 from attnlab.serve import memory
 from attnlab.serve.admission import Admission
@@ -79,7 +80,8 @@ class Server:
         self.admission = Admission(config.max_active, keys.owners, config.key_active, config.key_queued,
                                    config.queue_timeout)
         self.created_at = int(time.time())
-        self.guard = config.guard.build(lm) if config.guard is not None else None  # --guard (attnlab.robust)
+        self.guard = ({context: config.guard.build(lm, context) for context in CONTEXTS}  # --guard (attnlab.robust):
+                      if config.guard is not None else None)                      # chat messages, raw prompts
 
     async def on_worker(self, fn, *args):
         """Run on the model thread (the only one that touches a cache), between scheduler steps."""
@@ -153,14 +155,14 @@ class Server:
         return held, Turn(len(ids), len(new)), new
 
     async def submit(self, reply: Reply, request: Request, new: list[int], sampler: Sampler, limit: int,
-                     stops: list[str], ignore_eos: bool = False, speculative=None) -> None:
+                     stops: list[str], ignore_eos: bool = False, speculative=None, screen=None) -> None:
         """Hand the request to the scheduler and wait for its first event (the prompt is in, or it failed):
         a failure is the request's status, not a broken stream. A client that leaves is cancelled (499)."""
         held = reply.held
         future = self.worker.submit(reply.inbox.deliver, lambda keep: self.store.release(held, keep),
                                    session=held.session, prompt=new, sampler=sampler, max_tokens=limit,
                                    stop_ids=() if ignore_eos else self.lm.eos_ids, stops=stops, key=held.owner,
-                                   speculative=speculative)
+                                   speculative=speculative, screen=screen)
         try:
             reply.rid = await asyncio.shield(asyncio.wrap_future(future))
         except asyncio.CancelledError:
@@ -192,7 +194,8 @@ class Server:
             slot.release()
             self.trimmer.soon()
 
-    async def respond(self, req: CommonRequest, request: Request, plan, text: str | None, ids: list[int]):
+    async def respond(self, req: CommonRequest, request: Request, plan, text: str | None, ids: list[int],
+                      screen: Screen | None = None):
         s, sampler, limit, stops, speculative = plan.spec, plan.sampler, plan.limit, plan.stops, plan.speculative
         self.stats["requests"] += 1
         owner = request.state.caller.owner
@@ -204,10 +207,12 @@ class Server:
             self.finish(slot)
             raise
         turn.owner, turn.speculative = owner, speculative is not None
+        if screen is not None:
+            screen.fed_from(len(ids) - len(new))
         self.by_owner[owner]["requests"] += 1
         reply = Reply(self, held, turn, text is not None, lambda: self.finish(slot))
         try:
-            await self.submit(reply, request, new, sampler, limit, stops, bool(req.ignore_eos), speculative)
+            await self.submit(reply, request, new, sampler, limit, stops, bool(req.ignore_eos), speculative, screen)
         except BaseException:
             reply.close()
             raise
@@ -229,16 +234,17 @@ class Server:
         text = await self.on_text(self.render, messages)
         ids = await self.on_text(self.text.encode, text)
         self.checks.prompt(tokens=len(ids))
-        await self.screen("messages", [{"role": m.role, "content": m.text()} for m in req.messages])
-        return await self.respond(req, request, plan, text, ids)
+        spans = (await self.on_text(user_spans, messages, text, self.render, self.text.encode)
+                 if self.guard is not None else [])
+        return await self.respond(req, request, plan, text, ids, self.screen("messages", "chat", spans))
 
-    async def screen(self, param: str, messages: list[dict]) -> None:
-        """--guard: the user's text checked on the model thread (one prefill), after the size checks; a flagged
-        prompt is a 400 naming why."""
-        if self.guard is not None:
-            verdict = await self.on_worker(self.guard.check_messages, messages)
-            if verdict.flagged:
-                raise APIError(400, verdict.reason, param=param, code="prompt_flagged")
+    def screen(self, param: str, context: str, spans: list[tuple[int, int]]) -> Screen | None:
+        """--guard: the user's tokens scored in the request's own prefill (`Screen`); a flagged prompt fails
+        before its first token with a 400 naming why."""
+        if self.guard is None:
+            return None
+        return Screen(self.guard[context], spans,
+                      lambda v: APIError(400, v.reason, param=param, code="prompt_flagged"))
 
     def render(self, messages: list[dict]) -> str:
         try:
@@ -257,8 +263,7 @@ class Server:
         if not ids:
             raise APIError(400, "the prompt is empty", param="prompt", code="empty_prompt")
         self.checks.prompt(tokens=len(ids), param="prompt")
-        await self.screen("prompt", [{"role": "user", "content": prompts[0]}])
-        return await self.respond(req, request, plan, None, ids)
+        return await self.respond(req, request, plan, None, ids, self.screen("prompt", "text", [(0, len(ids))]))
 
     async def models(self):
         return {"object": "list", "data": [self.model_card()]}

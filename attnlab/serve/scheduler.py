@@ -88,6 +88,7 @@ class Request:
     drafter: object = None
     adaptive: AdaptiveK | None = None
     stats: SpecStats | None = None
+    screen: object = None          # a guard's check of the prompt's user tokens in its own prefill (robust.Screen)
 
 
 @dataclass
@@ -139,11 +140,12 @@ class Scheduler:
         return not self.requests
 
     def submit(self, session: Session, prompt: list[int], sampler: Sampler, max_tokens: int, stop_ids=(),
-               stops=(), key=None, speculative=None) -> int:
+               stops=(), key=None, speculative=None, screen=None) -> int:
         """Queue a request; returns its id. prompt: the ids to feed after what `session`'s cache holds (empty:
         continue from the session's logits). key: the caller (slots go round robin over keys). speculative: a
-        SpeculativeSpec (or its text) to decode with, a drafter of its own; its counts go to `session.stats`. Its
-        events come from the next steps."""
+        SpeculativeSpec (or its text) to decode with, a drafter of its own; its counts go to `session.stats`.
+        screen: a guard's `robust.defenses.Screen` of the prompt: the request fails with its error, before its first
+        token, if the prompt's own prefill flags it. Its events come from the next steps."""
         if max_tokens < 0:
             raise AttnlabError(f"max_tokens must be >= 0, got {max_tokens}")
         if any(r.session is session for r in self.requests.values()):
@@ -152,7 +154,7 @@ class Scheduler:
         if stops and tok is None:
             raise AttnlabError("stop strings need the model's tokenizer")
         r = Request(self.next_id, session, [int(t) for t in prompt], sampler, Stop(max_tokens, stop_ids, stops, tok),
-                    key, spec=SpeculativeSpec.parse(speculative))
+                    key, spec=SpeculativeSpec.parse(speculative), screen=screen)
         if r.spec is not None:
             check_cache(session.cache)
             r.drafter, r.adaptive = make_drafter(self.lm, r.spec), AdaptiveK(r.spec.k) if r.spec.adaptive else None
@@ -269,7 +271,9 @@ class Runner:
             t1 = time.perf_counter()
             rows = [Row(torch.tensor([[r.pending, *drafts[r.id][0]]]), r.session.cache, "all", verify=True)
                     if r.id in drafts else Row(torch.tensor([[r.pending]]), r.session.cache) for r in decode]
-            rows += [Row(torch.tensor([r.prompt[a:b]]), r.session.cache, prompt=True) for r, a, b in chunks if b > a]
+            wants = [r.screen.wants(a, b) if r.screen is not None else "last" for r, a, b in chunks]
+            rows += [Row(torch.tensor([r.prompt[a:b]]), r.session.cache, want, prompt=True)
+                     for (r, a, b), want in zip(chunks, wants) if b > a]
             logits = s.lm.step(Batch(rows)) if rows else []
             seconds = time.perf_counter() - t1
         except Exception as e:  # which row failed is unknown: the step's caches may be half-written
@@ -278,8 +282,10 @@ class Runner:
             s.counters["steps"] += 1
             return events
         at = len(decode)
-        for r, a, b in chunks:
+        for (r, a, b), want in zip(chunks, wants):
             if b > a:
+                if isinstance(want, range):
+                    r.screen.take(a + want.start, logits[at][0], r.prompt)
                 r.session.took(r.prompt[a:b], logits[at][0, -1])
                 r.fed, at = b, at + 1
                 s.counters["prefill_chunks"] += 1
@@ -342,6 +348,8 @@ class Runner:
             s.prefilling.append(r)
             return
         s.prefilling.remove(r)
+        if r.screen is not None and (flagged := r.screen.failure()) is not None:
+            return self._fail(r, flagged, events)
         r.prefilled = True
         s.decoding.append(r)
         if r.stop.reason is not None:  # max_tokens 0

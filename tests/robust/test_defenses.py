@@ -12,7 +12,7 @@ from attnlab.robust.attention_share import random_suffix, suffix_share
 from attnlab.robust.defenses import CALIBRATED, Guard, PerplexityFilter, SmoothLLM, perturb
 from attnlab.robust.gcg import allowed_tokens, make_case
 
-THRESHOLD = CALIBRATED["SmolLM2-135M-Instruct.Q4_1.gguf", None]
+THRESHOLD = CALIBRATED["SmolLM2-135M-Instruct.Q4_1.gguf", "text"]
 LINES = ["To be, or not to be, that is the question.", "Tell me about the sea.",
          "Can you summarize what you know about glaciers?", "What is the capital of France?"]
 
@@ -23,25 +23,54 @@ def random_prompt(smollm2):
     return "What is the capital of France?" + smollm2.tokenizer.decode(random_suffix(allowed, 20, 0))
 
 
-def test_perplexity_filter_flags_random_suffix_not_ordinary_lines(smollm2, random_prompt):
-    filt = PerplexityFilter(smollm2, THRESHOLD)
+@pytest.mark.parametrize("context", ["chat", "text"])
+def test_perplexity_filter_flags_random_suffix_not_ordinary_lines(smollm2, random_prompt, context):
+    threshold = CALIBRATED["SmolLM2-135M-Instruct.Q4_1.gguf", context]
+    filt = PerplexityFilter(smollm2, threshold, context=context)
     for line in LINES:
         v = filt.check(line)
-        assert not v.flagged and v.reason == "" and 0 < v.score < THRESHOLD
+        assert not v.flagged and v.reason == "" and 0 < v.score < threshold
     v = filt.check(random_prompt)
-    assert v.flagged and "perplexity filter" in v.reason and f"{THRESHOLD:g}" in v.reason
-    whole = PerplexityFilter(smollm2, THRESHOLD, window=None)
+    assert v.flagged and "perplexity filter" in v.reason and f"{threshold:g}" in v.reason
+    whole = PerplexityFilter(smollm2, threshold, window=200, context=context)
     assert whole.score(random_prompt) < v.score  # the whole-prompt mean dilutes the suffix in the fluent part
-    ids = smollm2.encode(random_prompt)
-    assert filt.score(ids) == pytest.approx(v.score)  # ids or text alike
 
 
-def test_window_is_the_worst_mean(smollm2):
-    filt = PerplexityFilter(smollm2, 1.0, window=3)
+@pytest.mark.parametrize("context", ["chat", "text"])
+def test_window_is_the_worst_mean_of_the_users_tokens(smollm2, context):
+    filt = PerplexityFilter(smollm2, 1.0, window=3, context=context)
     text = "Tell me about the sea, and about the mountains too."
-    nll = filt.nll(smollm2.encode(text))
-    worst = max(float(nll[i:i + 3].mean()) for i in range(len(nll) - 2))
+    ids, [(a, b)] = filt.tokens(text)
+    assert smollm2.tokenizer.decode(ids[a:b]).strip() == text  # the span is the user's text, nothing else
+    if context == "chat":  # the template around it: the system prompt before, the assistant's turn after
+        assert a > 5 and b < len(ids) - 2 and ids == smollm2.chat_ids([{"role": "user", "content": text}])
+    else:
+        assert (a, b) == (0, len(ids)) and filt.score(ids) == pytest.approx(filt.score(text))  # ids or text alike
+    nll = filt.nll(ids)
+    assert nll[0].isnan() and not nll[1:].isnan().any()
+    scored = nll[max(a, 1):b]
+    worst = max(float(scored[i:i + 3].mean()) for i in range(len(scored) - 2))
     assert filt.score(text) == pytest.approx(worst, rel=1e-5)
+
+
+def test_user_spans_are_the_users_messages_not_a_reply_quoting_them():
+    from attnlab.robust.defenses import user_spans
+
+    def render(messages):
+        return "".join(f"<s>{m['role']}: {m['content']}</s>" for m in messages)
+
+    def encode(text):  # a character a token: the spans are the characters' ranges
+        return list(text)
+    messages = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hi"},
+                {"role": "user", "content": "hi"}, {"role": "user", "content": ""}]
+    text = render(messages)
+    assert user_spans(messages, text, render, encode) == [(9, 17), (45, 47)]  # not the reply's "hi" at 29
+    assert [text[a:b] for a, b in user_spans(messages, text, render, encode)] == ["hi there", "hi"]
+
+    def stripping(messages):  # a template that does not copy the content verbatim: the whole prompt is checked
+        return render([{**m, "content": m["content"].strip()} for m in messages])
+    odd = [{"role": "user", "content": " hi "}]
+    assert user_spans(odd, stripping(odd), stripping, encode) == [(0, len(stripping(odd)))]
 
 
 def test_perturbation_rate():
@@ -65,13 +94,16 @@ def test_smoothllm_vote_and_calls(smollm2):
         SmoothLLM(None, judge=bool, rate=0)
 
 
-def test_guard_spec():
-    assert Guard.parse("ppl") == Guard("ppl", None)
-    assert Guard.parse("ppl:7.5").threshold == 7.5
-    assert Guard.parse("ppl:30:6") == Guard("ppl", 30.0, 6) and Guard.parse("ppl::6") == Guard("ppl", None, 6)
-    for bad in ("ppl:x", "ppl:-1", "smooth", "ppl:9:x"):
+def test_guard_spec(smollm2):
+    assert Guard.parse("ppl") == Guard("ppl", None, None)
+    assert Guard.parse("ppl:7.5") == Guard("ppl", 7.5, 7.5)  # one threshold for chat messages and raw prompts
+    assert Guard.parse("ppl:7.5:9") == Guard("ppl", 7.5, 9.0) and Guard.parse("ppl::9") == Guard("ppl", None, 9.0)
+    for bad in ("ppl:x", "ppl:-1", "smooth", "ppl:9:x", "ppl:1:2:3"):
         with pytest.raises(AttnlabError):
             Guard.parse(bad)
+    name = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    chat, text = Guard.parse("ppl::9").build(smollm2, "chat"), Guard.parse("ppl::9").build(smollm2, "text")
+    assert (chat.threshold, chat.context, text.threshold, text.context) == (CALIBRATED[name, "chat"], "chat", 9, "text")
 
 
 def test_suffix_share_is_a_share_per_layer(smollm2):
@@ -79,15 +111,6 @@ def test_suffix_share_is_a_share_per_layer(smollm2):
     shares = suffix_share(smollm2, case, smollm2.tokenizer.encode(" ! ! ! !", add_special_tokens=False))
     assert len(shares) == smollm2.cfg.n_layers and all(0 <= s <= 1 for s in shares)
     assert smollm2.tokenizer.decode(case.before[case.prompt_start:]) == "What is the capital of France?"
-
-
-def test_early_exit_filter_is_the_full_one_at_every_layer(smollm2):
-    text = "Tell me about the sea, and about the mountains too."
-    full, early = PerplexityFilter(smollm2, 1.0), PerplexityFilter(smollm2, 1.0, layers=smollm2.cfg.n_layers)
-    assert early.score(text) == pytest.approx(full.score(text), rel=1e-4)
-    assert PerplexityFilter(smollm2, 1.0, layers=6).score(text) != pytest.approx(full.score(text), rel=1e-2)
-    with pytest.raises(AttnlabError):
-        PerplexityFilter(smollm2, 1.0, layers=0)
 
 
 def test_calibration_fits_one_half_and_counts_the_other():

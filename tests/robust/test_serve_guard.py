@@ -24,7 +24,7 @@ def test_flagged_request_gets_400_naming_the_reason(guarded):
     attacked = "What is the capital of France? ')). !amoto :,}\". ! !HCR '))OCKmerce guarantaled ! microwave.],7;4"
     with pytest.raises(openai.BadRequestError) as e:
         guarded.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": attacked}])
-    threshold = CALIBRATED["SmolLM2-135M-Instruct.Q4_1.gguf", None]
+    threshold = CALIBRATED["SmolLM2-135M-Instruct.Q4_1.gguf", "chat"]
     assert "perplexity filter" in str(e.value) and f"{threshold:g}" in str(e.value)
     with pytest.raises(openai.BadRequestError, match="perplexity filter"):
         guarded.completions.create(model="smollm2-135m", prompt=attacked, max_tokens=2)
