@@ -5,7 +5,7 @@ suffixes at its threshold.
 Prompts: a random sample of the ordinary prompts (`pairs.ordinary_prompts`: play lines, chat questions, RULER
 prompts in their natural mix) and the attacked ones (prompt + suffix, the final suffixes and every fifth step's of
 `attnlab attack` results; nanogcg's final suffixes from `benchmarks/nanogcg_anchor.py`'s JSON). Per prompt, in
-turn (`attnlab.robust.evaluate.timings`): the greedy chat reply (64 tokens, EOS ignored) through the server's
+turn (`timings`): the greedy chat reply (64 tokens, EOS ignored) through the server's
 scheduler, the same reply with the guard's `Screen` in its prefill, and the standalone check, so a shared machine's
 load moves all of them alike; --rounds passes over the prompts, each prompt's fastest kept. The guard's cost is the
 screened reply less the plain one: the median over prompts of cost / reply, and the ratio of the sums (ordinary,
@@ -39,6 +39,38 @@ def attacked(attack_jsons: list[str], nanogcg_jsons: list[str], decode) -> list[
     return rows
 
 
+def reply_seconds(lm, ids: list[int], reply_tokens: int = 64, screen=None) -> float:
+    """Seconds of a greedy `reply_tokens`-token reply to ids (EOS ignored) through the server's scheduler, with a
+    guard's Screen in its prefill or without."""
+    from attnlab.sampling import Sampler
+    from attnlab.serve.config import ServeConfig
+    from attnlab.serve.scheduler import Scheduler
+    from attnlab.session import Session
+    t = time.perf_counter()
+    sched = Scheduler(lm, max_batch=1, chunk=ServeConfig.chunk)
+    sched.submit(Session(lm, lm.new_cache(1, capacity=len(ids) + reply_tokens)), ids, Sampler(0.0), reply_tokens,
+                 screen=screen)
+    while not sched.idle:
+        sched.step()
+    return time.perf_counter() - t
+
+
+def timings(lm, filt, text: str, reply_tokens: int = 64) -> dict:
+    """One round of a prompt's timings, in turn: the reply, the reply whose prefill also scores the user's tokens
+    (as `serve --guard` does; never rejecting, so both decode alike), and the filter's standalone check."""
+    from attnlab.robust.defenses import Screen
+    ids, spans = filt.tokens(text)
+    return {"reply_s": reply_seconds(lm, ids, reply_tokens),
+            "screened_s": reply_seconds(lm, ids, reply_tokens, Screen(filt, spans, lambda v: None)),
+            "check_s": _seconds(filt.check, text)}
+
+
+def _seconds(fn, *args) -> float:
+    t = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -61,7 +93,6 @@ def main(argv=None) -> int:
     import attnlab
     from attnlab.io import finish_record, run_record, write_json
     from attnlab.robust.defenses import Guard
-    from attnlab.robust.evaluate import timings
     from attnlab.robust.pairs import ordinary_prompts
     record = run_record(None, args.seed, " ".join(["benchmarks/guard_cost.py", *(argv or sys.argv[1:])]))
     if args.checkout:

@@ -81,6 +81,27 @@ def test_rows_want_their_logits_and_refuse_a_cache_twice():
         Batch([Row(PROMPT, c), Row(PROMPT, c)])
     with pytest.raises(AttnlabError, match="logits"):
         Row(PROMPT, c, "first")
+    for bad in (range(3, 38), range(5, 2), range(0, 10, 2)):  # past the row, backwards, strided
+        with pytest.raises(AttnlabError, match="range"):
+            Row(PROMPT, c, bad, prompt=True)
+    with pytest.raises(AttnlabError, match="range"):
+        Row(PROMPT, c, range(2, 5))  # a range is a prompt chunk's (a guard scoring it), not sampled tokens'
+
+
+@pytest.mark.parametrize("policy", [None, "sink"])
+def test_a_prompt_row_returns_the_logits_of_a_range_of_its_positions(policy):
+    """The head over some positions only (a guard's NLL of the user's tokens): those positions' logits of the whole
+    row, also when a bounded cache takes the row in parts."""
+    lm = _lm(False)
+
+    def cache():
+        return lm.new_cache(capacity=64, policy=make_policy("sink", 24, n_sink=2, chunk=8, block=4) if policy else None)
+    whole = lm.step(Batch.one(PROMPT, cache(), "all", prompt=True))[0]
+    for want in (range(5, 37), range(30, 33), range(12, 12), range(0, 37)):
+        c = cache()
+        part = lm.step(Batch.one(PROMPT, c, want, prompt=True))[0]
+        assert part.shape == (1, len(want), lm.cfg.vocab_size) and c.seen == 37
+        torch.testing.assert_close(part, whole[:, want.start:want.stop], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("native", [False, pytest.param(True, marks=needs_kernels)], ids=["eager", "native"])

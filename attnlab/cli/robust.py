@@ -1,5 +1,6 @@
 """`attnlab attack` (GCG adversarial suffixes on the shipped benign pairs) and `attnlab guard` (the perplexity
-filter on a file of prompts; `--calibrate`: its threshold, false positives, detection rate, cost and SmoothLLM).
+filter on a file of prompts; `--calibrate`: its threshold, false positives, detection rate and SmoothLLM; its cost
+beside a reply is benchmarks/guard_cost.py's).
 
 `attnlab guard` exits 0 when no prompt is flagged, 1 when some are (as grep does), 2 on a user error."""
 from __future__ import annotations
@@ -165,16 +166,10 @@ def _calibrate(args) -> int:
         steps = [p for path in runs for p in ev.step_prompts(path, lm.tokenizer.decode)]
         result["detection_by_step"] = {f"{v}@{n}": ev.detection(filt, [p for p in steps if p["variant"] == v
                                                                        and p["step"] == n])
-                                       for v in sorted({p["variant"] for p in steps})
-                                       for n in sorted({p["step"] for p in steps})}
+                                       for v, n in sorted({(p["variant"], p["step"]) for p in steps})}
         for v, d in {**result["detection"], **result["detection_by_step"]}.items():
             print(f"{v} suffixes: {d['flagged']} of {d['prompts']} flagged ({d['rate']:.0%}); of the successful "
                   f"ones {d['successful_flagged']} of {d['successful']}")
-        texts = [p["text"] for p in attacked][:args.cost_prompts]
-        result["cost"] = ev.guard_cost(lm, filt, texts)
-        c = result["cost"]
-        print(f"cost: in the reply's prefill {c['guard_seconds'] * 1e3:.1f} ms, {c['ratio']:.1%} of a 64-token reply "
-              f"({c['reply_seconds']:.2f} s); standalone {c['check_seconds'] * 1e3:.1f} ms, {c['check_ratio']:.1%}")
         if args.smoothllm:
             copies, _, rate = args.smoothllm.partition(":")
             result["smoothllm"] = ev.smooth_eval(lm, attacked, int(copies), float(rate or 0.1), args.seed)
@@ -221,12 +216,11 @@ def add_parser(sub) -> None:
     g.add_argument("--json", action="store_true", help="print the verdicts as JSON")
     g.add_argument("--calibrate", action="store_true",
                    help="measure instead: the threshold on ordinary prompts (plays, chat, RULER) and its "
-                        "false positives; with --attacks, detection, cost and SmoothLLM")
+                        "false positives; with --attacks, detection and SmoothLLM")
     g.add_argument("--attacks", nargs="*", metavar="ATTACK_JSON", help="`attnlab attack` results (or a nanogcg.json of benchmarks/nanogcg_anchor.py) to detect")
     g.add_argument("--context", default="chat", choices=("chat", "text"), help="where the prompt is scored: as a user "
                    "message in the chat template (chat requests) or alone (raw completion prompts)")
     g.add_argument("--quantile", type=float, default=0.995, help="calibration: the threshold's quantile")
-    g.add_argument("--cost-prompts", type=positive_int, default=5, help="calibration: prompts timed for the cost")
     g.add_argument("--smoothllm", default=None, metavar="N[:Q]", help="calibration: SmoothLLM with N copies, Q "
                                                                      "of the characters swapped (default 0.1)")
     g.add_argument("--seed", type=int, default=0, help="seed of the calibration split and SmoothLLM")

@@ -30,7 +30,8 @@ from attnlab.sampling import Sampler
 
 # Windowed NLL thresholds (nats/token) calibrated on ordinary prompts (docs/robust.md: `attnlab guard --calibrate`),
 # (model file, context): threshold; "chat": a user message in the chat template, "text": a prompt alone
-CALIBRATED = {("SmolLM2-135M-Instruct.Q4_1.gguf", "text"): 10.5,
+CALIBRATED = {("SmolLM2-135M-Instruct.Q4_1.gguf", "chat"): 10.0,
+              ("SmolLM2-135M-Instruct.Q4_1.gguf", "text"): 10.5,
               ("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "text"): 10.7}
 WINDOW = 10
 CONTEXTS = ("chat", "text")

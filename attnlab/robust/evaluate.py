@@ -1,5 +1,6 @@
 """The numbers docs/robust.md reports: a guard's threshold and false positives on ordinary prompts, its detection
-rate on found suffixes, its cost beside a 64-token reply, and SmoothLLM's attack success after defense.
+rate on found suffixes, and SmoothLLM's attack success after defense (the guard's cost beside a reply is
+benchmarks/guard_cost.py's).
 
 Calibration splits the ordinary prompts in two at random (seeded): the threshold is a quantile of the first half's
 scores, the false-positive rate is counted on the second half, which the threshold never saw.
@@ -7,11 +8,10 @@ scores, the false-positive rate is counted on the second half, which the thresho
 from __future__ import annotations
 
 import random
-import time
 
 import torch
 
-from attnlab.robust.defenses import PerplexityFilter, Screen, SmoothLLM
+from attnlab.robust.defenses import PerplexityFilter, SmoothLLM
 from attnlab.robust.gcg import succeeded
 from attnlab.sampling import Sampler
 
@@ -69,52 +69,6 @@ def detection(filt: PerplexityFilter, prompts: list[dict]) -> dict:
             "rate": sum(p["flagged"] for p in prompts) / max(1, len(prompts)),
             "successful": len(won), "successful_flagged": sum(p["flagged"] for p in won),
             "min_score": min((p["score"] for p in prompts), default=None)}
-
-
-def reply_seconds(lm, ids: list[int], reply_tokens: int = 64, screen: Screen | None = None) -> float:
-    """Seconds of a greedy `reply_tokens`-token reply to ids (EOS ignored) through the server's scheduler, with a
-    guard's Screen in its prefill or without."""
-    from attnlab.serve.config import ServeConfig
-    from attnlab.serve.scheduler import Scheduler
-    from attnlab.session import Session
-    t = time.perf_counter()
-    sched = Scheduler(lm, max_batch=1, chunk=ServeConfig.chunk)
-    sched.submit(Session(lm, lm.new_cache(1, capacity=len(ids) + reply_tokens)), ids, Sampler(0.0), reply_tokens,
-                 screen=screen)
-    while not sched.idle:
-        sched.step()
-    return time.perf_counter() - t
-
-
-def timings(lm, filt: PerplexityFilter, text: str, reply_tokens: int = 64) -> dict:
-    """One round of a prompt's timings, in turn: the reply, the reply whose prefill also scores the user's tokens
-    (as `serve --guard` does; never rejecting, so both decode alike), and the filter's standalone check."""
-    ids, spans = filt.tokens(text)
-    return {"reply_s": reply_seconds(lm, ids, reply_tokens),
-            "screened_s": reply_seconds(lm, ids, reply_tokens, Screen(filt, spans, lambda v: None)),
-            "check_s": _seconds(filt.check, text)}
-
-
-def guard_cost(lm, filt: PerplexityFilter, prompts: list[str], reply_tokens: int = 64, repeats: int = 3) -> dict:
-    """The guard's cost against a 64-token reply to the same prompts, each prompt's fastest of `repeats` rounds:
-    in the server (the reply with its prefill scoring the user's tokens, less the reply) and standalone (one
-    check). Ratios of the sums over prompts."""
-    best: list[dict] = [{} for _ in prompts]
-    for _ in range(repeats):
-        for b, text in zip(best, prompts):
-            for k, v in timings(lm, filt, text, reply_tokens).items():
-                b[k] = min(b.get(k, v), v)
-    reply, screened, check = (sum(b[k] for b in best) for k in ("reply_s", "screened_s", "check_s"))
-    return {"reply_seconds": reply / len(prompts), "screened_seconds": screened / len(prompts),
-            "guard_seconds": (screened - reply) / len(prompts), "ratio": (screened - reply) / reply,
-            "check_seconds": check / len(prompts), "check_ratio": check / reply, "reply_tokens": reply_tokens,
-            "prompts": len(prompts), "repeats": repeats}
-
-
-def _seconds(fn, *args) -> float:
-    t = time.perf_counter()
-    fn(*args)
-    return time.perf_counter() - t
 
 
 def smooth_eval(lm, prompts: list[dict], copies: int, rate: float, seed: int = 0) -> dict:

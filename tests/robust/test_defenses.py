@@ -64,7 +64,7 @@ def test_user_spans_are_the_users_messages_not_a_reply_quoting_them():
     messages = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hi"},
                 {"role": "user", "content": "hi"}, {"role": "user", "content": ""}]
     text = render(messages)
-    assert user_spans(messages, text, render, encode) == [(9, 17), (45, 47)]  # not the reply's "hi" at 29
+    assert user_spans(messages, text, render, encode) == [(9, 17), (50, 52)]  # not the reply's "hi" at 35
     assert [text[a:b] for a, b in user_spans(messages, text, render, encode)] == ["hi there", "hi"]
 
     def stripping(messages):  # a template that does not copy the content verbatim: the whole prompt is checked
