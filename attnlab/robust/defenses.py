@@ -32,6 +32,7 @@ from attnlab.sampling import Sampler
 # (model file, context): threshold; "chat": a user message in the chat template, "text": a prompt alone
 CALIBRATED = {("SmolLM2-135M-Instruct.Q4_1.gguf", "chat"): 10.0,
               ("SmolLM2-135M-Instruct.Q4_1.gguf", "text"): 10.5,
+              ("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "chat"): 10.4,
               ("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "text"): 10.7}
 WINDOW = 10
 CONTEXTS = ("chat", "text")
