@@ -92,6 +92,9 @@ def main(argv=None) -> int:
 
     import attnlab
     from attnlab.io import finish_record, run_record, write_json
+    sys.path.insert(0, str(Path(__file__).parent))
+    import llamacpp
+    print(llamacpp.header(), flush=True)
     from attnlab.robust.defenses import Guard
     from attnlab.robust.pairs import ordinary_prompts
     record = run_record(None, args.seed, " ".join(["benchmarks/guard_cost.py", *(argv or sys.argv[1:])]))
@@ -113,7 +116,8 @@ def main(argv=None) -> int:
                 r[k] = min(r.get(k, v), v)
         print(f"round {i + 1} of {args.rounds} done", file=sys.stderr, flush=True)
 
-    result = {**record, "model": args.model, "reply_tokens": args.reply_tokens, "threads": args.threads,
+    result = {**record, "cpu": llamacpp.header(), "model": args.model, "reply_tokens": args.reply_tokens,
+              "threads": args.threads,
               "guard": args.guard, "threshold": f.threshold, "context": f.context,
               "timed": {"ordinary": args.prompts, "attacked": len(timed) - args.prompts}, "cost": {}, "detection": {}}
     for group in ("ordinary", "attacked", "all"):
