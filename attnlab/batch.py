@@ -36,7 +36,8 @@ class Row:
         if self.ids.shape[1] == 0:
             raise AttnlabError("a row needs at least one token")
         if isinstance(self.logits, range):
-            if not (self.prompt and self.logits.step == 1 and 0 <= self.logits.start <= self.logits.stop <= self.tokens):
+            r = self.logits
+            if not (self.prompt and r.step == 1 and 0 <= r.start <= r.stop <= self.tokens):
                 raise AttnlabError(f"a range of logits is a prompt chunk's positions in 0..{self.tokens}, not "
                                    f"{self.logits!r}")
         elif self.logits not in WANTS:

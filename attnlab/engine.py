@@ -196,7 +196,8 @@ class LM:
         if len(single) > 1:  # several single tokens (conversations', a verification row's): one read of each weight
             passes = [Pass(units[u][2].rot, units[u][2], rows[units[u][0]].cache.layers, quest=quest,
                            observers=(*rows[units[u][0]].observers, *rows[units[u][0]].cache.observers)) for u in single]
-            logits = self.model(torch.cat([units[u][1] for u in single]), Pass(None, rows=passes), keep=slice(-1, None))
+            tokens = torch.cat([units[u][1] for u in single])
+            logits = self.model(tokens, Pass(None, rows=passes), keep=slice(-1, None))
             for j, u in enumerate(single):
                 out[u] = logits[j:j + 1]
         for u, (i, ids, st) in enumerate(units):
