@@ -73,11 +73,11 @@ def user_spans(messages: list[dict], rendered: str, render, encode) -> list[tupl
 
 class PerplexityFilter:
     """Flags a prompt whose worst window of `window` NLLs (nats/token, on `lm`) passes `threshold` (a span shorter
-    than a window is scored whole). context "chat": the prompt as a user message in the chat template; "text": the
-    prompt alone (a completion request)."""
+    than a window is scored whole; window None: the mean over each span whole). context "chat": the prompt as a user
+    message in the chat template; "text": the prompt alone (a completion request)."""
 
-    def __init__(self, lm, threshold: float, window: int = WINDOW, context: str = "chat"):
-        if window < 2:
+    def __init__(self, lm, threshold: float, window: int | None = WINDOW, context: str = "chat"):
+        if window is not None and window < 2:
             raise AttnlabError(f"the perplexity window must be >= 2 tokens, got {window}")
         if context not in CONTEXTS:
             raise AttnlabError(f"the filter's context is chat or text, not {context!r}")
@@ -102,13 +102,14 @@ class PerplexityFilter:
         return out
 
     def windowed(self, nll: torch.Tensor, spans: list[tuple[int, int]]) -> float:
-        """The highest mean over `window` consecutive scored NLLs in any span (NaN: not scored)."""
+        """The highest mean over `window` consecutive scored NLLs (or a whole span's) in any span (NaN: not scored)."""
         best = 0.0
         for a, b in spans:
             part = nll[a:b]
             part = part[~part.isnan()]
             if len(part):
-                w = part.mean() if len(part) <= self.window else part.unfold(0, self.window, 1).mean(1).max()
+                whole = self.window is None or len(part) <= self.window
+                w = part.mean() if whole else part.unfold(0, self.window, 1).mean(1).max()
                 best = max(best, float(w))
         return best
 
@@ -118,8 +119,9 @@ class PerplexityFilter:
 
     def verdict(self, score: float) -> Verdict:
         flagged = score > self.threshold
-        reason = (f"perplexity filter: a {self.window}-token window of the prompt scores {score:.2f} nats/token, "
-                  f"above the threshold {self.threshold:g}" if flagged else "")
+        where = "the prompt" if self.window is None else f"a {self.window}-token window of the prompt"
+        reason = (f"perplexity filter: {where} scores {score:.2f} nats/token, above the threshold {self.threshold:g}"
+                  if flagged else "")
         return Verdict(flagged, score, reason)
 
     def check(self, prompt: str | list[int]) -> Verdict:
