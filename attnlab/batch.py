@@ -64,6 +64,14 @@ class Row:
             return slice(self.logits.start, self.logits.stop)
         return None if self.logits == "all" else slice(-1, None)
 
+    def part(self, a: int, b: int) -> str | range:
+        """What the part [a, b) of this row wants when a bounded cache takes it in parts: "all" or "none", or the
+        positions of its range in [a, b), counted from a."""
+        if not isinstance(self.logits, range):
+            return "all" if self.logits == "all" else "none"
+        r = self.logits
+        return range(min(max(r.start, a), b) - a, max(min(r.stop, b), a) - a)
+
     def units(self, i: int, step, split: bool) -> list[tuple]:
         """(row index i, ids, step) of what the network runs for this row: the row whole, or its tokens one by one
         (split: a verification row's), each at its own slot of the row's step (`KVCache.begin`)."""

@@ -215,20 +215,14 @@ class LM:
     def _fit(self, row: Row) -> tuple[Row, list]:
         """A row longer than its cache has room for in one pass (a bounded cache: one policy chunk) goes in parts,
         its policy evicting between them as between a prompt's chunks: all but the last here (their logits if the
-        row wants all), the last in the batch."""
+        row wants them), the last in the batch."""
         room = row.cache.max_chunk
         if not room or row.tokens <= room:
             return row, []
         cut = (row.tokens - 1) // room * room
-        want = row.logits if isinstance(row.logits, range) else None
-
-        def part(a: int, b: int):  # what a part [a, b) wants: all, none, or the positions of want in it (from a)
-            if want is None:
-                return "all" if row.logits == "all" else "none"
-            return range(min(max(want.start, a), b) - a, max(min(want.stop, b), a) - a)
-        head = [self.step(Batch.one(row.ids[:, a:a + room], row.cache, part(a, a + room), row.observers, row.prompt,
+        head = [self.step(Batch.one(row.ids[:, a:a + room], row.cache, row.part(a, a + room), row.observers, row.prompt,
                                     row.verify))[0] for a in range(0, cut, room)]
-        last = row.logits if want is None else part(cut, row.tokens)
+        last = row.part(cut, row.tokens) if isinstance(row.logits, range) else row.logits
         return dataclasses.replace(row, ids=row.ids[:, cut:], logits=last), [h for h in head if h is not None]
 
     def _native(self, rows, units, fast, quest, out) -> set[int]:
