@@ -16,8 +16,8 @@ are 400s with OpenAI's error body; anything else is logged with its traceback an
 with a generic 500.
 
 `Server` holds the state (model, session store, admission, worker) under one `ServeConfig` (every
-limit, `config.py`), and checks each request against those limits with `checks.Checks`; `create_app` registers its methods as FastAPI routes behind `guard.Guard`
-(Host allow-list, API keys, body size).
+limit, `config.py`), and checks each request against those limits with `checks.Checks`; `create_app`
+registers its methods as FastAPI routes behind `guard.Guard` (Host allow-list, API keys, body size).
 """
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ class Checks:
                            param="model", code="model_not_found")
         if req.n not in (None, 1):
             raise APIError(400, "only n=1 is supported", param="n")
-        spec = self.policy(req)
+        spec, policy = self.policy(req)
         temperature = 1.0 if req.temperature is None else req.temperature
         try:
             sampler = Sampler(temperature, 0, req.top_p or 1.0, req.seed)
@@ -47,22 +47,22 @@ class Checks:
         if spec.name == "full":  # the clearer error first: no cap would let this fit a full cache
             self.length(spec, 0, 0, 0, req.limit(self.max_tokens))
         return Asked(spec, sampler, req.limit(self.max_tokens, self.max_tokens_cap), req.stops(),
-                     self.speculative(req, spec))
+                     self.speculative(req, policy))
 
-    def speculative(self, req: CommonRequest, spec: PolicySpec):
+    def speculative(self, req: CommonRequest, policy):
         """The request's attnlab.speculative (ngram[:N[:K]] or none), else the server's --speculative, which a
         request whose policy scores by attention (h2o ...: its cache cannot be cut back) decodes without."""
         text = req.attnlab.speculative if req.attnlab else None
         if text is None:
-            policy = self.store.policy(spec) if self.config.speculative else None
             return None if policy is not None and policy.needs_probs else self.config.speculative
         try:
             return served_speculative(text, "attnlab.speculative")
         except AttnlabError as e:
             raise APIError(400, str(e), param="attnlab.speculative", code="invalid_value") from None
 
-    def policy(self, req: CommonRequest) -> PolicySpec:
-        """The request's cache policy (attnlab.policy, budget, n_sink, positions over the server's defaults)."""
+    def policy(self, req: CommonRequest) -> tuple[PolicySpec, object]:
+        """The request's cache policy (attnlab.policy, budget, n_sink, positions over the server's defaults): its spec
+        and the policy it builds (None for full), built once here to check it."""
         o, d = req.attnlab, self.spec
         ctx = self.lm.cfg.context_length
         if o and o.budget is not None and not 1 <= o.budget <= ctx:
@@ -71,10 +71,10 @@ class Checks:
         try:  # names, and n_sink below the budget (which is bounded above)
             s = PolicySpec(o.policy or d.name, o.budget or d.budget, d.n_sink if o.n_sink is None else o.n_sink,
                            o.positions or d.positions, d.block) if o else d
-            self.store.policy(s)
+            policy = self.store.policy(s)
         except ValueError as e:
             raise APIError(400, str(e), param="attnlab") from None
-        return s
+        return s, policy
 
     def prompt(self, chars: int = 0, tokens: int = 0, param: str = "messages") -> None:
         """400 for a prompt over max_prompt_tokens; on raw text (chars) before tokenising, when it surely is."""
